@@ -1,0 +1,59 @@
+"""``torch.compile(model, backend="commfuse")``: the pass inside AOTAutograd.
+
+AOTAutograd (functorch) turns the captured program into aten-level forward and backward
+graphs; the pass rewrites each one before the inner compiler (Inductor, or eager FX
+execution) compiles it. The backward graph is compiled lazily, on the first backward.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from .options import Options
+from .passes import rewrite_graph
+
+
+def commfuse_backend(gm: GraphModule, example_inputs: Sequence[Any],
+                     options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+    opts = Options.from_mapping(options)
+    if opts.inner == "eager":
+        return _eager(gm, example_inputs, opts)
+    return _inductor(gm, example_inputs, opts)
+
+
+def _graph_kind(is_backward: bool, is_inference: bool) -> str:
+    return "backward" if is_backward else "inference" if is_inference else "forward"
+
+
+def _inductor(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> Any:
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(graph: GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+        kind = _graph_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False))
+        rewrite_graph(graph, kind, opts)
+        return compile_fx_inner(graph, inputs, **kwargs)
+
+    # The AOTAutograd cache key does not see a custom inner compiler: a hit would skip
+    # the pass (or reuse another schedule's result), so it is off for this compile.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _eager(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> Any:
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(graph: GraphModule, inputs: Sequence[Any], kind: str) -> Any:
+        rewrite_graph(graph, kind, opts)
+        return make_boxed_func(graph)
+
+    return aot_autograd(
+        fw_compiler=functools.partial(compiler, kind="forward"),
+        bw_compiler=functools.partial(compiler, kind="backward"),
+        inference_compiler=functools.partial(compiler, kind="inference"),
+    )(gm, example_inputs)

@@ -1,0 +1,49 @@
+"""User-facing options of the pass, validated once so that a typo is a clear error."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+SCHEDULES = ("auto", "ring", "off")
+INNER_COMPILERS = ("inductor", "eager")
+DEBUG_DIR_ENV = "COMMFUSE_DEBUG_DIR"
+
+
+class CommfuseOptionError(ValueError):
+    """An option given to the backend or to ``apply`` is not valid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    schedule: str = "auto"
+    inner: str = "inductor"
+    debug_dir: str | None = None
+
+    @classmethod
+    def from_mapping(cls, given: Mapping[str, Any] | None) -> Options:
+        given = dict(given or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise CommfuseOptionError(
+                f"commfuse: unknown option(s) {unknown}; valid options are {sorted(known)}"
+            )
+        _check_choice("schedule", given.get("schedule", "auto"), SCHEDULES)
+        _check_choice("inner", given.get("inner", "inductor"), INNER_COMPILERS)
+        debug_dir = given.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
+        if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
+            raise CommfuseOptionError(
+                f"commfuse: option 'debug_dir' must be a path, got {debug_dir!r}"
+            )
+        given["debug_dir"] = os.fspath(debug_dir) if debug_dir is not None else None
+        return cls(**given)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise CommfuseOptionError(
+            f"commfuse: option {name!r} must be one of {list(choices)}, got {value!r}"
+        )

@@ -1,0 +1,51 @@
+"""``commfuse::p2p``: one batch of point-to-point sends and receives, waited per output.
+
+Why not ``_c10d_functional.batch_p2p_ops``: in torch 2.13 it registers each send's work
+twice (on the send buffer and on the returned placeholder). On gloo a work can be waited
+only once, so waiting both outputs hangs, and waiting one leaves the other registered
+for the life of the process (the work registry grows by one entry per send, holding the
+buffer, and torch warns about unwaited collectives at exit). This op issues the batch
+with ``torch.distributed.batch_isend_irecv`` (coalesced where the backend supports it,
+so NCCL pairs cannot deadlock) and registers exactly one work per output, so that
+``_c10d_functional.wait_tensor`` on every output waits every transfer exactly once.
+Any c10d backend with point-to-point support works.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _register_work
+
+
+@torch.library.custom_op("commfuse::p2p", mutates_args=())
+def p2p(sends: list[torch.Tensor], send_peers: list[int], recv_like: list[torch.Tensor],
+        recv_peers: list[int], tag: int, group_name: str) -> list[torch.Tensor]:
+    """Start sends and receives; returns one handle per send, then the received tensors.
+
+    Peers are global ranks. Received tensors have the shape and dtype of ``recv_like``.
+    Every output must be passed to ``wait_tensor`` before use.
+    """
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    recvs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in recv_like]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag)
+           for t, peer in zip(sends, send_peers, strict=True)]
+    ops += [dist.P2POp(dist.irecv, t, peer, group, tag)
+            for t, peer in zip(recvs, recv_peers, strict=True)]
+    works = dist.batch_isend_irecv(ops)
+    handles = [torch.empty(0, dtype=t.dtype, device=t.device) for t in sends]
+    outputs = handles + recvs
+    per_output = works if len(works) == len(outputs) else [works[-1]] * len(outputs)
+    for tensor, work in zip(outputs, per_output, strict=True):
+        _register_work(tensor, work)
+    return outputs
+
+
+@p2p.register_fake
+def _(sends, send_peers, recv_like, recv_peers, tag, group_name):  # type: ignore[no-untyped-def]
+    handles = [t.new_empty(0) for t in sends]
+    return handles + [torch.empty_like(t, memory_format=torch.contiguous_format)
+                      for t in recv_like]
+
+
+torch.fx.node.has_side_effect(torch.ops.commfuse.p2p.default)

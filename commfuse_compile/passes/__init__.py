@@ -1,0 +1,103 @@
+"""The CommFuse pass: match -> plan -> lower -> verify, over one aten-level FX graph.
+
+Every site is found before any is rewritten. A site the pass cannot prove correct or
+profitable is declined with a reason and left untouched; an unexpected error inside
+the pass declines the site (or, if the graph was already touched, restores the whole
+graph) and warns: the user's compile never breaks because of this pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+
+from torch.fx import GraphModule
+
+from .. import groups
+from ..options import Options
+from ..report import REPORT, Declined, SiteRecord, dump_code
+from ..schedules import by_name
+from . import match, order, verify
+from .lower import Rewrite, lower, start
+from .plan import plan
+
+_site_ids = itertools.count()
+
+
+def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[SiteRecord]:
+    """Rewrite ``gm`` in place; returns one record per site found (also in the report)."""
+    graph_index = REPORT.graphs
+    REPORT.graphs += 1
+    if options.debug_dir:
+        dump_code(options.debug_dir, graph_index, graph_kind, "before", gm.code)
+    original = copy.deepcopy(gm.graph)
+    try:
+        records, rewrites = _rewrite_sites(gm, graph_kind, options)
+        if rewrites and options.inner == "inductor":
+            order.keep_overlap_order(gm.graph, (s for rw in rewrites for s in rw.steps))
+        gm.graph.lint()
+        gm.recompile()
+    except Exception as err:  # noqa: BLE001 - never break the user's compile
+        warnings.warn(f"commfuse: internal error, graph left as it was: {err!r}", stacklevel=2)
+        gm.graph = original
+        gm.recompile()
+        records = [
+            SiteRecord(kind=s.kind, graph=graph_kind, site=-1, reason=f"internal error: {err!r}")
+            for s in match.find_sites(gm.graph)
+        ]
+    for record in records:
+        REPORT.add(record)
+    if options.debug_dir:
+        dump_code(options.debug_dir, graph_index, graph_kind, "after", gm.code)
+        REPORT.write(options.debug_dir)
+    return records
+
+
+def _rewrite_sites(gm: GraphModule, graph_kind: str, options: Options
+                   ) -> tuple[list[SiteRecord], list[Rewrite]]:
+    records, rewrites = [], []
+    for site in match.find_sites(gm.graph):
+        record = SiteRecord(kind=site.kind, graph=graph_kind, site=next(_site_ids),
+                            details=site.describe())
+        records.append(record)
+        rewrite = None
+        try:
+            if site.declined:
+                raise Declined(site.declined)
+            group = groups.resolve(site.group_name, site.group_size)
+            chosen = plan(site, group, options)
+            record.details["predicted_us"] = {k: round(v * 1e6, 2)
+                                              for k, v in chosen.predicted_s.items()}
+            rewrite = start(site, record.site, gm.graph)
+            lower(rewrite, group, by_name(chosen.schedule))
+            verify.check_emitted(rewrite)
+            rewrite.commit(_site_nodes(site))
+            verify.check_committed(rewrite, gm.graph)
+        except Declined as why:
+            if rewrite is not None:
+                rewrite.discard()
+            record.reason = why.reason
+            continue
+        except Exception as err:  # noqa: BLE001
+            if rewrite is not None and rewrite.committing:
+                raise  # the graph is half rewritten: let rewrite_graph restore all of it
+            if rewrite is not None:
+                rewrite.discard()
+            warnings.warn(f"commfuse: internal error, site {record.site} declined: {err!r}",
+                          stacklevel=2)
+            record.reason = f"internal error: {err!r}"
+            continue
+        record.decision, record.schedule, record.reason = "rewritten", chosen.schedule, chosen.why
+        record.nodes = [n.name for n in rewrite.created]
+        record.details.update(steps=len(rewrite.steps), p2p_ops=rewrite.p2p_ops,
+                              group_size=group.size)
+        rewrites.append(rewrite)
+    return records, rewrites
+
+
+def _site_nodes(site: match.Site) -> list:
+    if isinstance(site, match.AgMmSite):
+        return [*site.gathers, *site.waits, *site.chain, *(u.mm.node for u in site.uses)]
+    assert site.mm is not None
+    return [site.reduce_scatter, site.wait, *site.chain, site.mm.node]

@@ -1,0 +1,307 @@
+"""Lower stage: emit a site's schedule as P2P steps with one partial matmul per step.
+
+Lowering only adds nodes (before the site's first consumer) until ``Rewrite.commit``
+swaps the results in and erases the collective; anything that fails before that is
+undone by ``Rewrite.discard``, which leaves the graph as it was.
+
+Every new node gets ``meta["val"]`` (computed on fake tensors) and
+``meta["commfuse"] = {"site", "step", "lane"}``; ``Rewrite.steps`` records, per step,
+which P2P op must start before which matmuls and which waits must follow them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import operator
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
+from torch.fx import Graph, Node
+
+from .. import p2p as _p2p  # noqa: F401  (registers commfuse::p2p)
+from ..groups import Group
+from ..report import decline
+from . import dims
+from .match import AgMmSite, GatherUse, Matmul, MmRsSite, Site, val
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+P2P = torch.ops.commfuse.p2p.default
+_tags = itertools.count(1)  # distinct per site, same sequence on every rank (SPMD compile)
+
+
+@dataclasses.dataclass
+class Step:
+    """One overlap window: ``issue`` starts, ``compute`` runs, then ``waits`` complete."""
+
+    issue: Node | None
+    compute: list[Node]
+    waits: list[Node]
+
+
+@dataclasses.dataclass
+class Rewrite:
+    site: Site
+    site_id: int
+    graph: Graph
+    before: Node  # new nodes are inserted before this node
+    created: list[Node] = dataclasses.field(default_factory=list)
+    replace: dict[Node, Node] = dataclasses.field(default_factory=dict)
+    steps: list[Step] = dataclasses.field(default_factory=list)
+    fake_mode: Any = None
+    p2p_ops: int = 0
+    committing: bool = False  # past this point the graph cannot be restored site by site
+
+    def emit(self, target: Callable[..., Any], args: tuple[Any, ...],
+             kwargs: dict[str, Any] | None = None, *, step: int, lane: str) -> Node:
+        with self.graph.inserting_before(self.before):
+            node = self.graph.call_function(target, args, kwargs or {})
+        self.created.append(node)
+        node.meta["val"] = _fake_eval(self.fake_mode, target, args, kwargs or {})
+        node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
+        return node
+
+    def discard(self) -> None:
+        for node in reversed(self.created):
+            self.graph.erase_node(node)
+        self.created.clear()
+
+    def commit(self, dead: Sequence[Node]) -> None:
+        """Swap the results in, erase what became dead, keep the replaced nodes' names."""
+        first, moves = _inputs_to_hoist(self.graph, self.created)
+        self.committing = True
+        for node in moves:
+            first.prepend(node)
+        for old, new in self.replace.items():
+            old.replace_all_uses_with(new)
+        for node in reversed(_in_graph_order(self.graph, dead)):
+            if not node.users:
+                self.graph.erase_node(node)
+        for old, new in self.replace.items():
+            if old._erased:
+                new.name = old.name
+
+
+def start(site: Site, site_id: int, graph: Graph) -> Rewrite:
+    """An empty rewrite of ``site``: where its nodes go, and the fake mode of their values."""
+    if isinstance(site, AgMmSite):
+        before, anchor = _first_consumer(graph, site), site.shard
+    else:
+        assert site.mm is not None
+        before, anchor = site.mm.node, site.mm.node
+    fake_mode = detect_fake_mode([val(anchor)])
+    if fake_mode is None:
+        raise decline("graph values are not fake tensors; cannot compute new node metadata")
+    return Rewrite(site, site_id, graph, before=before, fake_mode=fake_mode)
+
+
+def lower(rw: Rewrite, group: Group, schedule: ModuleType) -> None:
+    """Emit ``rw.site`` as ``schedule`` for this rank of ``group``."""
+    if isinstance(rw.site, AgMmSite):
+        _lower_gather(rw, rw.site, group, schedule)
+    else:
+        _lower_reduce(rw, rw.site, group, schedule)
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleType) -> None:
+    n, tag = group.size, next(_tags)
+    shard_shape = dims.concrete(val(site.shard).shape, "shard")
+    held: dict[int, Node] = {group.rank: site.shard}
+    parts: list[dict[int, Node]] = [{} for _ in site.uses]
+    for s, step in enumerate(schedule.gather_steps(group.rank, n)):
+        issue, recvs, sent = _issue(rw, group, tag, s, step.sends, step.recvs, held,
+                                    recv_like=site.shard)
+        compute = []
+        for b in step.compute:
+            for use, out in zip(site.uses, parts, strict=True):
+                out[b] = _gather_block(rw, use, held[b], shard_shape, s)
+                compute.append(out[b])
+        waits = _wait_all(rw, s, recvs, sent, held)
+        rw.steps.append(Step(issue, compute, waits))
+    last = len(rw.steps)
+    for use, out in zip(site.uses, parts, strict=True):
+        blocks = [out[b] for b in range(n)]
+        full = rw.emit(aten.cat.default, (blocks, site.gather_dim), step=last, lane="compute")
+        rw.replace[use.mm.node] = rw.emit(
+            aten.view.default, (full, list(val(use.mm.node).shape)), step=last, lane="compute"
+        )
+    rebuilt = None
+    for wait in site.waits:
+        if any(u not in site.chain for u in wait.users) or _chain_outlives(site):
+            rebuilt = rebuilt or rw.emit(
+                aten.cat.default, ([held[b] for b in range(n)], 0), step=last, lane="comm"
+            )
+            rw.replace[wait] = rebuilt
+
+
+def _chain_outlives(site: AgMmSite) -> bool:
+    """Does any reassembly/view node feed something other than the rewritten matmuls?"""
+    inside = set(site.chain) | {u.mm.node for u in site.uses}
+    return any(user not in inside for node in site.chain for user in node.users)
+
+
+def _gather_block(rw: Rewrite, use: GatherUse, shard: Node, shard_shape: tuple[int, ...],
+                  step: int) -> Node:
+    """rows of the product that come from one gathered block, shaped like the block."""
+    lead = shard_shape[: use.row_dims]
+    a = rw.emit(aten.view.default, (shard, [math.prod(lead), math.prod(shard_shape[use.row_dims:])]),
+                step=step, lane="compute")
+    part = _matmul(rw, use.mm, a, use.mm.b, use.mm.bias, step)
+    cols = val(use.mm.node).shape[1]
+    return rw.emit(aten.view.default, (part, [*lead, cols]), step=step, lane="compute")
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleType) -> None:
+    assert site.mm is not None
+    n, tag, mm = group.size, next(_tags), site.mm
+    g, shape = site.scatter_dim, site.product_shape
+    k = val(mm.a).shape[1]
+    a_blocks = mm.a
+    if not site.columns and len(shape) != 2:
+        a_blocks = rw.emit(aten.view.default, (mm.a, [*shape[:-1], k]), step=0, lane="compute")
+    width = shape[g] // n
+    pending: tuple[Node | None, list[Node], list[Node]] = (None, [], [])
+    held: dict[int, Node] = {}
+    acc: Node | None = None
+    for s, step in enumerate(schedule.reduce_steps(group.rank, n)):
+        part = _reduce_block(rw, site, a_blocks, step.block, width, k, s)
+        compute = [part]
+        issue, recvs, sent = pending
+        waits = _wait_all(rw, s, recvs, sent, held)
+        rw.steps.append(Step(issue, compute, waits))
+        acc = part
+        if step.add_received:
+            acc = rw.emit(aten.add.Tensor, (part, held.pop(step.block)), step=s, lane="compute")
+        held[step.block] = acc
+        pending = _issue(rw, group, tag, s, step.sends, step.recvs, held, recv_like=part)
+    assert acc is not None and not pending[1]
+    out_shape = list(val(site.wait).shape)
+    rw.replace[site.wait] = rw.emit(aten.view.default, (acc, out_shape), step=n, lane="compute")
+
+
+def _reduce_block(rw: Rewrite, site: MmRsSite, a: Node, b: int, width: int, k: int,
+                  step: int) -> Node:
+    """This rank's partial of block ``b`` of the product."""
+    assert site.mm is not None
+    mm, g = site.mm, site.scatter_dim
+    if site.columns:
+        w = rw.emit(aten.slice.Tensor, (mm.b, 1, b * width, (b + 1) * width), step=step,
+                    lane="compute")
+        bias = mm.bias
+        if bias is not None and val(bias).dim() >= 1 and val(bias).shape[-1] != 1:
+            bias = rw.emit(aten.slice.Tensor, (bias, -1, b * width, (b + 1) * width),
+                           step=step, lane="compute")
+        return _matmul(rw, mm, mm.a, w, bias, step)
+    rows = rw.emit(aten.slice.Tensor, (a, g, b * width, (b + 1) * width), step=step,
+                   lane="compute")
+    if not val(rows).is_contiguous():
+        rows = rw.emit(aten.clone.default, (rows,), {"memory_format": torch.contiguous_format},
+                       step=step, lane="compute")
+    if val(rows).dim() != 2:
+        rows = rw.emit(aten.view.default, (rows, [val(rows).numel() // k, k]), step=step,
+                       lane="compute")
+    return _matmul(rw, mm, rows, mm.b, mm.bias, step)
+
+
+# ----------------------------------------------------------------------------------------
+
+
+def _issue(rw: Rewrite, group: Group, tag: int, step: int, sends: Sequence[Any],
+           recvs: Sequence[Any], held: dict[int, Node], recv_like: Node
+           ) -> tuple[Node | None, list[tuple[int, Node]], list[tuple[Node, Node]]]:
+    """Start one batch of sends and receives; returns (p2p node, pending recvs, sends)."""
+    if not sends and not recvs:
+        return None, [], []
+    buffers = [held[t.block] for t in sends]
+    p2p = rw.emit(P2P, (buffers, [group.peer(t.peer) for t in sends], [recv_like] * len(recvs),
+                        [group.peer(t.peer) for t in recvs], tag, group.name),
+                  step=step, lane="comm")
+    rw.p2p_ops += 1
+    outs = [rw.emit(operator.getitem, (p2p, i), step=step, lane="comm")
+            for i in range(len(sends) + len(recvs))]
+    sent = list(zip(outs[: len(sends)], buffers, strict=True))
+    pending = [(t.block, out) for t, out in zip(recvs, outs[len(sends):], strict=True)]
+    return p2p, pending, sent
+
+
+def _wait_all(rw: Rewrite, step: int, recvs: list[tuple[int, Node]],
+              sent: list[tuple[Node, Node]], held: dict[int, Node]) -> list[Node]:
+    """Wait every output of a P2P batch; received blocks become held. A send's buffer is
+    passed to a (no-op) wait too, so that no compiler reuses its memory mid-transfer."""
+    waits = []
+    for block, out in recvs:
+        held[block] = rw.emit(c10d.wait_tensor.default, (out,), step=step, lane="comm")
+        waits.append(held[block])
+    for handle, buffer in sent:
+        waits.append(rw.emit(c10d.wait_tensor.default, (handle,), step=step, lane="comm"))
+        waits.append(rw.emit(c10d.wait_tensor.default, (buffer,), step=step, lane="comm"))
+    return waits
+
+
+def _matmul(rw: Rewrite, mm: Matmul, a: Node, b: Node, bias: Node | None, step: int) -> Node:
+    if bias is None:
+        return rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
+    return rw.emit(aten.addmm.default, (bias, a, b), dict(mm.node.kwargs), step=step,
+                   lane="compute")
+
+
+def _first_consumer(graph: Graph, site: AgMmSite) -> Node:
+    """Earliest node that reads the gathered value: the ring must be done by then."""
+    readers = {u for n in (*site.waits, *site.chain) for u in n.users}
+    readers -= set(site.chain)
+    for node in graph.nodes:
+        if node in readers:
+            return node
+    raise decline("gathered value has no reader")  # pragma: no cover - matched sites have one
+
+
+def _inputs_to_hoist(graph: Graph, created: list[Node]) -> tuple[Node, list[Node]]:
+    """Pure producers (weights, biases) that sit after the first new node, to move before it."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    first = min(created, key=order.__getitem__)
+    moves: list[Node] = []
+
+    def visit(node: Node) -> None:
+        if node in created or node in moves or order[node] < order[first]:
+            return
+        if node.op != "call_function" or node.is_impure() or node.target is c10d.wait_tensor.default:
+            raise decline(f"input {node.name} is computed after the site and cannot move")
+        for arg in node.all_input_nodes:
+            visit(arg)
+        moves.append(node)
+
+    for node in created:
+        for arg in node.all_input_nodes:
+            visit(arg)
+    return first, moves
+
+
+def _in_graph_order(graph: Graph, nodes: Sequence[Node]) -> list[Node]:
+    wanted = set(nodes)
+    return [node for node in graph.nodes if node in wanted]
+
+
+def _fake_eval(fake_mode: Any, target: Callable[..., Any], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+    """The node's value on fake tensors, from its inputs' ``meta['val']``."""
+    def unwrap(x: Any) -> Any:
+        return x.meta.get("val") if isinstance(x, Node) else x
+
+    args, kwargs = pytree.tree_map(unwrap, (args, kwargs))
+    if target is operator.getitem:
+        return args[0][args[1]]
+    with fake_mode:
+        return target(*args, **kwargs)

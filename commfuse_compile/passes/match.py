@@ -1,0 +1,417 @@
+"""Find stage: every all-gather -> matmul and matmul -> reduce-scatter site of a graph.
+
+Nothing here changes the graph. A found site either carries what the lowering needs,
+or the reason it cannot be rewritten (``declined``); sites that touch no matmul are
+not sites at all. The collective's dim is followed through the reassembly DTensor emits
+(split + cat) and through view/reshape into the matmul's rows, where any block of rows
+is an independent piece of the product.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterable
+from typing import ClassVar
+
+import torch
+from torch.fx import Graph, Node
+
+from ..report import Declined, decline
+from . import dims
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+TRANSPOSES = frozenset({aten.t.default, aten.permute.default, aten.transpose.int})
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulForm:
+    """Where the operands of a matmul op sit in its args (patterns as data)."""
+
+    a: int
+    b: int
+    bias: int | None
+
+
+MATMULS = {
+    aten.addmm.default: MatmulForm(a=1, b=2, bias=0),
+    aten.mm.default: MatmulForm(a=0, b=1, bias=None),
+}
+OTHER_MATMULS = frozenset({aten.bmm.default, aten.baddbmm.default, aten.matmul.default})
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    node: Node
+    a: Node
+    b: Node
+    bias: Node | None
+
+    @staticmethod
+    def of(node: Node) -> Matmul | None:
+        form = MATMULS.get(node.target) if node.op == "call_function" else None  # type: ignore[arg-type]
+        if form is None:
+            return None
+        bias = node.args[form.bias] if form.bias is not None else None
+        return Matmul(node, node.args[form.a], node.args[form.b], bias)  # type: ignore[arg-type]
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return dims.concrete(val(self.node).shape, f"output of {self.node.name}")
+
+
+def val(node: Node) -> torch.Tensor:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        raise decline(f"node {node.name} has no tensor metadata (meta['val'])")
+    return value
+
+
+def is_matmul(node: Node) -> bool:
+    return node.op == "call_function" and (node.target in MATMULS or node.target in OTHER_MATMULS)
+
+
+@dataclasses.dataclass
+class GatherUse:
+    """A matmul whose first operand is the gathered tensor, gathered dim among its rows."""
+
+    mm: Matmul
+    row_dims: int  # the gathered tensor's dims [:row_dims] fold into the rows
+
+
+@dataclasses.dataclass
+class AgMmSite:
+    kind: ClassVar[str] = "ag_mm"
+    gathers: list[Node]  # all-gathers of the same shard on the same group (merged: one ring)
+    waits: list[Node]
+    shard: Node
+    group_name: str
+    group_size: int
+    gather_dim: int  # dim of the logical gathered tensor the shards are concatenated on
+    gathered_shape: tuple[int, ...]
+    uses: list[GatherUse]
+    chain: list[Node]  # nodes between the waits and the matmuls
+    unmatched: list[str]  # matmul users left on the gathered tensor, and why
+    declined: str | None = None
+
+    @property
+    def anchor(self) -> Node:
+        return self.gathers[0]
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "collectives": [n.name for n in self.gathers],
+            "group": self.group_name,
+            "group_size": self.group_size,
+            "gather_dim": self.gather_dim,
+            "gathered_shape": list(self.gathered_shape),
+            "matmuls": [u.mm.node.name for u in self.uses],
+            "unmatched": list(self.unmatched),
+        }
+
+
+@dataclasses.dataclass
+class MmRsSite:
+    kind: ClassVar[str] = "mm_rs"
+    reduce_scatter: Node
+    wait: Node
+    mm: Matmul | None
+    group_name: str
+    group_size: int
+    scatter_dim: int  # dim of the product's (viewed) shape that is scattered
+    product_shape: tuple[int, ...]  # the product as the reduce-scatter sees it
+    columns: bool  # scatter dim is the product's last (N) dim
+    chain: list[Node]
+    declined: str | None = None
+
+    @property
+    def anchor(self) -> Node:
+        return self.reduce_scatter
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "collectives": [self.reduce_scatter.name],
+            "group": self.group_name,
+            "group_size": self.group_size,
+            "scatter_dim": self.scatter_dim,
+            "product_shape": list(self.product_shape),
+            "matmuls": [self.mm.node.name] if self.mm else [],
+            "blocks": "columns" if self.columns else "rows",
+        }
+
+
+Site = AgMmSite | MmRsSite
+
+
+def find_sites(graph: Graph) -> list[Site]:
+    """Every site of the graph, in graph order; all matched before anything is rewritten."""
+    found: list[Site] = []
+    for shard, gathers in _gathers_by_shard(graph).items():
+        site = _match_gather(shard, gathers)
+        if site is not None:
+            found.append(site)
+    for node in graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default):
+        rs_site = _match_reduce_scatter(node)
+        if rs_site is not None:
+            found.append(rs_site)
+    _resolve_overlaps(found)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(found, key=lambda s: order[s.anchor])
+
+
+# ----------------------------------------------------------------------------------------
+# all-gather -> matmul
+
+
+def _gathers_by_shard(graph: Graph) -> dict[tuple[Node, int, str], list[Node]]:
+    """Gathers of one shard on one group compute one value: DTensor emits one per consumer."""
+    groups: dict[tuple[Node, int, str], list[Node]] = {}
+    for node in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
+        shard, size, name = node.args[:3]
+        groups.setdefault((shard, int(size), str(name)), []).append(node)  # type: ignore[call-overload]
+    return groups
+
+
+def _match_gather(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite | None:
+    shard, n, group_name = key
+    waits: list[Node] = []
+    gathered: list[tuple[Node, int, list[Node]]] = []
+    problem = None
+    for ag in gathers:
+        users = list(ag.users)
+        if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
+            problem = f"{ag.name} is used without exactly one wait_tensor"
+            continue
+        waits.append(users[0])
+        gathered.append(_reassembled(users[0], n))
+    if not any(_reaches_matmul(g) for g, _, _ in gathered) and not any(
+        _reaches_matmul(w) for w in waits
+    ):
+        return None
+    g_dims = {g for _, g, _ in gathered}
+    site = AgMmSite(
+        gathers=gathers, waits=waits, shard=shard, group_name=group_name, group_size=n,
+        gather_dim=min(g_dims) if g_dims else 0, gathered_shape=(), uses=[], chain=[],
+        unmatched=[],
+    )
+    try:
+        if problem:
+            raise decline(problem)
+        if len(g_dims) != 1:
+            raise decline(f"the gathers of {shard.name} are reassembled along different dims")
+        _check_tensor(shard, "gathered shard")
+        if n < 2:
+            raise decline("group of size 1: nothing to communicate")
+        site.gathered_shape = dims.concrete(val(gathered[0][0]).shape, "gathered tensor")
+        for node, _, chain in gathered:
+            site.chain += chain
+            _collect_uses(site, node)
+        if not site.uses:
+            raise decline("; ".join(site.unmatched) or "no matmul consumes the gathered rows")
+    except Declined as why:
+        site.declined = why.reason
+    return site
+
+
+def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
+    """(logical gathered tensor, gather dim, reassembly nodes) after a gather's wait.
+
+    all_gather_into_tensor concatenates on dim 0; DTensor gathers any other dim g by
+    ``cat(split(out, s0), dim=g)``. Longest form first; otherwise the gather dim is 0.
+    """
+    users = list(wait.users)
+    if len(users) == 1 and users[0].target is aten.split.Tensor:
+        split = users[0]
+        parts = _ordered_getitems(split, n)
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if parts is not None and dim == 0:
+            cats = {u for p in parts for u in p.users}
+            if len(cats) == 1:
+                cat = cats.pop()
+                if cat.target is aten.cat.default and list(cat.args[0]) == parts:  # type: ignore[arg-type]
+                    g = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+                    g = int(g) % val(cat).dim()  # type: ignore[call-overload]
+                    return cat, g, [split, *parts, cat]
+    return wait, 0, []
+
+
+def _ordered_getitems(split: Node, n: int) -> list[Node] | None:
+    parts: dict[int, Node] = {}
+    for u in split.users:
+        if u.target is not operator.getitem or len(u.users) != 1:
+            return None
+        parts[u.args[1]] = u  # type: ignore[index]
+    if sorted(parts) != list(range(n)):
+        return None
+    return [parts[i] for i in range(n)]
+
+
+def _collect_uses(site: AgMmSite, gathered: Node) -> None:
+    """Follow view/reshape users of the gathered tensor to the matmuls that read its rows."""
+    frontier = [gathered]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.op == "call_function" and _is_mutating(user):
+                raise decline(f"gathered tensor is mutated in place by {user.name}")
+            mm = Matmul.of(user)
+            if user.target in VIEWS and user.args[0] is node:
+                site.chain.append(user)
+                frontier.append(user)
+            elif mm is not None and mm.a is node:
+                use = _row_use(site, mm)
+                if use is not None:
+                    site.uses.append(use)
+            elif mm is not None or _reaches_matmul(user):
+                site.unmatched.append(_why_not_rows(site, node, user))
+
+
+def _row_use(site: AgMmSite, mm: Matmul) -> GatherUse | None:
+    rows, cols = dims.concrete(val(mm.a).shape, f"operand of {mm.node.name}")
+    j = dims.row_split(site.gathered_shape, rows, cols)
+    if j is None or site.gather_dim >= j:
+        site.unmatched.append(
+            f"{mm.node.name}: gathered dim {site.gather_dim} of {list(site.gathered_shape)} "
+            f"lands in the contracting dim of a [{rows}, {cols}] operand"
+        )
+        return None
+    if mm.bias is not None and not _bias_is_row_broadcast(mm.bias):
+        site.unmatched.append(f"{mm.node.name}: bias has a row dim")
+        return None
+    _check_tensor(mm.node, "matmul output")
+    return GatherUse(mm=mm, row_dims=j)
+
+
+def _why_not_rows(site: AgMmSite, node: Node, user: Node) -> str:
+    if Matmul.of(user) is not None:
+        return f"{user.name}: gathered tensor is its second operand"
+    return f"{user.name} ({_op_name(user)}) sits between the gathered tensor and a matmul"
+
+
+# ----------------------------------------------------------------------------------------
+# matmul -> reduce-scatter
+
+
+def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
+    inp, reduce_op, n, group_name = rs.args[:4]
+    users = list(rs.users)
+    wait = users[0] if len(users) == 1 else None
+    scattered, g, chain = _scattered(inp, int(n))  # type: ignore[arg-type, call-overload]
+    product = scattered
+    while product.target in VIEWS and len(product.users) == 1:
+        chain.append(product)
+        product = product.args[0]  # type: ignore[assignment]
+    mm = Matmul.of(product)
+    if mm is None and not any(is_matmul(a) for a in _view_sources(product)):
+        return None
+    site = MmRsSite(
+        reduce_scatter=rs, wait=wait or rs, mm=mm, group_name=str(group_name),
+        group_size=int(n), scatter_dim=g, product_shape=(), columns=False,  # type: ignore[call-overload]
+        chain=chain,
+    )
+    try:
+        if wait is None or wait.target is not c10d.wait_tensor.default:
+            raise decline(f"{rs.name} is used without exactly one wait_tensor")
+        if mm is None:
+            raise decline(
+                f"reduce-scatter input is {product.name} ({_op_name(product)}) of a matmul, "
+                "not the matmul itself"
+            )
+        if reduce_op != "sum":
+            raise decline(f"reduce op {reduce_op!r} is not 'sum'")
+        if site.group_size < 2:
+            raise decline("group of size 1: nothing to communicate")
+        if len(mm.node.users) != 1:
+            raise decline(f"product {mm.node.name} is also used outside the reduce-scatter")
+        _check_tensor(mm.node, "matmul output")
+        shape = site.product_shape = dims.concrete(val(scattered).shape, "reduce-scatter input")
+        rows, cols = mm.out_shape
+        if shape[g] % site.group_size:
+            raise decline(f"scattered dim {g} of size {shape[g]} is not divisible by {n}")
+        site.columns = g == len(shape) - 1 and shape[-1] == cols
+        if not site.columns and dims.row_split(shape, rows, cols) != len(shape) - 1:
+            raise decline(
+                f"scattered dim {g} of {list(shape)} is neither a row block nor the column "
+                f"dim of the [{rows}, {cols}] product"
+            )
+        if mm.bias is not None and not _bias_is_row_broadcast(mm.bias):
+            raise decline(f"bias of {mm.node.name} has a row dim")
+    except Declined as why:
+        site.declined = why.reason
+    return site
+
+
+def _scattered(inp: Node, n: int) -> tuple[Node, int, list[Node]]:
+    """(product as scattered, scatter dim, nodes): DTensor scatters dim g via split + cat."""
+    if inp.target is aten.cat.default:
+        cat_dim = inp.args[1] if len(inp.args) > 1 else inp.kwargs.get("dim", 0)
+        parts = list(inp.args[0])  # type: ignore[arg-type]
+        sources = {p.args[0] for p in parts if p.target is operator.getitem}
+        if cat_dim == 0 and len(sources) == 1 and len(parts) == n:
+            split = sources.pop()
+            if split.target is aten.split.Tensor and _ordered_getitems(split, n) == parts:  # type: ignore[union-attr, arg-type]
+                g = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)  # type: ignore[union-attr]
+                product = split.args[0]  # type: ignore[union-attr]
+                g = int(g) % val(product).dim()  # type: ignore[arg-type, call-overload]
+                return product, g, [inp, split, *parts]  # type: ignore[list-item, return-value]
+    return inp, 0, []
+
+
+# ----------------------------------------------------------------------------------------
+# shared helpers
+
+
+def _resolve_overlaps(found: list[Site]) -> None:
+    """A matmul fed by a gather and feeding a reduce-scatter is claimed by the gather."""
+    gathered_mms = {u.mm.node for s in found if isinstance(s, AgMmSite) for u in s.uses}
+    for site in found:
+        claimed = isinstance(site, MmRsSite) and site.mm is not None and site.mm.node in gathered_mms
+        if claimed and site.declined is None:
+            site.declined = f"{site.mm.node.name} is already rewritten by its all-gather site"
+
+
+def _reaches_matmul(node: Node, depth: int = 8) -> bool:
+    """Does the value flow into a matmul through view/transpose/reassembly ops only?"""
+    for user in node.users:
+        if is_matmul(user):
+            return True
+        passes = user.target in VIEWS or user.target in TRANSPOSES or user.target in (
+            aten.split.Tensor, operator.getitem, aten.cat.default,
+        )
+        if depth and passes and _reaches_matmul(user, depth - 1):
+            return True
+    return False
+
+
+def _view_sources(node: Node) -> Iterable[Node]:
+    """Producers of ``node``'s inputs, looking through views (one level of a sum of matmuls)."""
+    for arg in node.all_input_nodes:
+        while arg.target in VIEWS:
+            arg = arg.args[0]  # type: ignore[assignment]
+        yield arg
+
+
+def _bias_is_row_broadcast(bias: Node) -> bool:
+    shape = val(bias).shape
+    return len(shape) < 2 or shape[0] == 1
+
+
+def _check_tensor(node: Node, what: str) -> None:
+    value = val(node)
+    if value.dtype not in FLOAT_DTYPES:
+        raise decline(f"{what} has dtype {value.dtype}; only floating point is decomposed")
+    dims.concrete(value.shape, what)
+
+
+def _is_mutating(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def _op_name(node: Node) -> str:
+    target = node.target
+    return getattr(target, "__name__", str(target)) if node.op == "call_function" else node.op

@@ -1,0 +1,43 @@
+"""Decomposition schedules: pure descriptions of who sends which block when.
+
+A schedule is a module with ``gather_steps(rank, n)`` (all-gather then matmul) and
+``reduce_steps(rank, n)`` (matmul then reduce-scatter). Steps name blocks and ring
+offsets only, so the same description drives the graph lowering, the simulator that
+checks it against an unfused reference, and every rank's view of the exchange.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import ModuleType
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    block: int  # whose data travels (the block index along the collective's dim)
+    peer: int  # ring offset of the other side: +1 = next rank, -1 = previous rank
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherStep:
+    """Start ``sends``/``recvs``, multiply the held ``compute`` blocks, then wait."""
+
+    compute: tuple[int, ...]
+    sends: tuple[Transfer, ...] = ()
+    recvs: tuple[Transfer, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceStep:
+    """Multiply ``block``; add the partial received last step; pass the sum on."""
+
+    block: int
+    add_received: bool
+    sends: tuple[Transfer, ...] = ()
+    recvs: tuple[Transfer, ...] = ()
+
+
+def by_name(name: str) -> ModuleType:
+    from . import ring
+
+    return {"ring": ring}[name]

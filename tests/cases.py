@@ -1,0 +1,131 @@
+"""Small programs with all-gather -> matmul and matmul -> reduce-scatter, as DTensor emits them.
+
+Each ``Case`` builds a function over functional collectives and its inputs for one
+rank; ``trace`` turns it into the aten graph the pass sees (fake values, like
+AOTAutograd's). Graph tests run them on torch's fake process group, numerical tests on
+real gloo ranks, with the same builders.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import commfuse_compile
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+def gathered(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """all_gather along ``dim`` the way DTensor writes it (dim 0 gather + split/cat)."""
+    group = dist.group.WORLD.group_name
+    out = c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
+    if dim == 0:
+        return out
+    return torch.cat(torch.split(out, x.shape[0]), dim=dim)
+
+
+def scattered(z: torch.Tensor, n: int, dim: int, op: str = "sum") -> torch.Tensor:
+    """reduce_scatter along ``dim`` the way DTensor writes it (split/cat + dim 0 scatter)."""
+    group = dist.group.WORLD.group_name
+    if dim != 0:
+        z = torch.cat(torch.split(z, z.shape[dim] // n, dim=dim), dim=0)
+    return c10d.wait_tensor(c10d.reduce_scatter_tensor(z, op, n, group))
+
+
+@dataclasses.dataclass(frozen=True)
+class AgMm:
+    """Y_i = AG(x, dim) viewed [M, K] @ W_i (+ b_i), for ``consumers`` matmuls."""
+
+    shard: tuple[int, ...] = (2, 3, 8)
+    dim: int = 1
+    n_out: int = 6
+    consumers: int = 2
+    bias: bool = True
+    extra_user: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def inputs(self, rank: int, seed: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        k = self.shard[-1]
+        xs = [torch.randn(self.shard, generator=gen)]
+        for i in range(self.consumers):
+            wgen = torch.Generator().manual_seed(seed * 1000 + 999 - i)  # same on every rank
+            xs.append(torch.randn(k, self.n_out + i, generator=wgen))
+            if self.bias:
+                xs.append(torch.randn(self.n_out + i, generator=wgen))
+        return [x.to(self.dtype) for x in xs]
+
+    def fn(self, n: int):
+        def program(x, *params):
+            g = gathered(x, n, self.dim)
+            a = g.reshape(-1, g.shape[-1])
+            outs = []
+            step = 2 if self.bias else 1
+            for i in range(self.consumers):
+                w = params[i * step]
+                if self.bias:
+                    outs.append(torch.addmm(params[i * step + 1], a, w))
+                else:
+                    outs.append(torch.mm(a, w))
+            if self.extra_user:
+                outs.append(g * 2)
+            return tuple(outs)
+
+        return program
+
+
+@dataclasses.dataclass(frozen=True)
+class MmRs:
+    """RS(view(A @ W (+ b), lead + [N]), dim)."""
+
+    lead: tuple[int, ...] = (2, 4)
+    k: int = 8
+    n_out: int = 6
+    dim: int = 1
+    bias: bool = True
+    op: str = "sum"
+    dtype: torch.dtype = torch.float32
+
+    def inputs(self, rank: int, seed: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        rows = 1
+        for s in self.lead:
+            rows *= s
+        xs = [torch.randn(rows, self.k, generator=gen), torch.randn(self.k, self.n_out, generator=gen)]
+        if self.bias:
+            xs.append(torch.randn(self.n_out, generator=gen))
+        return [x.to(self.dtype) for x in xs]
+
+    def fn(self, n: int):
+        def program(a, w, *bias):
+            z = torch.addmm(bias[0], a, w) if bias else torch.mm(a, w)
+            return (scattered(z.view(*self.lead, self.n_out), n, self.dim, self.op),)
+
+        return program
+
+
+def trace(case, n: int, inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
+    return make_fx(case.fn(n), tracing_mode="fake")(*inputs)
+
+
+def run_case(rank: int, n: int, case, seed: int, options: dict) -> dict:
+    """On one gloo rank: original vs rewritten graph outputs and the pass's records."""
+    inputs = case.inputs(rank, seed)
+    gm = trace(case, n, inputs)
+    expected = gm(*inputs)
+    rewritten = commfuse_compile.apply(copy.deepcopy(gm), **options)
+    actual = rewritten(*inputs)
+    kinds = [n.target for n in rewritten.graph.nodes if n.op == "call_function"]
+    return {
+        "expected": [t.float() for t in expected],
+        "actual": [t.float() for t in actual],
+        "collectives_left": sum(k in (c10d.all_gather_into_tensor.default,
+                                      c10d.reduce_scatter_tensor.default) for k in kinds),
+        "p2p": sum(k is torch.ops.commfuse.p2p.default for k in kinds),
+    }
