@@ -39,11 +39,13 @@ def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[Si
         gm.graph.lint()
         gm.recompile()
     except Exception as err:  # noqa: BLE001 - never break the user's compile
-        warnings.warn(f"commfuse: internal error, graph left as it was: {err!r}", stacklevel=2)
+        warnings.warn(f"commfuse: internal error, graph left as it was: {_brief(err)}",
+                      stacklevel=2)
         gm.graph = original
         gm.recompile()
         records = [
-            SiteRecord(kind=s.kind, graph=graph_kind, site=-1, reason=f"internal error: {err!r}")
+            SiteRecord(kind=s.kind, graph=graph_kind, site=-1,
+                       reason=f"internal error: {_brief(err)}")
             for s in match.find_sites(gm.graph)
         ]
     for record in records:
@@ -84,9 +86,8 @@ def _rewrite_sites(gm: GraphModule, graph_kind: str, options: Options
                 raise  # the graph is half rewritten: let rewrite_graph restore all of it
             if rewrite is not None:
                 rewrite.discard()
-            warnings.warn(f"commfuse: internal error, site {record.site} declined: {err!r}",
-                          stacklevel=2)
-            record.reason = f"internal error: {err!r}"
+            record.reason = f"internal error: {_brief(err)}"
+            warnings.warn(f"commfuse: site {record.site} declined, {record.reason}", stacklevel=2)
             continue
         record.decision, record.schedule, record.reason = "rewritten", chosen.schedule, chosen.why
         record.nodes = [n.name for n in rewrite.created]
@@ -101,3 +102,8 @@ def _site_nodes(site: match.Site) -> list:
         return [*site.gathers, *site.waits, *site.chain, *(u.mm.node for u in site.uses)]
     assert site.mm is not None
     return [site.reduce_scatter, site.wait, *site.chain, site.mm.node]
+
+
+def _brief(err: BaseException) -> str:
+    first = (str(err).splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first[:300]}"

@@ -259,9 +259,8 @@ def _matmul(rw: Rewrite, mm: Matmul, a: Node, b: Node, bias: Node | None, step: 
 
 
 def _first_consumer(graph: Graph, site: AgMmSite) -> Node:
-    """Earliest node that reads the gathered value: the ring must be done by then."""
-    readers = {u for n in (*site.waits, *site.chain) for u in n.users}
-    readers -= set(site.chain)
+    """Earliest node that reads a gathered value: the ring must be done by then."""
+    readers = {u for wait in site.waits for u in wait.users}
     for node in graph.nodes:
         if node in readers:
             return node
