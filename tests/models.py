@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import json
 import os
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._C._distributed_c10d import _get_work_registry_size
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
@@ -24,7 +26,7 @@ import commfuse_compile
 class MLP(nn.Module):
     """LayerNorm -> gate and up (sharing their input) -> SiLU product -> down."""
 
-    def __init__(self, dim: int = 16, hidden: int = 32) -> None:
+    def __init__(self, dim: int = 16, hidden: int = 24) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.gate = nn.Linear(dim, hidden)
@@ -57,6 +59,7 @@ def mlp_train_step(rank: int, n: int, options: dict, debug_dir: str, seq: int = 
     compiled = torch.compile(model, backend="commfuse",
                              options={**options, "debug_dir": debug_dir}, fullgraph=True)
     x_local = x.chunk(n, dim=1)[rank].contiguous()
+    registered = _get_work_registry_size()
     outs = []
     for module in (compiled, ref):
         inp = DTensor.from_local(x_local.clone().requires_grad_(), mesh, [Shard(1)])
@@ -68,11 +71,10 @@ def mlp_train_step(rank: int, n: int, options: dict, debug_dir: str, seq: int = 
     (out_c, grads_c), (out_r, grads_r) = outs
     report = json.loads((Path(debug_dir) / f"rank{rank}" / "report.json").read_text())
     return {
+        "leaked_works": _get_work_registry_size() - registered,
         "out_diff": (out_c - out_r).abs().max().item(),
         "grad_diff": {k: (grads_c[k] - grads_r[k]).abs().max().item() for k in grads_r},
         "report": report,
         "files": sorted(os.listdir(Path(debug_dir) / f"rank{rank}")),
     }
 
-
-from pathlib import Path  # noqa: E402

@@ -10,6 +10,7 @@ is an independent piece of the product.
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections.abc import Iterable
 from typing import ClassVar
@@ -333,7 +334,7 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
         if shape[g] % site.group_size:
             raise decline(f"scattered dim {g} of size {shape[g]} is not divisible by {n}")
         site.columns = g == len(shape) - 1 and shape[-1] == cols
-        if not site.columns and dims.row_split(shape, rows, cols) != len(shape) - 1:
+        if not site.columns and (shape[-1] != cols or math.prod(shape[:-1]) != rows):
             raise decline(
                 f"scattered dim {g} of {list(shape)} is neither a row block nor the column "
                 f"dim of the [{rows}, {cols}] product"

@@ -1,0 +1,58 @@
+"""The overlap order (start transfer -> partial matmul -> wait) survives Inductor.
+
+Inductor's scheduler hoists a wait right after its collective unless told otherwise;
+this checks the generated code itself: between every P2P start and the next wait
+there must be a matmul to overlap with.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cases import AgMm, MmRs
+
+
+def compiled_code(rank, n, case):
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    fn = torch.compile(case.fn(n), backend="commfuse", options={"schedule": "ring"})
+    _, codes = run_and_get_code(fn, *case.inputs(rank, seed=0))
+    return codes
+
+
+def overlap_violations(code: str) -> list[str]:
+    """Steps whose transfer is waited on before any matmul ran while it was in flight."""
+    body = code[code.index("def call("):].splitlines()
+    problems, open_since, matmuls = [], None, 0
+    for number, line in enumerate(body):
+        if "commfuse.p2p" in line:
+            open_since, matmuls = number, 0
+        elif "extern_kernels.mm(" in line or "extern_kernels.addmm(" in line:
+            matmuls += 1
+        elif "wait_tensor" in line and open_since is not None:
+            if matmuls == 0:
+                problems.append(f"line {number}: wait right after the transfer of line {open_since}")
+            open_since = None
+    return problems
+
+
+@pytest.mark.parametrize("case", [AgMm(consumers=2), MmRs(lead=(2, 6), dim=1)],
+                         ids=["ag_mm", "mm_rs"])
+def test_waits_follow_the_overlapped_matmul(ranks, case):
+    pool = ranks(3)
+    for codes in pool.run(compiled_code, case):
+        assert any("commfuse.p2p" in c for c in codes)
+        for code in codes:
+            assert overlap_violations(code) == []
+
+
+def test_checker_sees_a_hoisted_wait():
+    """The checker itself: the order Inductor produces without the pass's dependencies."""
+    code = """def call(args):
+        buf0 = torch.ops.commfuse.p2p.default([arg0_1], [1], [arg0_1], [1], 1, '0')
+        torch.ops._c10d_functional.wait_tensor.default(buf1)
+        extern_kernels.addmm(arg1_1, arg0_1, arg2_1, out=buf7)
+    """
+    assert len(overlap_violations(code)) == 1
