@@ -18,8 +18,9 @@ from .options import Options
 from .passes import rewrite_graph
 
 
-def commfuse_backend(gm: GraphModule, example_inputs: Sequence[Any],
-                     options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
+def commfuse_backend(
+    gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None
+) -> Callable[..., Any]:
     opts = Options.from_mapping(options)
     if opts.inner == "eager":
         return _eager(gm, example_inputs, opts)

@@ -32,7 +32,7 @@ def resolve(group_name: object, group_size: int) -> Group:
     if not isinstance(name, str):
         raise decline(f"collective names its group by {type(group_name).__name__}, not a name")
     try:
-        pg = dist.distributed_c10d._resolve_process_group(name)
+        pg = dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
     except (LookupError, ValueError, RuntimeError) as err:
         raise decline(f"process group {name!r} is unknown in this process ({err})") from None
     ranks = tuple(dist.get_process_group_ranks(pg))

@@ -19,19 +19,29 @@ from torch._C._distributed_c10d import _register_work
 
 
 @torch.library.custom_op("commfuse::p2p", mutates_args=())
-def p2p(sends: list[torch.Tensor], send_peers: list[int], recv_like: list[torch.Tensor],
-        recv_peers: list[int], tag: int, group_name: str) -> list[torch.Tensor]:
+def p2p(
+    sends: list[torch.Tensor],
+    send_peers: list[int],
+    recv_like: list[torch.Tensor],
+    recv_peers: list[int],
+    tag: int,
+    group_name: str,
+) -> list[torch.Tensor]:
     """Start sends and receives; returns one handle per send, then the received tensors.
 
     Peers are global ranks. Received tensors have the shape and dtype of ``recv_like``.
     Every output must be passed to ``wait_tensor`` before use.
     """
-    group = dist.distributed_c10d._resolve_process_group(group_name)
+    group = dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
     recvs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in recv_like]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), peer, group, tag)
-           for t, peer in zip(sends, send_peers, strict=True)]
-    ops += [dist.P2POp(dist.irecv, t, peer, group, tag)
-            for t, peer in zip(recvs, recv_peers, strict=True)]
+    ops = [
+        dist.P2POp(dist.isend, t.contiguous(), peer, group, tag)
+        for t, peer in zip(sends, send_peers, strict=True)
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, t, peer, group, tag)
+        for t, peer in zip(recvs, recv_peers, strict=True)
+    ]
     works = dist.batch_isend_irecv(ops)
     handles = [torch.empty(0, dtype=t.dtype, device=t.device) for t in sends]
     outputs = handles + recvs
@@ -44,8 +54,7 @@ def p2p(sends: list[torch.Tensor], send_peers: list[int], recv_like: list[torch.
 @p2p.register_fake
 def _(sends, send_peers, recv_like, recv_peers, tag, group_name):  # type: ignore[no-untyped-def]
     handles = [t.new_empty(0) for t in sends]
-    return handles + [torch.empty_like(t, memory_format=torch.contiguous_format)
-                      for t in recv_like]
+    return handles + [torch.empty_like(t, memory_format=torch.contiguous_format) for t in recv_like]
 
 
 torch.fx.node.has_side_effect(torch.ops.commfuse.p2p.default)

@@ -7,6 +7,7 @@ example is far too slow for property tests, so a ``RankPool`` keeps its ranks an
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -35,7 +36,10 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, timeout_s: float) 
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
     try:
@@ -63,8 +67,9 @@ class RankPool:
         self._procs = []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child, timeout_s),
-                               daemon=True)
+            proc = ctx.Process(
+                target=_worker, args=(rank, world_size, port, child, timeout_s), daemon=True
+            )
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -92,10 +97,8 @@ class RankPool:
     def close(self, force: bool = False) -> None:
         for conn, proc in zip(self._conns, self._procs, strict=True):
             if not force and proc.is_alive():
-                try:
+                with contextlib.suppress(OSError):  # a dead rank's pipe is closed
                     conn.send(None)
-                except OSError:
-                    pass
         for proc in self._procs:
             proc.join(timeout=0 if force else 30)
             if proc.is_alive():

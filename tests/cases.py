@@ -97,7 +97,10 @@ class MmRs:
         rows = 1
         for s in self.lead:
             rows *= s
-        xs = [torch.randn(rows, self.k, generator=gen), torch.randn(self.k, self.n_out, generator=gen)]
+        xs = [
+            torch.randn(rows, self.k, generator=gen),
+            torch.randn(self.k, self.n_out, generator=gen),
+        ]
         if self.bias:
             xs.append(torch.randn(self.n_out, generator=gen))
         return [x.to(self.dtype) for x in xs]
@@ -125,7 +128,9 @@ def run_case(rank: int, n: int, case, seed: int, options: dict) -> dict:
     return {
         "expected": [t.float() for t in expected],
         "actual": [t.float() for t in actual],
-        "collectives_left": sum(k in (c10d.all_gather_into_tensor.default,
-                                      c10d.reduce_scatter_tensor.default) for k in kinds),
+        "collectives_left": sum(
+            k in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
+            for k in kinds
+        ),
         "p2p": sum(k is torch.ops.commfuse.p2p.default for k in kinds),
     }

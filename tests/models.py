@@ -56,8 +56,9 @@ def mlp_train_step(rank: int, n: int, options: dict, debug_dir: str, seq: int = 
     ref = copy.deepcopy(model)
     parallelize_module(model, mesh, MLP_PLAN)
     parallelize_module(ref, mesh, MLP_PLAN)
-    compiled = torch.compile(model, backend="commfuse",
-                             options={**options, "debug_dir": debug_dir}, fullgraph=True)
+    compiled = torch.compile(
+        model, backend="commfuse", options={**options, "debug_dir": debug_dir}, fullgraph=True
+    )
     x_local = x.chunk(n, dim=1)[rank].contiguous()
     registered = _get_work_registry_size()
     outs = []
@@ -65,8 +66,10 @@ def mlp_train_step(rank: int, n: int, options: dict, debug_dir: str, seq: int = 
         inp = DTensor.from_local(x_local.clone().requires_grad_(), mesh, [Shard(1)])
         out = module(inp)
         out.sum().backward()
-        grads = {k: p.grad.full_tensor() for k, p in (module._orig_mod if module is compiled
-                                                      else module).named_parameters()}
+        grads = {
+            k: p.grad.full_tensor()
+            for k, p in (module._orig_mod if module is compiled else module).named_parameters()
+        }
         outs.append((out.detach(), grads))
     (out_c, grads_c), (out_r, grads_r) = outs
     report = json.loads((Path(debug_dir) / f"rank{rank}" / "report.json").read_text())
@@ -77,4 +80,3 @@ def mlp_train_step(rank: int, n: int, options: dict, debug_dir: str, seq: int = 
         "report": report,
         "files": sorted(os.listdir(Path(debug_dir) / f"rank{rank}")),
     }
-

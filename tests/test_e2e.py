@@ -8,7 +8,6 @@ P2P work is left registered (nothing leaks, nothing is left unwaited).
 from __future__ import annotations
 
 import pytest
-
 from models import mlp_train_step
 
 TOLERANCE = {"eager": 0.0, "inductor": 1e-5}  # Inductor fuses the pointwise ops differently
@@ -23,13 +22,22 @@ def test_tp_sp_mlp_forward_backward(ranks, tmp_path, n, inner):
         assert res["leaked_works"] == 0
         sites = res["report"]["sites"]
         rewritten = {(s["graph"], s["kind"]) for s in sites if s["decision"] == "rewritten"}
-        assert rewritten == {("forward", "ag_mm"), ("forward", "mm_rs"),
-                             ("backward", "ag_mm"), ("backward", "mm_rs")}
+        assert rewritten == {
+            ("forward", "ag_mm"),
+            ("forward", "mm_rs"),
+            ("backward", "ag_mm"),
+            ("backward", "mm_rs"),
+        }
         by_graph = {(s["graph"], s["kind"]): s for s in sites}
         # gate and up share one ring (DTensor emits one all-gather for each; eager keeps both)
         assert len(by_graph["forward", "ag_mm"]["matmuls"]) == 2
         assert len(by_graph["forward", "ag_mm"]["collectives"]) == (2 if inner == "eager" else 1)
-        assert all(s["steps"] == n and s["p2p_ops"] == n - 1
-                   for s in sites if s["decision"] == "rewritten")
-        assert {"graph000_forward_before.py", "graph000_forward_after.py",
-                "graph001_backward_after.py", "report.json"} <= set(res["files"])
+        assert all(
+            s["steps"] == n and s["p2p_ops"] == n - 1 for s in sites if s["decision"] == "rewritten"
+        )
+        assert {
+            "graph000_forward_before.py",
+            "graph000_forward_after.py",
+            "graph001_backward_after.py",
+            "report.json",
+        } <= set(res["files"])

@@ -16,13 +16,13 @@ import operator
 import pytest
 import torch
 import torch.distributed as dist
+from cases import AgMm, MmRs, gathered, scattered, trace
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse_compile
-from cases import AgMm, MmRs, gathered, scattered, trace
 from commfuse_compile import CommfuseOptionError, Options, report
 from commfuse_compile.options import DEBUG_DIR_ENV
 from commfuse_compile.passes import rewrite_graph
@@ -106,6 +106,23 @@ def gather_mm(x, w):
     return torch.mm(gathered(x, N, 0), w)
 
 
+def scatter_and_reuse_product(a, w):
+    z = torch.mm(a, w)
+    return scattered(z, N, 0), z * 2
+
+
+def gather_then_weight(x, w0):
+    """The weight's transpose is traced after the gather's reassembly (as F.linear emits)."""
+    g = gathered(x, N, 1)
+    return torch.mm(g.reshape(-1, g.shape[-1]), w0.t())
+
+
+def gather_then_gathered_weight(x, w_shard):
+    """The weight is itself all-gathered after the activation's gather (FSDP + TP)."""
+    g = gathered(x, N, 1)
+    return torch.mm(g.reshape(-1, g.shape[-1]), gathered(w_shard, N, 0))
+
+
 def gather_mm_scatter(x, w):
     return scattered(torch.mm(gathered(x, N, 0), w), N, 0)
 
@@ -156,7 +173,8 @@ def test_every_p2p_output_is_waited_exactly_once(case, send_peer, recv_peer):
     rewrite_one(gm)
     for node in calls(gm, P2P):
         outs = sorted(node.users, key=lambda u: u.args[1])
-        assert [(o.target, o.args[1]) for o in outs] == [(operator.getitem, 0), (operator.getitem, 1)]
+        assert [o.target for o in outs] == [operator.getitem] * 2
+        assert [o.args[1] for o in outs] == [0, 1]  # one send handle, one received block
         for out in outs:
             assert [u.target for u in out.users] == [WAIT], out.name
 
@@ -320,6 +338,26 @@ def test_no_rebuilt_gather_when_only_the_matmuls_read_it(fn, shapes):
     assert [n.name for n in calls(gm, aten.cat.default) if not n.users] == []
 
 
+def test_weight_computed_after_the_gather_is_hoisted_before_the_ring():
+    gm = fx(gather_then_weight, (2, 3, 8), (6, 8))
+    assert rewrite_one(gm).decision == "rewritten"
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    (t,) = calls(gm, aten.t.default)
+    assert order[t] < min(order[p] for p in calls(gm, P2P))
+    gm.graph.lint()
+
+
+def test_weight_from_a_later_collective_declines_the_site():
+    gm = fx(gather_then_gathered_weight, (2, 3, 8), (2, 6))
+    before = gm.code
+    x_site, w_site = rewrite_graph(gm, "forward", RING)
+    assert x_site.decision == "declined"
+    assert x_site.reason == "input wait_tensor_1 is computed after the site and cannot move"
+    assert w_site.decision == "declined"
+    assert w_site.reason == "mm: gathered tensor is its second operand"
+    assert gm.code == before
+
+
 def test_matmul_between_gather_and_reduce_scatter_is_claimed_by_the_gather():
     gm = fx(gather_mm_scatter, (2, 8), (8, 6))
     ag, rs = rewrite_graph(gm, "forward", RING)
@@ -429,7 +467,7 @@ DECLINES = [
         id="sum-of-matmuls",
     ),
     pytest.param(
-        lambda: fx(lambda a, w: (scattered(a @ w, N, 0), (a @ w) * 2), (8, 8), (8, 6)),
+        lambda: fx(scatter_and_reuse_product, (8, 8), (8, 6)),
         "ring",
         "is also used outside the reduce-scatter",
         id="product-used-twice",
@@ -491,6 +529,7 @@ def test_declined_site_keeps_the_graph(make, schedule, reason):
     "try, so a DTensor-style split+cat site without meta['val'] raises Declined out of "
     "find_sites, and rewrite_graph's recovery calls find_sites again and re-raises",
 )
+@pytest.mark.filterwarnings("ignore:commfuse. internal error:UserWarning")
 @pytest.mark.parametrize(
     "case", [pytest.param(AgMm(dim=1), id="ag_mm"), pytest.param(MmRs(dim=1), id="mm_rs")]
 )
@@ -526,7 +565,8 @@ def test_internal_error_declines_and_restores_the_graph(
     monkeypatch, module, function, inner, warning
 ):
     # importlib: the attribute ``passes.lower`` is the function, not the module
-    monkeypatch.setattr(importlib.import_module(f"commfuse_compile.passes.{module}"), function, _boom)
+    target = importlib.import_module(f"commfuse_compile.passes.{module}")
+    monkeypatch.setattr(target, function, _boom)
     gm = build(AgMm())
     before = gm.code
     with pytest.warns(UserWarning, match=warning):
@@ -586,14 +626,16 @@ def test_debug_dump_writes_code_and_accumulates_the_report(tmp_path):
     report.reset()
     options = Options(schedule="ring", inner="eager", debug_dir=str(tmp_path))
     rank_dir = tmp_path / f"rank{RANK}"
-    codes = []
-    for kind, case in [("forward", AgMm()), ("backward", MmRs())]:
+    graphs = [("forward", AgMm()), ("backward", MmRs())]
+    for index, (kind, case) in enumerate(graphs):
         gm = build(case)
         before = gm.code
         rewrite_graph(gm, kind, options)
-        codes.append((before, gm.code))
+        assert before != gm.code
+        assert (rank_dir / f"graph{index:03d}_{kind}_before.py").read_text() == before
+        assert (rank_dir / f"graph{index:03d}_{kind}_after.py").read_text() == gm.code
         sites = json.loads((rank_dir / "report.json").read_text())["sites"]
-        assert len(sites) == len(codes)
+        assert len(sites) == index + 1  # the report grows with every graph
     assert sorted(p.name for p in rank_dir.iterdir()) == [
         "graph000_forward_after.py",
         "graph000_forward_before.py",
@@ -601,16 +643,11 @@ def test_debug_dump_writes_code_and_accumulates_the_report(tmp_path):
         "graph001_backward_before.py",
         "report.json",
     ]
-    for index, (kind, (before, after)) in enumerate(zip(["forward", "backward"], codes)):
-        assert (rank_dir / f"graph{index:03d}_{kind}_before.py").read_text() == before
-        assert (rank_dir / f"graph{index:03d}_{kind}_after.py").read_text() == after
-    assert before != after
-    sites = json.loads((rank_dir / "report.json").read_text())["sites"]
     required = {"kind", "graph", "decision", "schedule", "reason", "site", "nodes"}
     assert all(required <= set(site) for site in sites)
-    assert [(s["kind"], s["graph"], s["decision"]) for s in sites] == [
-        ("ag_mm", "forward", "rewritten"),
-        ("mm_rs", "backward", "rewritten"),
+    assert [(s["kind"], s["graph"], s["decision"], s["schedule"]) for s in sites] == [
+        ("ag_mm", "forward", "rewritten", "ring"),
+        ("mm_rs", "backward", "rewritten", "ring"),
     ]
     assert sites[0]["matmuls"] == ["addmm", "addmm_1"] and sites[1]["blocks"] == "rows"
 

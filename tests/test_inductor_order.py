@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from cases import AgMm, MmRs
 
 
@@ -24,7 +23,7 @@ def compiled_code(rank, n, case):
 
 def overlap_violations(code: str) -> list[str]:
     """Steps whose transfer is waited on before any matmul ran while it was in flight."""
-    body = code[code.index("def call("):].splitlines()
+    body = code[code.index("def call(") :].splitlines()
     problems, open_since, matmuls = [], None, 0
     for number, line in enumerate(body):
         if "commfuse.p2p" in line:
@@ -33,13 +32,16 @@ def overlap_violations(code: str) -> list[str]:
             matmuls += 1
         elif "wait_tensor" in line and open_since is not None:
             if matmuls == 0:
-                problems.append(f"line {number}: wait right after the transfer of line {open_since}")
+                problems.append(
+                    f"line {number}: wait right after the transfer of line {open_since}"
+                )
             open_since = None
     return problems
 
 
-@pytest.mark.parametrize("case", [AgMm(consumers=2), MmRs(lead=(2, 6), dim=1)],
-                         ids=["ag_mm", "mm_rs"])
+@pytest.mark.parametrize(
+    "case", [AgMm(consumers=2), MmRs(lead=(2, 6), dim=1)], ids=["ag_mm", "mm_rs"]
+)
 def test_waits_follow_the_overlapped_matmul(ranks, case):
     pool = ranks(3)
     for codes in pool.run(compiled_code, case):

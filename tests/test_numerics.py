@@ -11,14 +11,16 @@ partials in ring order instead of gloo's: equal up to summation order.
 from __future__ import annotations
 
 import torch
+from cases import AgMm, MmRs, run_case
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cases import AgMm, MmRs, run_case
-
-PROPERTY = settings(max_examples=25, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow,
-                                           HealthCheck.function_scoped_fixture])
+PROPERTY = settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 RING = {"schedule": "ring"}
 SUM_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 

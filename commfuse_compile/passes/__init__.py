@@ -39,13 +39,15 @@ def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[Si
         gm.graph.lint()
         gm.recompile()
     except Exception as err:  # noqa: BLE001 - never break the user's compile
-        warnings.warn(f"commfuse: internal error, graph left as it was: {_brief(err)}",
-                      stacklevel=2)
+        warnings.warn(
+            f"commfuse: internal error, graph left as it was: {_brief(err)}", stacklevel=2
+        )
         gm.graph = original
         gm.recompile()
         records = [
-            SiteRecord(kind=s.kind, graph=graph_kind, site=-1,
-                       reason=f"internal error: {_brief(err)}")
+            SiteRecord(
+                kind=s.kind, graph=graph_kind, site=-1, reason=f"internal error: {_brief(err)}"
+            )
             for s in match.find_sites(gm.graph)
         ]
     for record in records:
@@ -56,12 +58,14 @@ def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[Si
     return records
 
 
-def _rewrite_sites(gm: GraphModule, graph_kind: str, options: Options
-                   ) -> tuple[list[SiteRecord], list[Rewrite]]:
+def _rewrite_sites(
+    gm: GraphModule, graph_kind: str, options: Options
+) -> tuple[list[SiteRecord], list[Rewrite]]:
     records, rewrites = [], []
     for site in match.find_sites(gm.graph):
-        record = SiteRecord(kind=site.kind, graph=graph_kind, site=next(_site_ids),
-                            details=site.describe())
+        record = SiteRecord(
+            kind=site.kind, graph=graph_kind, site=next(_site_ids), details=site.describe()
+        )
         records.append(record)
         rewrite = None
         try:
@@ -69,8 +73,9 @@ def _rewrite_sites(gm: GraphModule, graph_kind: str, options: Options
                 raise Declined(site.declined)
             group = groups.resolve(site.group_name, site.group_size)
             chosen = plan(site, group, options)
-            record.details["predicted_us"] = {k: round(v * 1e6, 2)
-                                              for k, v in chosen.predicted_s.items()}
+            record.details["predicted_us"] = {
+                k: round(v * 1e6, 2) for k, v in chosen.predicted_s.items()
+            }
             rewrite = start(site, record.site, gm.graph)
             lower(rewrite, group, by_name(chosen.schedule))
             verify.check_emitted(rewrite)
@@ -91,8 +96,9 @@ def _rewrite_sites(gm: GraphModule, graph_kind: str, options: Options
             continue
         record.decision, record.schedule, record.reason = "rewritten", chosen.schedule, chosen.why
         record.nodes = [n.name for n in rewrite.created]
-        record.details.update(steps=len(rewrite.steps), p2p_ops=rewrite.p2p_ops,
-                              group_size=group.size)
+        record.details.update(
+            steps=len(rewrite.steps), p2p_ops=rewrite.p2p_ops, group_size=group.size
+        )
         rewrites.append(rewrite)
     return records, rewrites
 

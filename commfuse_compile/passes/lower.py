@@ -59,8 +59,15 @@ class Rewrite:
     p2p_ops: int = 0
     committing: bool = False  # past this point the graph cannot be restored site by site
 
-    def emit(self, target: Callable[..., Any], args: tuple[Any, ...],
-             kwargs: dict[str, Any] | None = None, *, step: int, lane: str) -> Node:
+    def emit(
+        self,
+        target: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        *,
+        step: int,
+        lane: str,
+    ) -> Node:
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(target, args, kwargs or {})
         self.created.append(node)
@@ -119,8 +126,9 @@ def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleTyp
     held: dict[int, Node] = {group.rank: site.shard}
     parts: list[dict[int, Node]] = [{} for _ in site.uses]
     for s, step in enumerate(schedule.gather_steps(group.rank, n)):
-        issue, recvs, sent = _issue(rw, group, tag, s, step.sends, step.recvs, held,
-                                    recv_like=site.shard)
+        issue, recvs, sent = _issue(
+            rw, group, tag, s, step.sends, step.recvs, held, recv_like=site.shard
+        )
         compute = []
         for b in step.compute:
             for use, out in zip(site.uses, parts, strict=True):
@@ -150,12 +158,17 @@ def _chain_outlives(site: AgMmSite) -> bool:
     return any(user not in inside for node in site.chain for user in node.users)
 
 
-def _gather_block(rw: Rewrite, use: GatherUse, shard: Node, shard_shape: tuple[int, ...],
-                  step: int) -> Node:
+def _gather_block(
+    rw: Rewrite, use: GatherUse, shard: Node, shard_shape: tuple[int, ...], step: int
+) -> Node:
     """rows of the product that come from one gathered block, shaped like the block."""
     lead = shard_shape[: use.row_dims]
-    a = rw.emit(aten.view.default, (shard, [math.prod(lead), math.prod(shard_shape[use.row_dims:])]),
-                step=step, lane="compute")
+    a = rw.emit(
+        aten.view.default,
+        (shard, [math.prod(lead), math.prod(shard_shape[use.row_dims :])]),
+        step=step,
+        lane="compute",
+    )
     part = _matmul(rw, use.mm, a, use.mm.b, use.mm.bias, step)
     cols = val(use.mm.node).shape[1]
     return rw.emit(aten.view.default, (part, [*lead, cols]), step=step, lane="compute")
@@ -173,7 +186,7 @@ def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleTyp
     if not site.columns and len(shape) != 2:
         a_blocks = rw.emit(aten.view.default, (mm.a, [*shape[:-1], k]), step=0, lane="compute")
     width = shape[g] // n
-    pending: tuple[Node | None, list[Node], list[Node]] = (None, [], [])
+    pending: Pending = (None, [], [])
     held: dict[int, Node] = {}
     acc: Node | None = None
     for s, step in enumerate(schedule.reduce_steps(group.rank, n)):
@@ -192,53 +205,88 @@ def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleTyp
     rw.replace[site.wait] = rw.emit(aten.view.default, (acc, out_shape), step=n, lane="compute")
 
 
-def _reduce_block(rw: Rewrite, site: MmRsSite, a: Node, b: int, width: int, k: int,
-                  step: int) -> Node:
+def _reduce_block(
+    rw: Rewrite, site: MmRsSite, a: Node, b: int, width: int, k: int, step: int
+) -> Node:
     """This rank's partial of block ``b`` of the product."""
     assert site.mm is not None
     mm, g = site.mm, site.scatter_dim
     if site.columns:
-        w = rw.emit(aten.slice.Tensor, (mm.b, 1, b * width, (b + 1) * width), step=step,
-                    lane="compute")
+        w = rw.emit(
+            aten.slice.Tensor, (mm.b, 1, b * width, (b + 1) * width), step=step, lane="compute"
+        )
         bias = mm.bias
         if bias is not None and val(bias).dim() >= 1 and val(bias).shape[-1] != 1:
-            bias = rw.emit(aten.slice.Tensor, (bias, -1, b * width, (b + 1) * width),
-                           step=step, lane="compute")
+            bias = rw.emit(
+                aten.slice.Tensor, (bias, -1, b * width, (b + 1) * width), step=step, lane="compute"
+            )
         return _matmul(rw, mm, mm.a, w, bias, step)
-    rows = rw.emit(aten.slice.Tensor, (a, g, b * width, (b + 1) * width), step=step,
-                   lane="compute")
+    rows = rw.emit(aten.slice.Tensor, (a, g, b * width, (b + 1) * width), step=step, lane="compute")
     if not val(rows).is_contiguous():
-        rows = rw.emit(aten.clone.default, (rows,), {"memory_format": torch.contiguous_format},
-                       step=step, lane="compute")
+        rows = rw.emit(
+            aten.clone.default,
+            (rows,),
+            {"memory_format": torch.contiguous_format},
+            step=step,
+            lane="compute",
+        )
     if val(rows).dim() != 2:
-        rows = rw.emit(aten.view.default, (rows, [val(rows).numel() // k, k]), step=step,
-                       lane="compute")
+        rows = rw.emit(
+            aten.view.default, (rows, [val(rows).numel() // k, k]), step=step, lane="compute"
+        )
     return _matmul(rw, mm, rows, mm.b, mm.bias, step)
 
 
 # ----------------------------------------------------------------------------------------
 
 
-def _issue(rw: Rewrite, group: Group, tag: int, step: int, sends: Sequence[Any],
-           recvs: Sequence[Any], held: dict[int, Node], recv_like: Node
-           ) -> tuple[Node | None, list[tuple[int, Node]], list[tuple[Node, Node]]]:
+Pending = tuple[Node | None, list[tuple[int, Node]], list[tuple[Node, Node]]]
+
+
+def _issue(
+    rw: Rewrite,
+    group: Group,
+    tag: int,
+    step: int,
+    sends: Sequence[Any],
+    recvs: Sequence[Any],
+    held: dict[int, Node],
+    recv_like: Node,
+) -> Pending:
     """Start one batch of sends and receives; returns (p2p node, pending recvs, sends)."""
     if not sends and not recvs:
         return None, [], []
     buffers = [held[t.block] for t in sends]
-    p2p = rw.emit(P2P, (buffers, [group.peer(t.peer) for t in sends], [recv_like] * len(recvs),
-                        [group.peer(t.peer) for t in recvs], tag, group.name),
-                  step=step, lane="comm")
+    p2p = rw.emit(
+        P2P,
+        (
+            buffers,
+            [group.peer(t.peer) for t in sends],
+            [recv_like] * len(recvs),
+            [group.peer(t.peer) for t in recvs],
+            tag,
+            group.name,
+        ),
+        step=step,
+        lane="comm",
+    )
     rw.p2p_ops += 1
-    outs = [rw.emit(operator.getitem, (p2p, i), step=step, lane="comm")
-            for i in range(len(sends) + len(recvs))]
+    outs = [
+        rw.emit(operator.getitem, (p2p, i), step=step, lane="comm")
+        for i in range(len(sends) + len(recvs))
+    ]
     sent = list(zip(outs[: len(sends)], buffers, strict=True))
-    pending = [(t.block, out) for t, out in zip(recvs, outs[len(sends):], strict=True)]
+    pending = [(t.block, out) for t, out in zip(recvs, outs[len(sends) :], strict=True)]
     return p2p, pending, sent
 
 
-def _wait_all(rw: Rewrite, step: int, recvs: list[tuple[int, Node]],
-              sent: list[tuple[Node, Node]], held: dict[int, Node]) -> list[Node]:
+def _wait_all(
+    rw: Rewrite,
+    step: int,
+    recvs: list[tuple[int, Node]],
+    sent: list[tuple[Node, Node]],
+    held: dict[int, Node],
+) -> list[Node]:
     """Wait every output of a P2P batch; received blocks become held. A send's buffer is
     passed to a (no-op) wait too, so that no compiler reuses its memory mid-transfer."""
     waits = []
@@ -254,8 +302,9 @@ def _wait_all(rw: Rewrite, step: int, recvs: list[tuple[int, Node]],
 def _matmul(rw: Rewrite, mm: Matmul, a: Node, b: Node, bias: Node | None, step: int) -> Node:
     if bias is None:
         return rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
-    return rw.emit(aten.addmm.default, (bias, a, b), dict(mm.node.kwargs), step=step,
-                   lane="compute")
+    return rw.emit(
+        aten.addmm.default, (bias, a, b), dict(mm.node.kwargs), step=step, lane="compute"
+    )
 
 
 def _first_consumer(graph: Graph, site: AgMmSite) -> Node:
@@ -276,7 +325,11 @@ def _inputs_to_hoist(graph: Graph, created: list[Node]) -> tuple[Node, list[Node
     def visit(node: Node) -> None:
         if node in created or node in moves or order[node] < order[first]:
             return
-        if node.op != "call_function" or node.is_impure() or node.target is c10d.wait_tensor.default:
+        if (
+            node.op != "call_function"
+            or node.is_impure()
+            or node.target is c10d.wait_tensor.default
+        ):
             raise decline(f"input {node.name} is computed after the site and cannot move")
         for arg in node.all_input_nodes:
             visit(arg)
@@ -293,9 +346,11 @@ def _in_graph_order(graph: Graph, nodes: Sequence[Node]) -> list[Node]:
     return [node for node in graph.nodes if node in wanted]
 
 
-def _fake_eval(fake_mode: Any, target: Callable[..., Any], args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> Any:
+def _fake_eval(
+    fake_mode: Any, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     """The node's value on fake tensors, from its inputs' ``meta['val']``."""
+
     def unwrap(x: Any) -> Any:
         return x.meta.get("val") if isinstance(x, Node) else x
 

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import operator
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch.fx import Graph, Node
@@ -54,11 +54,11 @@ class Matmul:
 
     @staticmethod
     def of(node: Node) -> Matmul | None:
-        form = MATMULS.get(node.target) if node.op == "call_function" else None  # type: ignore[arg-type]
+        form = MATMULS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
         if form is None:
             return None
-        bias = node.args[form.bias] if form.bias is not None else None
-        return Matmul(node, node.args[form.a], node.args[form.b], bias)  # type: ignore[arg-type]
+        bias = _arg(node, form.bias, "self") if form.bias is not None else None
+        return Matmul(node, _arg(node, form.a, "mat1"), _arg(node, form.b, "mat2"), bias)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -173,7 +173,7 @@ def _gathers_by_shard(graph: Graph) -> dict[tuple[Node, int, str], list[Node]]:
     groups: dict[tuple[Node, int, str], list[Node]] = {}
     for node in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
         shard, size, name = node.args[:3]
-        groups.setdefault((shard, int(size), str(name)), []).append(node)  # type: ignore[call-overload]
+        groups.setdefault((shard, int(size), str(name)), []).append(node)
     return groups
 
 
@@ -195,8 +195,15 @@ def _match_gather(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite |
         return None
     g_dims = {g for _, g, _ in gathered}
     site = AgMmSite(
-        gathers=gathers, waits=waits, shard=shard, group_name=group_name, group_size=n,
-        gather_dim=min(g_dims) if g_dims else 0, gathered_shape=(), uses=[], chain=[],
+        gathers=gathers,
+        waits=waits,
+        shard=shard,
+        group_name=group_name,
+        group_size=n,
+        gather_dim=min(g_dims) if g_dims else 0,
+        gathered_shape=(),
+        uses=[],
+        chain=[],
         unmatched=[],
     )
     try:
@@ -228,14 +235,13 @@ def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
     if len(users) == 1 and users[0].target is aten.split.Tensor:
         split = users[0]
         parts = _ordered_getitems(split, n)
-        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        dim = _arg(split, 2, "dim", 0)
         if parts is not None and dim == 0:
             cats = {u for p in parts for u in p.users}
             if len(cats) == 1:
                 cat = cats.pop()
-                if cat.target is aten.cat.default and list(cat.args[0]) == parts:  # type: ignore[arg-type]
-                    g = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
-                    g = int(g) % val(cat).dim()  # type: ignore[call-overload]
+                if cat.target is aten.cat.default and list(_arg(cat, 0, "tensors")) == parts:
+                    g = int(_arg(cat, 1, "dim", 0)) % val(cat).dim()
                     return cat, g, [split, *parts, cat]
     return wait, 0, []
 
@@ -245,7 +251,7 @@ def _ordered_getitems(split: Node, n: int) -> list[Node] | None:
     for u in split.users:
         if u.target is not operator.getitem or len(u.users) != 1:
             return None
-        parts[u.args[1]] = u  # type: ignore[index]
+        parts[_arg(u, 1, "index")] = u
     if sorted(parts) != list(range(n)):
         return None
     return [parts[i] for i in range(n)]
@@ -298,20 +304,26 @@ def _why_not_rows(site: AgMmSite, node: Node, user: Node) -> str:
 
 
 def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
-    inp, reduce_op, n, group_name = rs.args[:4]
+    inp, reduce_op, n, group_name = (_arg(rs, i, "") for i in range(4))
     users = list(rs.users)
     wait = users[0] if len(users) == 1 else None
-    scattered, g, chain = _scattered(inp, int(n))  # type: ignore[arg-type, call-overload]
+    scattered, g, chain = _scattered(inp, int(n))
     product = scattered
     while product.target in VIEWS and len(product.users) == 1:
         chain.append(product)
-        product = product.args[0]  # type: ignore[assignment]
+        product = _arg(product, 0, "self")
     mm = Matmul.of(product)
     if mm is None and not any(is_matmul(a) for a in _view_sources(product)):
         return None
     site = MmRsSite(
-        reduce_scatter=rs, wait=wait or rs, mm=mm, group_name=str(group_name),
-        group_size=int(n), scatter_dim=g, product_shape=(), columns=False,  # type: ignore[call-overload]
+        reduce_scatter=rs,
+        wait=wait or rs,
+        mm=mm,
+        group_name=str(group_name),
+        group_size=int(n),
+        scatter_dim=g,
+        product_shape=(),
+        columns=False,
         chain=chain,
     )
     try:
@@ -349,16 +361,14 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
 def _scattered(inp: Node, n: int) -> tuple[Node, int, list[Node]]:
     """(product as scattered, scatter dim, nodes): DTensor scatters dim g via split + cat."""
     if inp.target is aten.cat.default:
-        cat_dim = inp.args[1] if len(inp.args) > 1 else inp.kwargs.get("dim", 0)
-        parts = list(inp.args[0])  # type: ignore[arg-type]
-        sources = {p.args[0] for p in parts if p.target is operator.getitem}
-        if cat_dim == 0 and len(sources) == 1 and len(parts) == n:
-            split = sources.pop()
-            if split.target is aten.split.Tensor and _ordered_getitems(split, n) == parts:  # type: ignore[union-attr, arg-type]
-                g = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)  # type: ignore[union-attr]
-                product = split.args[0]  # type: ignore[union-attr]
-                g = int(g) % val(product).dim()  # type: ignore[arg-type, call-overload]
-                return product, g, [inp, split, *parts]  # type: ignore[list-item, return-value]
+        parts: list[Node] = list(_arg(inp, 0, "tensors"))
+        sources = {_arg(p, 0, "self") for p in parts if p.target is operator.getitem}
+        if _arg(inp, 1, "dim", 0) == 0 and len(sources) == 1 and len(parts) == n:
+            split: Node = sources.pop()
+            if split.target is aten.split.Tensor and _ordered_getitems(split, n) == parts:
+                product: Node = _arg(split, 0, "self")
+                g = int(_arg(split, 2, "dim", 0)) % val(product).dim()
+                return product, g, [inp, split, *parts]
     return inp, 0, []
 
 
@@ -370,9 +380,9 @@ def _resolve_overlaps(found: list[Site]) -> None:
     """A matmul fed by a gather and feeding a reduce-scatter is claimed by the gather."""
     gathered_mms = {u.mm.node for s in found if isinstance(s, AgMmSite) for u in s.uses}
     for site in found:
-        claimed = isinstance(site, MmRsSite) and site.mm is not None and site.mm.node in gathered_mms
-        if claimed and site.declined is None:
-            site.declined = f"{site.mm.node.name} is already rewritten by its all-gather site"
+        mm = site.mm if isinstance(site, MmRsSite) else None
+        if mm is not None and mm.node in gathered_mms and site.declined is None:
+            site.declined = f"{mm.node.name} is already rewritten by its all-gather site"
 
 
 def _reaches_matmul(node: Node, depth: int = 8) -> bool:
@@ -380,8 +390,15 @@ def _reaches_matmul(node: Node, depth: int = 8) -> bool:
     for user in node.users:
         if is_matmul(user):
             return True
-        passes = user.target in VIEWS or user.target in TRANSPOSES or user.target in (
-            aten.split.Tensor, operator.getitem, aten.cat.default,
+        passes = (
+            user.target in VIEWS
+            or user.target in TRANSPOSES
+            or user.target
+            in (
+                aten.split.Tensor,
+                operator.getitem,
+                aten.cat.default,
+            )
         )
         if depth and passes and _reaches_matmul(user, depth - 1):
             return True
@@ -392,7 +409,7 @@ def _view_sources(node: Node) -> Iterable[Node]:
     """Producers of ``node``'s inputs, looking through views (one level of a sum of matmuls)."""
     for arg in node.all_input_nodes:
         while arg.target in VIEWS:
-            arg = arg.args[0]  # type: ignore[assignment]
+            arg = _arg(arg, 0, "self")
         yield arg
 
 
@@ -411,6 +428,11 @@ def _check_tensor(node: Node, what: str) -> None:
 def _is_mutating(node: Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+def _arg(node: Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``index`` (or keyword ``name``) of a call node, untyped like FX args are."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def _op_name(node: Node) -> str:

@@ -33,8 +33,10 @@ def check_emitted(rw: Rewrite) -> None:
             raise decline(f"internal: a send buffer of {node.name} is released before its wait")
     for old, new in rw.replace.items():
         a, b = old.meta.get("val"), new.meta.get("val")
-        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or (
-            a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+        if (
+            not isinstance(a, torch.Tensor)
+            or not isinstance(b, torch.Tensor)
+            or (a.shape != b.shape or a.dtype != b.dtype or a.device != b.device)
         ):
             raise decline(f"internal: replacement of {old.name} changes its value's shape/dtype")
 

@@ -16,8 +16,8 @@ def gather_steps(rank: int, n: int) -> list[GatherStep]:
     for s in range(n):
         held = (rank + s) % n
         if s < n - 1:
-            send = (Transfer(block=held, peer=-1),)
-            recv = (Transfer(block=(rank + s + 1) % n, peer=+1),)
+            send: tuple[Transfer, ...] = (Transfer(block=held, peer=-1),)
+            recv: tuple[Transfer, ...] = (Transfer(block=(rank + s + 1) % n, peer=+1),)
         else:
             send, recv = (), ()
         steps.append(GatherStep(compute=(held,), sends=send, recvs=recv))
@@ -29,8 +29,8 @@ def reduce_steps(rank: int, n: int) -> list[ReduceStep]:
     for s in range(n):
         block = (rank - s - 1) % n
         if s < n - 1:
-            send = (Transfer(block=block, peer=+1),)
-            recv = (Transfer(block=(rank - s - 2) % n, peer=-1),)
+            send: tuple[Transfer, ...] = (Transfer(block=block, peer=+1),)
+            recv: tuple[Transfer, ...] = (Transfer(block=(rank - s - 2) % n, peer=-1),)
         else:
             send, recv = (), ()
         steps.append(ReduceStep(block=block, add_received=s > 0, sends=send, recvs=recv))

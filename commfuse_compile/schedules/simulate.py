@@ -20,8 +20,12 @@ class ScheduleError(AssertionError):
     pass
 
 
-def _exchange(n: int, step: int, sends: dict[int, tuple[Transfer, ...]],
-              recvs: dict[int, tuple[Transfer, ...]]) -> None:
+def _exchange(
+    n: int,
+    step: int,
+    sends: dict[int, tuple[Transfer, ...]],
+    recvs: dict[int, tuple[Transfer, ...]],
+) -> None:
     """Every recv (r <- r+o, block b) must be a send (r+o -> r, block b) of the same step."""
     sent = {((r + t.peer) % n, r, t.block) for r, ts in sends.items() for t in ts}
     wanted = {(r, (r + t.peer) % n, t.block) for r, ts in recvs.items() for t in ts}
@@ -31,8 +35,9 @@ def _exchange(n: int, step: int, sends: dict[int, tuple[Transfer, ...]],
         )
 
 
-def gather(schedule: ModuleType, blocks: Sequence[T], compute: Callable[[int, T], object]
-           ) -> list[dict[int, object]]:
+def gather(
+    schedule: ModuleType, blocks: Sequence[T], compute: Callable[[int, T], object]
+) -> list[dict[int, object]]:
     """For each rank, {block index: compute(block index, block)} as the schedule runs it."""
     n = len(blocks)
     plans = [schedule.gather_steps(r, n) for r in range(n)]
@@ -40,28 +45,39 @@ def gather(schedule: ModuleType, blocks: Sequence[T], compute: Callable[[int, T]
     out: list[dict[int, object]] = [{} for _ in range(n)]
     for s in range(len(plans[0])):
         steps = [plans[r][s] for r in range(n)]
-        _exchange(n, s, {r: st.sends for r, st in enumerate(steps)},
-                  {r: st.recvs for r, st in enumerate(steps)})
+        _exchange(
+            n,
+            s,
+            {r: st.sends for r, st in enumerate(steps)},
+            {r: st.recvs for r, st in enumerate(steps)},
+        )
         for r, st in enumerate(steps):
             for b in st.compute:
                 out[r][b] = compute(b, held[r][b])
-        arrived = [{t.block: held[(r + t.peer) % n][t.block] for t in st.recvs}
-                   for r, st in enumerate(steps)]
+        arrived = [
+            {t.block: held[(r + t.peer) % n][t.block] for t in st.recvs}
+            for r, st in enumerate(steps)
+        ]
         for r in range(n):
             held[r].update(arrived[r])
     return out
 
 
-def reduce(schedule: ModuleType, n: int, partial: Callable[[int, int], T],
-           add: Callable[[T, T], T]) -> list[T]:
+def reduce(
+    schedule: ModuleType, n: int, partial: Callable[[int, int], T], add: Callable[[T, T], T]
+) -> list[T]:
     """For each rank, the finished block it holds: sum over ranks of partial(rank, block)."""
     plans = [schedule.reduce_steps(r, n) for r in range(n)]
     inbox: list[dict[int, T]] = [{} for _ in range(n)]
     last: list[T] = [None for _ in range(n)]  # type: ignore[misc]
     for s in range(len(plans[0])):
         steps = [plans[r][s] for r in range(n)]
-        _exchange(n, s, {r: st.sends for r, st in enumerate(steps)},
-                  {r: st.recvs for r, st in enumerate(steps)})
+        _exchange(
+            n,
+            s,
+            {r: st.sends for r, st in enumerate(steps)},
+            {r: st.recvs for r, st in enumerate(steps)},
+        )
         acc = []
         for r, st in enumerate(steps):
             value = partial(r, st.block)
