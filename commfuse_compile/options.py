@@ -33,7 +33,9 @@ class Options:
             )
         _check_choice("schedule", given.get("schedule", "auto"), SCHEDULES)
         _check_choice("inner", given.get("inner", "inductor"), INNER_COMPILERS)
-        debug_dir = given.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
+        debug_dir = given.get("debug_dir")
+        if debug_dir is None:
+            debug_dir = os.environ.get(DEBUG_DIR_ENV) or None
         if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
             raise CommfuseOptionError(
                 f"commfuse: option 'debug_dir' must be a path, got {debug_dir!r}"

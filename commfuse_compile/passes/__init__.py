@@ -16,7 +16,7 @@ from torch.fx import GraphModule
 
 from .. import groups
 from ..options import Options
-from ..report import REPORT, Declined, SiteRecord, dump_code
+from ..report import REPORT, Declined, SiteRecord, decline, dump_code
 from ..schedules import by_name
 from . import match, order, verify
 from .lower import Rewrite, lower, start
@@ -45,10 +45,8 @@ def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[Si
         gm.graph = original
         gm.recompile()
         records = [
-            SiteRecord(
-                kind=s.kind, graph=graph_kind, site=-1, reason=f"internal error: {_brief(err)}"
-            )
-            for s in match.find_sites(gm.graph)
+            SiteRecord(kind=s.kind, graph=graph_kind, reason=f"internal error: {_brief(err)}")
+            for s in _sites_or_none(gm)
         ]
     for record in records:
         REPORT.add(record)
@@ -71,6 +69,8 @@ def _rewrite_sites(
         try:
             if site.declined:
                 raise Declined(site.declined)
+            if isinstance(site, match.MmRsSite) and site.mm is not None and site.mm.node._erased:
+                raise decline(f"{site.mm.node.name} was rewritten by its all-gather site")
             group = groups.resolve(site.group_name, site.group_size)
             chosen = plan(site, group, options)
             record.details["predicted_us"] = {
@@ -81,18 +81,18 @@ def _rewrite_sites(
             verify.check_emitted(rewrite)
             rewrite.commit(_site_nodes(site))
             verify.check_committed(rewrite, gm.graph)
-        except Declined as why:
-            if rewrite is not None:
-                rewrite.discard()
-            record.reason = why.reason
-            continue
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - declines and internal errors alike
             if rewrite is not None and rewrite.committing:
-                raise  # the graph is half rewritten: let rewrite_graph restore all of it
+                raise  # the graph is half rewritten: rewrite_graph restores all of it
             if rewrite is not None:
                 rewrite.discard()
-            record.reason = f"internal error: {_brief(err)}"
-            warnings.warn(f"commfuse: site {record.site} declined, {record.reason}", stacklevel=2)
+            if isinstance(err, Declined):
+                record.reason = err.reason
+            else:
+                record.reason = f"internal error: {_brief(err)}"
+                warnings.warn(
+                    f"commfuse: site {record.site} declined, {record.reason}", stacklevel=2
+                )
             continue
         record.decision, record.schedule, record.reason = "rewritten", chosen.schedule, chosen.why
         record.nodes = [n.name for n in rewrite.created]
@@ -108,6 +108,14 @@ def _site_nodes(site: match.Site) -> list:
         return [*site.gathers, *site.waits, *site.chain, *(u.mm.node for u in site.uses)]
     assert site.mm is not None
     return [site.reduce_scatter, site.wait, *site.chain, site.mm.node]
+
+
+def _sites_or_none(gm: GraphModule) -> list[match.Site]:
+    """The sites of a restored graph, for the report; none if even matching fails."""
+    try:
+        return match.find_sites(gm.graph)
+    except Exception:  # noqa: BLE001
+        return []
 
 
 def _brief(err: BaseException) -> str:

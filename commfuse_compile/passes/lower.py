@@ -143,19 +143,19 @@ def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleTyp
         rw.replace[use.mm.node] = rw.emit(
             aten.view.default, (full, list(val(use.mm.node).shape)), step=last, lane="compute"
         )
-    rebuilt = None
-    for wait in site.waits:
-        if any(u not in site.chain for u in wait.users) or _chain_outlives(site):
-            rebuilt = rebuilt or rw.emit(
-                aten.cat.default, ([held[b] for b in range(n)], 0), step=last, lane="comm"
-            )
+    if _gathered_outlives(site):
+        # all_gather_into_tensor's value, rebuilt from the shards: never gather twice
+        rebuilt = rw.emit(
+            aten.cat.default, ([held[b] for b in range(n)], 0), step=last, lane="comm"
+        )
+        for wait in site.waits:
             rw.replace[wait] = rebuilt
 
 
-def _chain_outlives(site: AgMmSite) -> bool:
-    """Does any reassembly/view node feed something other than the rewritten matmuls?"""
+def _gathered_outlives(site: AgMmSite) -> bool:
+    """Is the gathered value read by anything other than the rewritten matmuls?"""
     inside = set(site.chain) | {u.mm.node for u in site.uses}
-    return any(user not in inside for node in site.chain for user in node.users)
+    return any(user not in inside for node in (*site.waits, *site.chain) for user in node.users)
 
 
 def _gather_block(

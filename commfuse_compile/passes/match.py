@@ -159,7 +159,6 @@ def find_sites(graph: Graph) -> list[Site]:
         rs_site = _match_reduce_scatter(node)
         if rs_site is not None:
             found.append(rs_site)
-    _resolve_overlaps(found)
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(found, key=lambda s: order[s.anchor])
 
@@ -241,7 +240,7 @@ def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
             if len(cats) == 1:
                 cat = cats.pop()
                 if cat.target is aten.cat.default and list(_arg(cat, 0, "tensors")) == parts:
-                    g = int(_arg(cat, 1, "dim", 0)) % val(cat).dim()
+                    g = _dim(cat, _arg(cat, 1, "dim", 0))
                     return cat, g, [split, *parts, cat]
     return wait, 0, []
 
@@ -367,22 +366,13 @@ def _scattered(inp: Node, n: int) -> tuple[Node, int, list[Node]]:
             split: Node = sources.pop()
             if split.target is aten.split.Tensor and _ordered_getitems(split, n) == parts:
                 product: Node = _arg(split, 0, "self")
-                g = int(_arg(split, 2, "dim", 0)) % val(product).dim()
+                g = _dim(product, _arg(split, 2, "dim", 0))
                 return product, g, [inp, split, *parts]
     return inp, 0, []
 
 
 # ----------------------------------------------------------------------------------------
 # shared helpers
-
-
-def _resolve_overlaps(found: list[Site]) -> None:
-    """A matmul fed by a gather and feeding a reduce-scatter is claimed by the gather."""
-    gathered_mms = {u.mm.node for s in found if isinstance(s, AgMmSite) for u in s.uses}
-    for site in found:
-        mm = site.mm if isinstance(site, MmRsSite) else None
-        if mm is not None and mm.node in gathered_mms and site.declined is None:
-            site.declined = f"{mm.node.name} is already rewritten by its all-gather site"
 
 
 def _reaches_matmul(node: Node, depth: int = 8) -> bool:
@@ -428,6 +418,12 @@ def _check_tensor(node: Node, what: str) -> None:
 def _is_mutating(node: Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return bool(schema is not None and schema.is_mutable)
+
+
+def _dim(node: Node, dim: int) -> int:
+    """``dim`` of ``node``'s value made non-negative (kept as is when the rank is unknown)."""
+    value = node.meta.get("val")
+    return int(dim) % value.dim() if isinstance(value, torch.Tensor) else int(dim)
 
 
 def _arg(node: Node, index: int, name: str, default: Any = None) -> Any:

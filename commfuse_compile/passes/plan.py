@@ -31,12 +31,15 @@ class Profile:
     step_overhead_s: float  # issue + wait + launch of one extra ring step
 
 
-# Defaults by device type until a measured profile is given. CPU: one core of this
-# kind of machine over gloo on loopback (measured here: ~40 GFLOP/s fp32 mm, ~60 us
-# per small gloo message, ~2 GB/s). CUDA: an H100 SXM with NVLink 4 (bf16 dense
-# ~600 TFLOP/s achieved of 989 peak; NVLink ~ 350 GB/s achieved per direction).
+# Defaults by device type until a measured profile is given.
+# cpu: measured on this project's 2-core CI machine kind (2026-11-30), two gloo ranks on
+#   loopback: fp32 mm on one thread 80-110 GFLOP/s; send+recv of a small message
+#   0.2-1.9 ms one way depending on load (1 ms taken); 2.5 GB/s for 16 MiB messages.
+# cuda: H100 SXM, NVLink 4: bf16 dense 989 TFLOP/s peak (~600 achieved in large GEMMs),
+#   NVLink 4 450 GB/s per direction (~350 achieved by NCCL P2P), HBM3 3.35 TB/s;
+#   latency and step overhead are kernel-launch and NCCL P2P orders of magnitude.
 PROFILES = {
-    "cpu": Profile("cpu+gloo (rough defaults)", 4e10, 5e9, 6e-5, 2e9, 5e-5),
+    "cpu": Profile("cpu+gloo loopback (measured, 2 cores)", 8e10, 5e9, 1e-3, 2.5e9, 1e-4),
     "cuda": Profile("H100 SXM NVLink4 (datasheet-derived)", 6e14, 2.5e12, 1e-5, 3.5e11, 8e-6),
 }
 

@@ -48,3 +48,6 @@ def check_committed(rw: Rewrite, graph: Graph) -> None:
     anchors = getattr(site, "gathers", None) or [getattr(site, "reduce_scatter", None)]
     if any(node is not None and not node._erased for node in anchors):
         raise decline("internal: a rewritten site still has its collective")
+    dead = [n.name for n in rw.created if not n.users and n.target is not c10d.wait_tensor.default]
+    if dead:
+        raise decline(f"internal: the rewrite computes values nothing reads: {dead}")
