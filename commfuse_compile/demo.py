@@ -16,10 +16,9 @@ import time
 from typing import Any
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from . import report
+from .models import Block, block_plan
 from .ranks import RankPool
 
 
@@ -37,54 +36,6 @@ class DemoConfig:
     debug_dir: str | None = None
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int) -> None:
-        super().__init__()
-        self.head_dim = dim // heads
-        self.attention_norm = nn.RMSNorm(dim)
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
-        self.ffn_norm = nn.RMSNorm(dim)
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.attention_norm(x)
-        q, k, v = self.wq(h), self.wk(h), self.wv(h)
-        b, s, _ = q.shape
-        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
-        h = self.ffn_norm(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
-
-
-def tp_plan() -> dict[str, Any]:
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    col = ColwiseParallel(input_layouts=Shard(1))
-    row = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
-    return {
-        "attention_norm": SequenceParallel(),
-        "ffn_norm": SequenceParallel(),
-        "wq": col,
-        "wk": col,
-        "wv": col,
-        "wo": row,
-        "w1": col,
-        "w3": col,
-        "w2": row,
-    }
-
-
 def _rank_main(rank: int, n: int, cfg: DemoConfig) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
@@ -96,7 +47,7 @@ def _rank_main(rank: int, n: int, cfg: DemoConfig) -> dict[str, Any]:
     eager = Block(cfg.dim, cfg.heads, cfg.hidden)
     fused = copy.deepcopy(eager)
     for model in (eager, fused):
-        parallelize_module(model, mesh, tp_plan())
+        parallelize_module(model, mesh, block_plan())
     options: dict[str, Any] = {
         "schedule": cfg.schedule,
         "inner": cfg.inner,

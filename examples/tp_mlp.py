@@ -13,31 +13,12 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import parallelize_module
 
 import commfuse_compile
-
-
-class MLP(nn.Module):
-    def __init__(self, dim: int = 256, hidden: int = 1024) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.gate = nn.Linear(dim, hidden)
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.norm(x)
-        return self.down(F.silu(self.gate(y)) * self.up(y))
+from commfuse_compile.models import MLP, mlp_plan
 
 
 def main() -> None:
@@ -53,17 +34,8 @@ def main() -> None:
         torch.set_num_threads(1)
     mesh = init_device_mesh(device, (int(os.environ["WORLD_SIZE"]),))
     torch.manual_seed(0)
-    model = MLP().to(device)
-    parallelize_module(
-        model,
-        mesh,
-        {
-            "norm": SequenceParallel(),
-            "gate": ColwiseParallel(input_layouts=Shard(1)),
-            "up": ColwiseParallel(input_layouts=Shard(1)),
-            "down": RowwiseParallel(output_layouts=Shard(1)),
-        },
-    )
+    model = MLP(dim=256, hidden=1024).to(device)
+    parallelize_module(model, mesh, mlp_plan())
     compiled = torch.compile(
         model, backend="commfuse", options={"schedule": args.schedule, "inner": args.inner}
     )

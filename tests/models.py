@@ -8,42 +8,17 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from torch._C._distributed_c10d import _get_work_registry_size
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
 import commfuse_compile
+from commfuse_compile.models import MLP, mlp_plan
 
-
-class MLP(nn.Module):
-    """LayerNorm -> gate and up (sharing their input) -> SiLU product -> down."""
-
-    def __init__(self, dim: int = 16, hidden: int = 24) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.gate = nn.Linear(dim, hidden)
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.norm(x)
-        return self.down(F.silu(self.gate(y)) * self.up(y))
-
-
-MLP_PLAN = {
-    "norm": SequenceParallel(),
-    "gate": ColwiseParallel(input_layouts=Shard(1)),
-    "up": ColwiseParallel(input_layouts=Shard(1)),
-    "down": RowwiseParallel(output_layouts=Shard(1)),
-}
+MLP_PLAN = mlp_plan()
 
 
 def mlp_train_step(rank: int, n: int, options: dict, debug_dir: str, seq: int = 6) -> dict:
