@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule
 
 from .options import Options
-from .passes import rewrite_graph
+from .passes import rewrite_and_compile, rewrite_graph
 
 
 def commfuse_backend(
@@ -36,8 +36,9 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> 
 
     def inner_compile(graph: GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         kind = _graph_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False))
-        rewrite_graph(graph, kind, opts)
-        return compile_fx_inner(graph, inputs, **kwargs)
+        return rewrite_and_compile(
+            graph, kind, opts, lambda gm: compile_fx_inner(gm, inputs, **kwargs)
+        )
 
     # The AOTAutograd cache key does not see a custom inner compiler: a hit would skip
     # the pass (or reuse another schedule's result), so it is off for this compile.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import torch
 import torch.distributed as dist
@@ -40,7 +41,8 @@ def scattered(z: torch.Tensor, n: int, dim: int, op: str = "sum") -> torch.Tenso
 
 @dataclasses.dataclass(frozen=True)
 class AgMm:
-    """Y_i = AG(x, dim) viewed [M, K] @ W_i (+ b_i), for ``consumers`` matmuls."""
+    """Y_i = AG(x, dim) viewed [M, K] @ W_i (+ b_i), for ``consumers`` matmuls, and
+    dW_j = (AG(x) viewed [M, K])^T @ X_j for ``contract`` weight-gradient-like ones."""
 
     shard: tuple[int, ...] = (2, 3, 8)
     dim: int = 1
@@ -48,9 +50,11 @@ class AgMm:
     consumers: int = 2
     bias: bool = True
     extra_user: bool = False
+    contract: int = 0  # weight-gradient-like consumers: t(AG(x) viewed [M, K]) @ X_i
     dtype: torch.dtype = torch.float32
 
-    def inputs(self, rank: int, seed: int) -> list[torch.Tensor]:
+    def inputs(self, rank: int, seed: int, n: int = 1) -> list[torch.Tensor]:
+        """This rank's shard and the parameters (``n``: group size, for the X_i rows)."""
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
         k = self.shard[-1]
         xs = [torch.randn(self.shard, generator=gen)]
@@ -59,6 +63,8 @@ class AgMm:
             xs.append(torch.randn(k, self.n_out + i, generator=wgen))
             if self.bias:
                 xs.append(torch.randn(self.n_out + i, generator=wgen))
+        rows = math.prod(self.shard[:-1]) * n  # M: rows of the gathered tensor viewed 2-D
+        xs += [torch.randn(rows, 3 + i, generator=gen) for i in range(self.contract)]
         return [x.to(self.dtype) for x in xs]
 
     def fn(self, n: int):
@@ -73,6 +79,8 @@ class AgMm:
                     outs.append(torch.addmm(params[i * step + 1], a, w))
                 else:
                     outs.append(torch.mm(a, w))
+            xs = params[self.consumers * step :]
+            outs += [torch.mm(a.t(), x) for x in xs]
             if self.extra_user:
                 outs.append(g * 2)
             return tuple(outs)
@@ -119,7 +127,7 @@ def trace(case, n: int, inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
 
 def run_case(rank: int, n: int, case, seed: int, options: dict) -> dict:
     """On one gloo rank: original vs rewritten graph outputs and the pass's records."""
-    inputs = case.inputs(rank, seed)
+    inputs = case.inputs(rank, seed, n) if isinstance(case, AgMm) else case.inputs(rank, seed)
     gm = trace(case, n, inputs)
     expected = gm(*inputs)
     rewritten = commfuse_compile.apply(copy.deepcopy(gm), **options)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 from models import mlp_train_step
 
-TOLERANCE = {"eager": 0.0, "inductor": 1e-5}  # Inductor fuses the pointwise ops differently
+# Weight gradients contracted over the gathered dim are summed block by block (ring
+# order); Inductor also fuses the pointwise ops differently.
+TOLERANCE = {"eager": 1e-5, "inductor": 1e-5}
 
 
 @pytest.mark.parametrize(("n", "inner"), [(2, "eager"), (3, "eager"), (2, "inductor")])

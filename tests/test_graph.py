@@ -25,7 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import commfuse_compile
 from commfuse_compile import CommfuseOptionError, Options, report
 from commfuse_compile.options import DEBUG_DIR_ENV
-from commfuse_compile.passes import rewrite_graph
+from commfuse_compile.passes import rewrite_and_compile, rewrite_graph
 
 N, RANK = 4, 1
 PREV, NEXT = (RANK - 1) % N, (RANK + 1) % N
@@ -305,6 +305,40 @@ def test_two_gathers_of_one_shard_share_one_ring():
     gm.graph.lint()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_shares_the_ring_and_accumulates_per_block(dtype):
+    """dW = t(AG(dY)) @ X next to dX = AG(dY) @ W: one ring, the gathered dim contracted
+    block by block (X's rows of block b with dY's block b), no gathered tensor rebuilt."""
+    gm = trace(
+        case := AgMm(consumers=1, contract=1, bias=False, dtype=dtype),
+        N,
+        case.inputs(RANK, seed=0, n=N),
+    )
+    record = rewrite_one(gm)
+    assert record.decision == "rewritten"
+    assert record.details["matmuls"] == ["mm", "mm_1"]
+    assert record.details["contracting"] == ["mm_1"]
+    assert calls(gm, ALL_GATHER) == [] and len(calls(gm, P2P)) == N - 1
+    created = new_nodes(gm, record)
+    transposes = [n for n in created if n.target is aten.permute.default]
+    assert len(transposes) == N  # one transposed block per step
+    slices = [n for n in created if n.target is aten.slice.Tensor]
+    starts = sorted(n.args[2] for n in slices)
+    width = case.shard[case.dim]
+    assert starts == [b * width for b in range(N)]  # X's rows of every block, once each
+    first = [n for n in created if n.target is aten.mm.default and n.args[0] in transposes]
+    if dtype == torch.float32:  # one running sum: mm, then an addmm per later block
+        later = [n for n in created if n.target is aten.addmm.default and n.args[1] in transposes]
+        assert len(first) == 1 and len(later) == N - 1
+        assert [n.args[0] for n in later] == [first[0], *later[:-1]]
+    else:  # half precision partials are summed in float32, cast back once
+        casts = [n for n in created if n.target is aten._to_copy.default]
+        assert len(casts) == N + 1
+        assert casts[-1].kwargs["dtype"] == dtype
+    assert not [n for n in created if n.target is aten.cat.default and n.args[1] == 0]
+    gm.graph.lint()
+
+
 def test_gathered_tensor_with_another_user_is_rebuilt_from_the_ring_blocks():
     gm = build(AgMm(extra_user=True))
     shard = next(iter(gm.graph.find_nodes(op="placeholder")))
@@ -430,17 +464,17 @@ DECLINES = [
         id="unknown-group",
     ),
     pytest.param(
-        lambda: fx(lambda x, y: torch.mm(gathered(x, N, 0).t(), y), (2, 8), (8, 6)),
+        lambda: fx(lambda x, y: torch.mm(gathered(x, N, 0).t().contiguous(), y), (2, 8), (8, 6)),
         "ring",
-        "t (t.default) sits between the gathered tensor and a matmul",
-        id="transposed",
+        "clone (clone.default) sits between the gathered tensor and a matmul",
+        id="transposed-copy",
     ),
     pytest.param(
         lambda: fx(
             lambda x, w: torch.mm(gathered(x, N, 2).reshape(-1, 8 * N), w), (2, 3, 8), (32, 6)
         ),
         "ring",
-        "mm: gathered dim 2 of [2, 3, 32] lands in the contracting dim of a [6, 32] operand",
+        "mm: gathered dim 2 of [2, 3, 32] does not fold into the rows of [6, 32]",
         id="contracting-dim",
     ),
     pytest.param(
@@ -539,7 +573,7 @@ def _boom(*args, **kwargs):
 @pytest.mark.parametrize(
     ("module", "function", "inner", "warning"),
     [
-        pytest.param("lower", "_gather_block", "eager", "declined, internal error", id="lower"),
+        pytest.param("lower", "_matmul", "eager", "declined, internal error", id="lower"),
         pytest.param(
             "verify", "check_committed", "eager", "graph left as it was", id="after-commit"
         ),
@@ -673,3 +707,26 @@ def test_apply_rewrites_an_exported_program_in_place():
     assert outputs == [spec.arg.name for spec in ep.graph_signature.output_specs]
     ep.validate()
     assert ep.module()(torch.randn(2, 8)).shape == (2 * N, 6)
+
+
+def test_inner_compiler_failure_falls_back_to_the_original_graph():
+    """The rewritten graph is compiled; if the compiler rejects it, the original is."""
+    gm = build(AgMm())
+    before = gm.code
+    compiled = []
+
+    def compile_fn(g: GraphModule) -> str:
+        if calls(g, P2P):
+            raise RuntimeError("compiler says no")
+        compiled.append(g.code)
+        return "compiled"
+
+    with pytest.warns(UserWarning, match="inner compiler failed on the rewritten graph"):
+        assert rewrite_and_compile(gm, "forward", RING, compile_fn) == "compiled"
+    assert compiled == [before] and gm.code == before
+    (record,) = [r for r in commfuse_compile.REPORT.sites if r.graph == "forward"][-1:]
+    assert record.decision == "declined" and record.schedule == "off"
+    assert (
+        record.reason
+        == "inner compiler failed on the rewritten graph: RuntimeError: compiler says no"
+    )

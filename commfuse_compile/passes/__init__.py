@@ -11,7 +11,10 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
+import torch
 from torch.fx import GraphModule
 
 from .. import groups
@@ -23,10 +26,40 @@ from .lower import Rewrite, lower, start
 from .plan import plan
 
 _site_ids = itertools.count()
+T = TypeVar("T")
 
 
 def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[SiteRecord]:
     """Rewrite ``gm`` in place; returns one record per site found (also in the report)."""
+    return _rewrite(gm, graph_kind, options)[0]
+
+
+def rewrite_and_compile(
+    gm: GraphModule, graph_kind: str, options: Options, compile_fn: Callable[[GraphModule], T]
+) -> T:
+    """Rewrite ``gm``, then compile it; should the compiler reject the rewritten graph,
+    warn, record every site as declined and compile the original graph instead."""
+    records, original = _rewrite(gm, graph_kind, options)
+    try:
+        return compile_fn(gm)
+    except Exception as err:
+        rewritten = [r for r in records if r.decision == "rewritten"]
+        if not rewritten:
+            raise
+        reason = f"inner compiler failed on the rewritten graph: {_brief(err)}"
+        warnings.warn(f"commfuse: {reason}; compiling the original graph", stacklevel=2)
+        gm.graph = original
+        gm.recompile()
+        for record in rewritten:
+            record.decision, record.schedule, record.reason = "declined", "off", reason
+        if options.debug_dir:
+            REPORT.write(options.debug_dir)
+        return compile_fn(gm)
+
+
+def _rewrite(
+    gm: GraphModule, graph_kind: str, options: Options
+) -> tuple[list[SiteRecord], torch.fx.Graph]:
     graph_index = REPORT.graphs
     REPORT.graphs += 1
     if options.debug_dir:
@@ -53,7 +86,7 @@ def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[Si
     if options.debug_dir:
         dump_code(options.debug_dir, graph_index, graph_kind, "after", gm.code)
         REPORT.write(options.debug_dir)
-    return records
+    return records, original
 
 
 def _rewrite_sites(

@@ -28,7 +28,7 @@ from .. import p2p as _p2p  # noqa: F401  (registers commfuse::p2p)
 from ..groups import Group
 from ..report import decline
 from . import dims
-from .match import AgMmSite, GatherUse, Matmul, MmRsSite, Site, val
+from .match import AgMmSite, Matmul, MmRsSite, Site, val
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -123,22 +123,55 @@ def lower(rw: Rewrite, group: Group, schedule: ModuleType) -> None:
 def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleType) -> None:
     n, tag = group.size, next(_tags)
     shard_shape = dims.concrete(val(site.shard).shape, "shard")
+    width = shard_shape[site.gather_dim]
     held: dict[int, Node] = {group.rank: site.shard}
-    parts: list[dict[int, Node]] = [{} for _ in site.uses]
+    parts: list[dict[int, Node]] = [{} for _ in site.uses]  # rows: product block per block
+    sums: list[Node | None] = [None for _ in site.uses]  # contract: running sum
+    others: list[Node | None] = [None for _ in site.uses]  # contract: X viewed like G
     for s, step in enumerate(schedule.gather_steps(group.rank, n)):
         issue, recvs, sent = _issue(
             rw, group, tag, s, step.sends, step.recvs, held, recv_like=site.shard
         )
         compute = []
         for b in step.compute:
-            for use, out in zip(site.uses, parts, strict=True):
-                out[b] = _gather_block(rw, use, held[b], shard_shape, s)
-                compute.append(out[b])
+            views: dict[tuple[int, int], Node] = {}  # one 2-D view of the block per shape
+            for i, use in enumerate(site.uses):
+                lead = shard_shape[: use.row_dims]
+                shape2d = (math.prod(lead), math.prod(shard_shape[use.row_dims :]))
+                if shape2d not in views:
+                    views[shape2d] = rw.emit(
+                        aten.view.default, (held[b], list(shape2d)), step=s, lane="compute"
+                    )
+                if use.contract:
+                    other = others[i]
+                    if other is None:
+                        k = val(use.mm.b).shape[1]
+                        lead_full = site.gathered_shape[: use.row_dims]
+                        other = others[i] = _viewed(rw, use.mm.b, [*lead_full, k], s)
+                    x_b = _rows_of_block(rw, other, site.gather_dim, b, width, s)
+                    g_t = rw.emit(  # permute, not t: Inductor's graphs have t decomposed
+                        aten.permute.default, (views[shape2d], [1, 0]), step=s, lane="compute"
+                    )
+                    total = sums[i] = _accumulate(rw, sums[i], g_t, x_b, s)
+                    compute.append(total)
+                else:
+                    part = _matmul(rw, use.mm, views[shape2d], use.mm.b, use.mm.bias, s)
+                    parts[i][b] = rw.emit(
+                        aten.view.default,
+                        (part, [*lead, val(part).shape[1]]),
+                        step=s,
+                        lane="compute",
+                    )
+                    compute.append(part)
         waits = _wait_all(rw, s, recvs, sent, held)
         rw.steps.append(Step(issue, compute, waits))
     last = len(rw.steps)
-    for use, out in zip(site.uses, parts, strict=True):
-        blocks = [out[b] for b in range(n)]
+    for i, use in enumerate(site.uses):
+        finished = sums[i]
+        if use.contract and finished is not None:
+            rw.replace[use.mm.node] = _finish_sum(rw, finished, use.mm.node, last)
+            continue
+        blocks = [parts[i][b] for b in range(n)]
         full = rw.emit(aten.cat.default, (blocks, site.gather_dim), step=last, lane="compute")
         rw.replace[use.mm.node] = rw.emit(
             aten.view.default, (full, list(val(use.mm.node).shape)), step=last, lane="compute"
@@ -152,26 +185,57 @@ def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleTyp
             rw.replace[wait] = rebuilt
 
 
+def _accumulate(rw: Rewrite, total: Node | None, a: Node, b: Node, step: int) -> Node:
+    """``total + a @ b``: one addmm in float32/64; half-precision partials are summed in
+    float32 (as one matmul would accumulate them), see ``_finish_sum``."""
+    if val(a).dtype in (torch.float32, torch.float64):
+        if total is None:
+            return rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
+        return rw.emit(aten.addmm.default, (total, a, b), step=step, lane="compute")
+    part = rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
+    part = rw.emit(
+        aten._to_copy.default, (part,), {"dtype": torch.float32}, step=step, lane="compute"
+    )
+    if total is None:
+        return part
+    return rw.emit(aten.add.Tensor, (total, part), step=step, lane="compute")
+
+
+def _finish_sum(rw: Rewrite, total: Node, like: Node, step: int) -> Node:
+    if val(total).dtype == val(like).dtype:
+        return total
+    return rw.emit(
+        aten._to_copy.default, (total,), {"dtype": val(like).dtype}, step=step, lane="compute"
+    )
+
+
+def _viewed(rw: Rewrite, node: Node, shape: list[int], step: int) -> Node:
+    if list(val(node).shape) == shape:
+        return node
+    return rw.emit(aten.view.default, (node, shape), step=step, lane="compute")
+
+
+def _rows_of_block(rw: Rewrite, x: Node, dim: int, b: int, width: int, step: int) -> Node:
+    """Block ``b`` along ``dim`` of ``x`` (shaped lead + [K]), as contiguous 2-D rows."""
+    rows = rw.emit(
+        aten.slice.Tensor, (x, dim, b * width, (b + 1) * width), step=step, lane="compute"
+    )
+    if not val(rows).is_contiguous():
+        rows = rw.emit(
+            aten.clone.default,
+            (rows,),
+            {"memory_format": torch.contiguous_format},
+            step=step,
+            lane="compute",
+        )
+    k = val(rows).shape[-1]
+    return _viewed(rw, rows, [val(rows).numel() // k, k], step)
+
+
 def _gathered_outlives(site: AgMmSite) -> bool:
     """Is the gathered value read by anything other than the rewritten matmuls?"""
     inside = set(site.chain) | {u.mm.node for u in site.uses}
     return any(user not in inside for node in (*site.waits, *site.chain) for user in node.users)
-
-
-def _gather_block(
-    rw: Rewrite, use: GatherUse, shard: Node, shard_shape: tuple[int, ...], step: int
-) -> Node:
-    """rows of the product that come from one gathered block, shaped like the block."""
-    lead = shard_shape[: use.row_dims]
-    a = rw.emit(
-        aten.view.default,
-        (shard, [math.prod(lead), math.prod(shard_shape[use.row_dims :])]),
-        step=step,
-        lane="compute",
-    )
-    part = _matmul(rw, use.mm, a, use.mm.b, use.mm.bias, step)
-    cols = val(use.mm.node).shape[1]
-    return rw.emit(aten.view.default, (part, [*lead, cols]), step=step, lane="compute")
 
 
 # ----------------------------------------------------------------------------------------
@@ -182,15 +246,13 @@ def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleTyp
     n, tag, mm = group.size, next(_tags), site.mm
     g, shape = site.scatter_dim, site.product_shape
     k = val(mm.a).shape[1]
-    a_blocks = mm.a
-    if not site.columns and len(shape) != 2:
-        a_blocks = rw.emit(aten.view.default, (mm.a, [*shape[:-1], k]), step=0, lane="compute")
+    a_blocks = mm.a if site.columns else _viewed(rw, mm.a, [*shape[:-1], k], 0)
     width = shape[g] // n
     pending: Pending = (None, [], [])
     held: dict[int, Node] = {}
     acc: Node | None = None
     for s, step in enumerate(schedule.reduce_steps(group.rank, n)):
-        part = _reduce_block(rw, site, a_blocks, step.block, width, k, s)
+        part = _reduce_block(rw, site, a_blocks, step.block, width, s)
         compute = [part]
         issue, recvs, sent = pending
         waits = _wait_all(rw, s, recvs, sent, held)
@@ -205,9 +267,7 @@ def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleTyp
     rw.replace[site.wait] = rw.emit(aten.view.default, (acc, out_shape), step=n, lane="compute")
 
 
-def _reduce_block(
-    rw: Rewrite, site: MmRsSite, a: Node, b: int, width: int, k: int, step: int
-) -> Node:
+def _reduce_block(rw: Rewrite, site: MmRsSite, a: Node, b: int, width: int, step: int) -> Node:
     """This rank's partial of block ``b`` of the product."""
     assert site.mm is not None
     mm, g = site.mm, site.scatter_dim
@@ -221,19 +281,7 @@ def _reduce_block(
                 aten.slice.Tensor, (bias, -1, b * width, (b + 1) * width), step=step, lane="compute"
             )
         return _matmul(rw, mm, mm.a, w, bias, step)
-    rows = rw.emit(aten.slice.Tensor, (a, g, b * width, (b + 1) * width), step=step, lane="compute")
-    if not val(rows).is_contiguous():
-        rows = rw.emit(
-            aten.clone.default,
-            (rows,),
-            {"memory_format": torch.contiguous_format},
-            step=step,
-            lane="compute",
-        )
-    if val(rows).dim() != 2:
-        rows = rw.emit(
-            aten.view.default, (rows, [val(rows).numel() // k, k]), step=step, lane="compute"
-        )
+    rows = _rows_of_block(rw, a, g, b, width, step)
     return _matmul(rw, mm, rows, mm.b, mm.bias, step)
 
 

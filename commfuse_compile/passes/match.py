@@ -26,6 +26,18 @@ c10d = torch.ops._c10d_functional
 
 VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
 TRANSPOSES = frozenset({aten.t.default, aten.permute.default, aten.transpose.int})
+PASS_THROUGH = (
+    VIEWS
+    | TRANSPOSES
+    | {
+        aten.split.Tensor,
+        operator.getitem,
+        aten.cat.default,
+        aten.clone.default,
+        aten._to_copy.default,
+        aten.contiguous.default,
+    }
+)
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
@@ -78,10 +90,16 @@ def is_matmul(node: Node) -> bool:
 
 @dataclasses.dataclass
 class GatherUse:
-    """A matmul whose first operand is the gathered tensor, gathered dim among its rows."""
+    """A matmul reading the gathered tensor G, viewed 2-D with the gathered dim in its rows.
+
+    ``rows``: ``mm(G2d, W)``, each block is a block of the product's rows.
+    ``contract``: ``mm(G2d^T, X)`` (a weight gradient): the gathered rows are the
+    contracting dim, each block adds ``G2d_b^T @ X_b`` to the product.
+    """
 
     mm: Matmul
-    row_dims: int  # the gathered tensor's dims [:row_dims] fold into the rows
+    row_dims: int  # the gathered tensor's dims [:row_dims] fold into G2d's rows
+    contract: bool = False
 
 
 @dataclasses.dataclass
@@ -111,6 +129,7 @@ class AgMmSite:
             "gather_dim": self.gather_dim,
             "gathered_shape": list(self.gathered_shape),
             "matmuls": [u.mm.node.name for u in self.uses],
+            "contracting": [u.mm.node.name for u in self.uses if u.contract],
             "unmatched": list(self.unmatched),
         }
 
@@ -269,27 +288,45 @@ def _collect_uses(site: AgMmSite, gathered: Node) -> None:
                 site.chain.append(user)
                 frontier.append(user)
             elif mm is not None and mm.a is node:
-                use = _row_use(site, mm)
-                if use is not None:
-                    site.uses.append(use)
+                _add_use(site, node, mm, contract=False)
+            elif _is_transpose_2d(user) and user.args[0] is node:
+                site.chain.append(user)
+                for consumer in user.users:
+                    mm = Matmul.of(consumer)
+                    if mm is not None and mm.a is user and mm.bias is None:
+                        _add_use(site, node, mm, contract=True)
+                    elif _reaches_matmul(consumer) or Matmul.of(consumer) is not None:
+                        site.unmatched.append(_why_not_rows(site, user, consumer))
             elif mm is not None or _reaches_matmul(user):
                 site.unmatched.append(_why_not_rows(site, node, user))
 
 
-def _row_use(site: AgMmSite, mm: Matmul) -> GatherUse | None:
-    rows, cols = dims.concrete(val(mm.a).shape, f"operand of {mm.node.name}")
+def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, contract: bool) -> None:
+    """Record ``mm`` as a use if the gathered dim lands in the rows of ``g2d``."""
+    rows, cols = dims.concrete(val(g2d).shape, f"operand of {mm.node.name}")
     j = dims.row_split(site.gathered_shape, rows, cols)
     if j is None or site.gather_dim >= j:
         site.unmatched.append(
             f"{mm.node.name}: gathered dim {site.gather_dim} of {list(site.gathered_shape)} "
-            f"lands in the contracting dim of a [{rows}, {cols}] operand"
+            f"does not fold into the rows of [{rows}, {cols}]"
         )
-        return None
-    if mm.bias is not None and not _bias_is_row_broadcast(mm.bias):
+    elif mm.bias is not None and not _bias_is_row_broadcast(mm.bias):
         site.unmatched.append(f"{mm.node.name}: bias has a row dim")
-        return None
-    _check_tensor(mm.node, "matmul output")
-    return GatherUse(mm=mm, row_dims=j)
+    elif contract and tuple(val(mm.b).shape)[:1] != (rows,):
+        site.unmatched.append(f"{mm.node.name}: its other operand does not have {rows} rows")
+    else:
+        _check_tensor(mm.node, "matmul output")
+        site.uses.append(GatherUse(mm=mm, row_dims=j, contract=contract))
+
+
+def _is_transpose_2d(node: Node) -> bool:
+    if node.target is aten.t.default:
+        return True
+    if node.target is aten.permute.default:
+        return list(_arg(node, 1, "dims")) == [1, 0]
+    if node.target is aten.transpose.int:
+        return sorted(int(_arg(node, i, "")) % 2 for i in (1, 2)) == [0, 1]
+    return False
 
 
 def _why_not_rows(site: AgMmSite, node: Node, user: Node) -> str:
@@ -376,21 +413,15 @@ def _scattered(inp: Node, n: int) -> tuple[Node, int, list[Node]]:
 
 
 def _reaches_matmul(node: Node, depth: int = 8) -> bool:
-    """Does the value flow into a matmul through view/transpose/reassembly ops only?"""
+    """Does the value flow into a matmul through layout, copy or reassembly ops only?
+
+    Decides what counts as "next to a matmul", so that every such collective is reported
+    (rewritten or declined with a reason), never silently skipped.
+    """
     for user in node.users:
         if is_matmul(user):
             return True
-        passes = (
-            user.target in VIEWS
-            or user.target in TRANSPOSES
-            or user.target
-            in (
-                aten.split.Tensor,
-                operator.getitem,
-                aten.cat.default,
-            )
-        )
-        if depth and passes and _reaches_matmul(user, depth - 1):
+        if depth and user.target in PASS_THROUGH and _reaches_matmul(user, depth - 1):
             return True
     return False
 
