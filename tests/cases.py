@@ -99,23 +99,30 @@ class MmRs:
     bias: bool = True
     op: str = "sum"
     dtype: torch.dtype = torch.float32
+    terms: int = 1  # RS(A_1 @ W_1 (+ b) + A_2 @ W_2 + ...)
+    transposed: bool = False  # A_i given as [K, M] and used as t(A_i) (weight gradients)
 
     def inputs(self, rank: int, seed: int) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
-        rows = 1
-        for s in self.lead:
-            rows *= s
-        xs = [
-            torch.randn(rows, self.k, generator=gen),
-            torch.randn(self.k, self.n_out, generator=gen),
-        ]
+        rows = math.prod(self.lead)
+        xs = []
+        for i in range(self.terms):
+            k = self.k + i
+            xs.append(torch.randn((k, rows) if self.transposed else (rows, k), generator=gen))
+            xs.append(torch.randn(k, self.n_out, generator=gen))
         if self.bias:
             xs.append(torch.randn(self.n_out, generator=gen))
         return [x.to(self.dtype) for x in xs]
 
     def fn(self, n: int):
-        def program(a, w, *bias):
-            z = torch.addmm(bias[0], a, w) if bias else torch.mm(a, w)
+        def program(*xs):
+            z = None
+            for i in range(self.terms):
+                a, w = xs[2 * i], xs[2 * i + 1]
+                a = a.t() if self.transposed else a
+                bias = xs[2 * self.terms] if self.bias and i == 0 else None
+                term = torch.addmm(bias, a, w) if bias is not None else torch.mm(a, w)
+                z = term if z is None else z + term
             return (scattered(z.view(*self.lead, self.n_out), n, self.dim, self.op),)
 
         return program

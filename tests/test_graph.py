@@ -339,6 +339,37 @@ def test_weight_gradient_shares_the_ring_and_accumulates_per_block(dtype):
     gm.graph.lint()
 
 
+def test_reduce_scatter_of_a_sum_of_matmuls_sums_every_term_per_block():
+    """dX = dG @ Wg + dU @ Wu, then reduce-scatter: each ring step computes the block of
+    both terms (SwiGLU's shared input in the backward)."""
+    gm = fx(
+        lambda a, b, w1, w2: scattered((a @ w1 + b @ w2).view(2, 4, 6), N, 1),
+        (8, 5),
+        (8, 3),
+        (5, 6),
+        (3, 6),
+    )
+    record = rewrite_one(gm)
+    assert record.decision == "rewritten"
+    assert record.details["matmuls"] == ["mm", "mm_1"]
+    assert calls(gm, REDUCE_SCATTER) == [] and len(calls(gm, P2P)) == N - 1
+    created = new_nodes(gm, record)
+    assert sum(n.target is aten.mm.default for n in created) == 2 * N  # both terms, every block
+    gm.graph.lint()
+
+
+def test_reduce_scatter_of_a_transposed_product_slices_without_copies():
+    """RS(t(dY) @ X) (sharded data parallel's weight gradient): rows of t(dY) are columns of
+    dY, so each block is a slice of dY transposed, never a copy."""
+    gm = fx(lambda dy, x: scattered(dy.t() @ x, N, 0), (6, 8), (6, 5))
+    record = rewrite_one(gm)
+    assert record.decision == "rewritten" and record.details["blocks"] == "rows"
+    created = new_nodes(gm, record)
+    assert not [n for n in created if n.target is aten.clone.default]
+    slices = [n for n in created if n.target is aten.slice.Tensor]
+    assert {n.args[1] for n in slices} == {1} and len(slices) == N
+
+
 def test_gathered_tensor_with_another_user_is_rebuilt_from_the_ring_blocks():
     gm = build(AgMm(extra_user=True))
     shard = next(iter(gm.graph.find_nodes(op="placeholder")))
@@ -485,14 +516,14 @@ DECLINES = [
     ),
     pytest.param(
         lambda: fx(
-            lambda a, w1, w2: scattered((a @ w1 + a @ w2).view(2, 4, 6), N, 1),
+            lambda a, w1, r: scattered((a @ w1 + r).view(2, 4, 6), N, 1),
             (8, 8),
             (8, 6),
             (8, 6),
         ),
         "ring",
-        "reduce-scatter input is add (add.Tensor) of a matmul, not the matmul itself",
-        id="sum-of-matmuls",
+        "reduce-scatter input is add (add.Tensor) of a matmul, not a matmul or a sum of matmuls",
+        id="matmul-plus-residual",
     ),
     pytest.param(
         lambda: fx(scatter_and_reuse_product, (8, 8), (8, 6)),

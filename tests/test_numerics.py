@@ -72,6 +72,8 @@ def scatter_cases(draw):
         dim=dim,
         bias=draw(st.booleans()),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        terms=draw(st.integers(1, 3)),
+        transposed=draw(st.booleans()),
     )
     return n, case, draw(st.integers(0, 10_000))
 

@@ -102,8 +102,9 @@ def _rewrite_sites(
         try:
             if site.declined:
                 raise Declined(site.declined)
-            if isinstance(site, match.MmRsSite) and site.mm is not None and site.mm.node._erased:
-                raise decline(f"{site.mm.node.name} was rewritten by its all-gather site")
+            claimed = [t.node.name for t in getattr(site, "terms", []) if t.node._erased]
+            if claimed:
+                raise decline(f"{claimed[0]} was rewritten by its all-gather site")
             group = groups.resolve(site.group_name, site.group_size)
             chosen = plan(site, group, options)
             record.details["predicted_us"] = {
@@ -139,8 +140,7 @@ def _rewrite_sites(
 def _site_nodes(site: match.Site) -> list:
     if isinstance(site, match.AgMmSite):
         return [*site.gathers, *site.waits, *site.chain, *(u.mm.node for u in site.uses)]
-    assert site.mm is not None
-    return [site.reduce_scatter, site.wait, *site.chain, site.mm.node]
+    return [site.reduce_scatter, site.wait, *site.chain, *(t.node for t in site.terms)]
 
 
 def _sites_or_none(gm: GraphModule) -> list[match.Site]:

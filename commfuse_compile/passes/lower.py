@@ -28,7 +28,7 @@ from .. import p2p as _p2p  # noqa: F401  (registers commfuse::p2p)
 from ..groups import Group
 from ..report import decline
 from . import dims
-from .match import AgMmSite, Matmul, MmRsSite, Site, val
+from .match import AgMmSite, Matmul, MmRsSite, Site, is_transpose_2d, val
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -101,8 +101,7 @@ def start(site: Site, site_id: int, graph: Graph) -> Rewrite:
     if isinstance(site, AgMmSite):
         before, anchor = _first_consumer(graph, site), site.shard
     else:
-        assert site.mm is not None
-        before, anchor = site.mm.node, site.mm.node
+        before, anchor = site.reduce_scatter, site.terms[0].node
     fake_mode = detect_fake_mode([val(anchor)])
     if fake_mode is None:
         raise decline("graph values are not fake tensors; cannot compute new node metadata")
@@ -242,21 +241,24 @@ def _gathered_outlives(site: AgMmSite) -> bool:
 
 
 def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleType) -> None:
-    assert site.mm is not None
-    n, tag, mm = group.size, next(_tags), site.mm
-    g, shape = site.scatter_dim, site.product_shape
-    k = val(mm.a).shape[1]
-    a_blocks = mm.a if site.columns else _viewed(rw, mm.a, [*shape[:-1], k], 0)
-    width = shape[g] // n
+    n, tag = group.size, next(_tags)
+    width = site.product_shape[site.scatter_dim] // n
     pending: Pending = (None, [], [])
     held: dict[int, Node] = {}
     acc: Node | None = None
     for s, step in enumerate(schedule.reduce_steps(group.rank, n)):
-        part = _reduce_block(rw, site, a_blocks, step.block, width, s)
-        compute = [part]
+        part = None
+        for term in site.terms:
+            term_part = _reduce_block(rw, site, term, step.block, width, s)
+            part = (
+                term_part
+                if part is None
+                else rw.emit(aten.add.Tensor, (part, term_part), step=s, lane="compute")
+            )
+        assert part is not None
         issue, recvs, sent = pending
         waits = _wait_all(rw, s, recvs, sent, held)
-        rw.steps.append(Step(issue, compute, waits))
+        rw.steps.append(Step(issue, [part], waits))
         acc = part
         if step.add_received:
             acc = rw.emit(aten.add.Tensor, (part, held.pop(step.block)), step=s, lane="compute")
@@ -267,10 +269,8 @@ def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleTyp
     rw.replace[site.wait] = rw.emit(aten.view.default, (acc, out_shape), step=n, lane="compute")
 
 
-def _reduce_block(rw: Rewrite, site: MmRsSite, a: Node, b: int, width: int, step: int) -> Node:
-    """This rank's partial of block ``b`` of the product."""
-    assert site.mm is not None
-    mm, g = site.mm, site.scatter_dim
+def _reduce_block(rw: Rewrite, site: MmRsSite, mm: Matmul, b: int, width: int, step: int) -> Node:
+    """This rank's partial of block ``b`` of the product ``mm``."""
     if site.columns:
         w = rw.emit(
             aten.slice.Tensor, (mm.b, 1, b * width, (b + 1) * width), step=step, lane="compute"
@@ -281,7 +281,17 @@ def _reduce_block(rw: Rewrite, site: MmRsSite, a: Node, b: int, width: int, step
                 aten.slice.Tensor, (bias, -1, b * width, (b + 1) * width), step=step, lane="compute"
             )
         return _matmul(rw, mm, mm.a, w, bias, step)
-    rows = _rows_of_block(rw, a, g, b, width, step)
+    if len(site.product_shape) == 2 and is_transpose_2d(mm.a):
+        # rows of t(Z) are columns of Z: slice Z and transpose the block, no copy
+        source = mm.a.args[0]
+        cols = rw.emit(
+            aten.slice.Tensor, (source, 1, b * width, (b + 1) * width), step=step, lane="compute"
+        )
+        rows = rw.emit(aten.permute.default, (cols, [1, 0]), step=step, lane="compute")
+    else:
+        k = val(mm.a).shape[1]
+        a = _viewed(rw, mm.a, [*site.product_shape[:-1], k], step)
+        rows = _rows_of_block(rw, a, site.scatter_dim, b, width, step)
     return _matmul(rw, mm, rows, mm.b, mm.bias, step)
 
 

@@ -136,10 +136,13 @@ class AgMmSite:
 
 @dataclasses.dataclass
 class MmRsSite:
+    """reduce_scatter(sum of ``terms``): one matmul, or the sum of several with one shape
+    (the backward of an input shared by several linears, e.g. gate and up)."""
+
     kind: ClassVar[str] = "mm_rs"
     reduce_scatter: Node
     wait: Node
-    mm: Matmul | None
+    terms: list[Matmul]
     group_name: str
     group_size: int
     scatter_dim: int  # dim of the product's (viewed) shape that is scattered
@@ -159,7 +162,7 @@ class MmRsSite:
             "group_size": self.group_size,
             "scatter_dim": self.scatter_dim,
             "product_shape": list(self.product_shape),
-            "matmuls": [self.mm.node.name] if self.mm else [],
+            "matmuls": [t.node.name for t in self.terms],
             "blocks": "columns" if self.columns else "rows",
         }
 
@@ -289,7 +292,7 @@ def _collect_uses(site: AgMmSite, gathered: Node) -> None:
                 frontier.append(user)
             elif mm is not None and mm.a is node:
                 _add_use(site, node, mm, contract=False)
-            elif _is_transpose_2d(user) and user.args[0] is node:
+            elif is_transpose_2d(user) and user.args[0] is node:
                 site.chain.append(user)
                 for consumer in user.users:
                     mm = Matmul.of(consumer)
@@ -319,7 +322,7 @@ def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, contract: bool) -> None:
         site.uses.append(GatherUse(mm=mm, row_dims=j, contract=contract))
 
 
-def _is_transpose_2d(node: Node) -> bool:
+def is_transpose_2d(node: Node) -> bool:
     if node.target is aten.t.default:
         return True
     if node.target is aten.permute.default:
@@ -344,54 +347,81 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
     users = list(rs.users)
     wait = users[0] if len(users) == 1 else None
     scattered, g, chain = _scattered(inp, int(n))
-    product = scattered
-    while product.target in VIEWS and len(product.users) == 1:
-        chain.append(product)
-        product = _arg(product, 0, "self")
-    mm = Matmul.of(product)
-    if mm is None and not any(is_matmul(a) for a in _view_sources(product)):
+    product = _through_views(scattered, chain)
+    terms, between = _sum_of_matmuls(product)
+    if not terms and not any(is_matmul(a) for a in _view_sources(product)):
         return None
     site = MmRsSite(
         reduce_scatter=rs,
         wait=wait or rs,
-        mm=mm,
+        terms=terms,
         group_name=str(group_name),
         group_size=int(n),
         scatter_dim=g,
         product_shape=(),
         columns=False,
-        chain=chain,
+        chain=chain + between,
     )
     try:
         if wait is None or wait.target is not c10d.wait_tensor.default:
             raise decline(f"{rs.name} is used without exactly one wait_tensor")
-        if mm is None:
+        if not terms:
             raise decline(
                 f"reduce-scatter input is {product.name} ({_op_name(product)}) of a matmul, "
-                "not the matmul itself"
+                "not a matmul or a sum of matmuls"
             )
         if reduce_op != "sum":
             raise decline(f"reduce op {reduce_op!r} is not 'sum'")
         if site.group_size < 2:
             raise decline("group of size 1: nothing to communicate")
-        if len(mm.node.users) != 1:
-            raise decline(f"product {mm.node.name} is also used outside the reduce-scatter")
-        _check_tensor(mm.node, "matmul output")
         shape = site.product_shape = dims.concrete(val(scattered).shape, "reduce-scatter input")
-        rows, cols = mm.out_shape
         if shape[g] % site.group_size:
             raise decline(f"scattered dim {g} of size {shape[g]} is not divisible by {n}")
+        rows, cols = terms[0].out_shape
+        for term in terms:
+            if len(term.node.users) != 1:
+                raise decline(f"product {term.node.name} is also used outside the reduce-scatter")
+            _check_tensor(term.node, "matmul output")
+            if term.out_shape != (rows, cols):
+                raise decline(f"the summed matmuls have different shapes ({term.node.name})")
+            if term.bias is not None and not _bias_is_row_broadcast(term.bias):
+                raise decline(f"bias of {term.node.name} has a row dim")
         site.columns = g == len(shape) - 1 and shape[-1] == cols
         if not site.columns and (shape[-1] != cols or math.prod(shape[:-1]) != rows):
             raise decline(
                 f"scattered dim {g} of {list(shape)} is neither a row block nor the column "
                 f"dim of the [{rows}, {cols}] product"
             )
-        if mm.bias is not None and not _bias_is_row_broadcast(mm.bias):
-            raise decline(f"bias of {mm.node.name} has a row dim")
     except Declined as why:
         site.declined = why.reason
     return site
+
+
+def _through_views(node: Node, chain: list[Node]) -> Node:
+    """The producer of ``node`` behind single-user views (appended to ``chain``)."""
+    while node.target in VIEWS and len(node.users) == 1:
+        chain.append(node)
+        node = _arg(node, 0, "self")
+    return node
+
+
+def _sum_of_matmuls(node: Node) -> tuple[list[Matmul], list[Node]]:
+    """(matmul terms, add/view nodes between) if ``node`` is a matmul or a sum of them."""
+    mm = Matmul.of(node)
+    if mm is not None:
+        return [mm], []
+    plain_add = node.target is aten.add.Tensor and _arg(node, 2, "alpha", 1) == 1
+    if not plain_add or not all(isinstance(a, Node) for a in node.args[:2]):
+        return [], []
+    terms, between = [], [node]
+    for arg in node.args[:2]:
+        source = _through_views(arg, between)  # type: ignore[arg-type]
+        sub_terms, sub_between = _sum_of_matmuls(source) if len(source.users) == 1 else ([], [])
+        if not sub_terms:
+            return [], []
+        terms += sub_terms
+        between += sub_between
+    return terms, between
 
 
 def _scattered(inp: Node, n: int) -> tuple[Node, int, list[Node]]:

@@ -74,9 +74,9 @@ def predict(site: Site, n: int) -> dict[str, float]:
         block_flops, message_bytes = flops / n, shard.numel() * shard.element_size()
         add_bytes = 0
     else:
-        assert isinstance(site, MmRsSite) and site.mm is not None
-        out = val(site.mm.node)
-        block_flops = 2 * out.numel() * val(site.mm.a).shape[1] / n
+        assert isinstance(site, MmRsSite)
+        out = val(site.terms[0].node)
+        block_flops = sum(2 * out.numel() * val(t.a).shape[1] for t in site.terms) / n
         message_bytes = add_bytes = out.numel() * out.element_size() // n
     p = PROFILES.get(_device_type(site), PROFILES["cpu"])
     c = block_flops / p.matmul_flops
