@@ -51,6 +51,8 @@ class AgMm:
     bias: bool = True
     extra_user: bool = False
     contract: int = 0  # weight-gradient-like consumers: t(AG(x) viewed [M, K]) @ X_i
+    columns: int = 0  # gathered-weight consumers: Z_i @ t(AG(x) viewed [M, K]) (dim 0 only)
+    left: int = 0  # Y_i @ AG(x) viewed [M, K] (dim 0 only)
     dtype: torch.dtype = torch.float32
 
     def inputs(self, rank: int, seed: int, n: int = 1) -> list[torch.Tensor]:
@@ -65,6 +67,8 @@ class AgMm:
                 xs.append(torch.randn(self.n_out + i, generator=wgen))
         rows = math.prod(self.shard[:-1]) * n  # M: rows of the gathered tensor viewed 2-D
         xs += [torch.randn(rows, 3 + i, generator=gen) for i in range(self.contract)]
+        xs += [torch.randn(2 + i, k, generator=gen) for i in range(self.columns)]
+        xs += [torch.randn(2 + i, rows, generator=gen) for i in range(self.left)]
         return [x.to(self.dtype) for x in xs]
 
     def fn(self, n: int):
@@ -80,7 +84,10 @@ class AgMm:
                 else:
                     outs.append(torch.mm(a, w))
             xs = params[self.consumers * step :]
-            outs += [torch.mm(a.t(), x) for x in xs]
+            contract, xs = xs[: self.contract], xs[self.contract :]
+            outs += [torch.mm(a.t(), x) for x in contract]
+            outs += [torch.mm(z, a.t()) for z in xs[: self.columns]]
+            outs += [torch.mm(y, a) for y in xs[self.columns :]]
             if self.extra_user:
                 outs.append(g * 2)
             return tuple(outs)

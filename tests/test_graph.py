@@ -317,7 +317,7 @@ def test_weight_gradient_shares_the_ring_and_accumulates_per_block(dtype):
     record = rewrite_one(gm)
     assert record.decision == "rewritten"
     assert record.details["matmuls"] == ["mm", "mm_1"]
-    assert record.details["contracting"] == ["mm_1"]
+    assert record.details["roles"] == {"mm": "rows", "mm_1": "contract"}
     assert calls(gm, ALL_GATHER) == [] and len(calls(gm, P2P)) == N - 1
     created = new_nodes(gm, record)
     transposes = [n for n in created if n.target is aten.permute.default]
@@ -412,14 +412,16 @@ def test_weight_computed_after_the_gather_is_hoisted_before_the_ring():
 
 
 def test_weight_from_a_later_collective_declines_the_site():
+    """mm(AG(x), AG(w)): the activation's ring cannot wait for the weight's gather; the
+    weight's own site contracts its gathered rows instead (X[:, block b] @ W_b)."""
     gm = fx(gather_then_gathered_weight, (2, 3, 8), (2, 6))
-    before = gm.code
     x_site, w_site = rewrite_graph(gm, "forward", RING)
     assert x_site.decision == "declined"
     assert x_site.reason == "input wait_tensor_1 is computed after the site and cannot move"
-    assert w_site.decision == "declined"
-    assert w_site.reason == "mm: gathered tensor is its second operand"
-    assert gm.code == before
+    assert w_site.decision == "rewritten"
+    assert w_site.details["roles"] == {"mm": "contract_left"}
+    assert len(calls(gm, ALL_GATHER)) == 1 and len(calls(gm, P2P)) == N - 1
+    gm.graph.lint()
 
 
 def test_matmul_between_gather_and_reduce_scatter_is_claimed_by_the_gather():
@@ -505,14 +507,14 @@ DECLINES = [
             lambda x, w: torch.mm(gathered(x, N, 2).reshape(-1, 8 * N), w), (2, 3, 8), (32, 6)
         ),
         "ring",
-        "mm: gathered dim 2 of [2, 3, 32] does not fold into the rows of [6, 32]",
+        "mm (rows): gathered dim 2 of [2, 3, 32] does not fold into the rows of [6, 32]",
         id="contracting-dim",
     ),
     pytest.param(
-        lambda: fx(lambda x, y: torch.mm(y, gathered(x, N, 0)), (2, 6), (6, 8)),
+        lambda: fx(lambda x, y: torch.mm(y, gathered(x, N, 1)), (6, 2), (3, 6)),
         "ring",
-        "mm: gathered tensor is its second operand",
-        id="second-operand",
+        "mm (contract_left): gathered dim 1 of [6, 8] does not fold into the rows of [6, 8]",
+        id="second-operand-columns",
     ),
     pytest.param(
         lambda: fx(

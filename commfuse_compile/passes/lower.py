@@ -124,9 +124,9 @@ def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleTyp
     shard_shape = dims.concrete(val(site.shard).shape, "shard")
     width = shard_shape[site.gather_dim]
     held: dict[int, Node] = {group.rank: site.shard}
-    parts: list[dict[int, Node]] = [{} for _ in site.uses]  # rows: product block per block
-    sums: list[Node | None] = [None for _ in site.uses]  # contract: running sum
-    others: list[Node | None] = [None for _ in site.uses]  # contract: X viewed like G
+    blocks: list[dict[int, Node]] = [{} for _ in site.uses]  # rows/columns: product blocks
+    sums: list[Node | None] = [None for _ in site.uses]  # contract*: running sums
+    others: dict[int, Node] = {}  # contract: the other operand viewed like G
     for s, step in enumerate(schedule.gather_steps(group.rank, n)):
         issue, recvs, sent = _issue(
             rw, group, tag, s, step.sends, step.recvs, held, recv_like=site.shard
@@ -135,46 +135,42 @@ def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleTyp
         for b in step.compute:
             views: dict[tuple[int, int], Node] = {}  # one 2-D view of the block per shape
             for i, use in enumerate(site.uses):
-                lead = shard_shape[: use.row_dims]
+                mm, lead = use.mm, shard_shape[: use.row_dims]
                 shape2d = (math.prod(lead), math.prod(shard_shape[use.row_dims :]))
                 if shape2d not in views:
                     views[shape2d] = rw.emit(
                         aten.view.default, (held[b], list(shape2d)), step=s, lane="compute"
                     )
-                if use.contract:
-                    other = others[i]
-                    if other is None:
-                        k = val(use.mm.b).shape[1]
-                        lead_full = site.gathered_shape[: use.row_dims]
-                        other = others[i] = _viewed(rw, use.mm.b, [*lead_full, k], s)
-                    x_b = _rows_of_block(rw, other, site.gather_dim, b, width, s)
-                    g_t = rw.emit(  # permute, not t: Inductor's graphs have t decomposed
-                        aten.permute.default, (views[shape2d], [1, 0]), step=s, lane="compute"
-                    )
-                    total = sums[i] = _accumulate(rw, sums[i], g_t, x_b, s)
-                    compute.append(total)
-                else:
-                    part = _matmul(rw, use.mm, views[shape2d], use.mm.b, use.mm.bias, s)
-                    parts[i][b] = rw.emit(
-                        aten.view.default,
-                        (part, [*lead, val(part).shape[1]]),
-                        step=s,
-                        lane="compute",
-                    )
-                    compute.append(part)
+                g2d = views[shape2d]
+                if use.role == "rows":
+                    part = _matmul(rw, mm, g2d, mm.b, mm.bias, s)
+                    blocks[i][b] = _viewed(rw, part, [*lead, val(part).shape[1]], s)
+                elif use.role == "columns":
+                    bias = mm.bias and _column_block(rw, mm.bias, b, shape2d[0], s)
+                    part = blocks[i][b] = _matmul(rw, mm, mm.a, _transposed(rw, g2d, s), bias, s)
+                elif use.role == "contract":
+                    if i not in others:
+                        k = val(mm.b).shape[1]
+                        others[i] = _viewed(rw, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
+                    x_b = _rows_of_block(rw, others[i], site.gather_dim, b, width, s)
+                    part = sums[i] = _accumulate(rw, sums[i], _transposed(rw, g2d, s), x_b, s)
+                else:  # contract_left
+                    y_b = _column_block(rw, mm.a, b, shape2d[0], s)
+                    part = sums[i] = _accumulate(rw, sums[i], y_b, g2d, s)
+                compute.append(part)
         waits = _wait_all(rw, s, recvs, sent, held)
         rw.steps.append(Step(issue, compute, waits))
     last = len(rw.steps)
     for i, use in enumerate(site.uses):
-        finished = sums[i]
-        if use.contract and finished is not None:
-            rw.replace[use.mm.node] = _finish_sum(rw, finished, use.mm.node, last)
+        total = sums[i]
+        if total is not None:
+            rw.replace[use.mm.node] = _finish_sum(rw, total, use.mm.node, last)
             continue
-        blocks = [parts[i][b] for b in range(n)]
-        full = rw.emit(aten.cat.default, (blocks, site.gather_dim), step=last, lane="compute")
-        rw.replace[use.mm.node] = rw.emit(
-            aten.view.default, (full, list(val(use.mm.node).shape)), step=last, lane="compute"
+        dim = site.gather_dim if use.role == "rows" else 1
+        full = rw.emit(
+            aten.cat.default, ([blocks[i][b] for b in range(n)], dim), step=last, lane="compute"
         )
+        rw.replace[use.mm.node] = _viewed(rw, full, list(val(use.mm.node).shape), last)
     if _gathered_outlives(site):
         # all_gather_into_tensor's value, rebuilt from the shards: never gather twice
         rebuilt = rw.emit(
@@ -182,6 +178,20 @@ def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleTyp
         )
         for wait in site.waits:
             rw.replace[wait] = rebuilt
+
+
+def _transposed(rw: Rewrite, node: Node, step: int) -> Node:
+    # permute, not t: the graphs Inductor compiles have t decomposed
+    return rw.emit(aten.permute.default, (node, [1, 0]), step=step, lane="compute")
+
+
+def _column_block(rw: Rewrite, node: Node, b: int, width: int, step: int) -> Node:
+    """Columns [b*width, (b+1)*width) of ``node`` (kept whole if broadcast along them)."""
+    if val(node).dim() == 0 or val(node).shape[-1] == 1:
+        return node
+    return rw.emit(
+        aten.slice.Tensor, (node, -1, b * width, (b + 1) * width), step=step, lane="compute"
+    )
 
 
 def _accumulate(rw: Rewrite, total: Node | None, a: Node, b: Node, step: int) -> Node:
@@ -272,14 +282,8 @@ def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleTyp
 def _reduce_block(rw: Rewrite, site: MmRsSite, mm: Matmul, b: int, width: int, step: int) -> Node:
     """This rank's partial of block ``b`` of the product ``mm``."""
     if site.columns:
-        w = rw.emit(
-            aten.slice.Tensor, (mm.b, 1, b * width, (b + 1) * width), step=step, lane="compute"
-        )
-        bias = mm.bias
-        if bias is not None and val(bias).dim() >= 1 and val(bias).shape[-1] != 1:
-            bias = rw.emit(
-                aten.slice.Tensor, (bias, -1, b * width, (b + 1) * width), step=step, lane="compute"
-            )
+        w = _column_block(rw, mm.b, b, width, step)
+        bias = mm.bias and _column_block(rw, mm.bias, b, width, step)
         return _matmul(rw, mm, mm.a, w, bias, step)
     if len(site.product_shape) == 2 and is_transpose_2d(mm.a):
         # rows of t(Z) are columns of Z: slice Z and transpose the block, no copy

@@ -92,14 +92,16 @@ def is_matmul(node: Node) -> bool:
 class GatherUse:
     """A matmul reading the gathered tensor G, viewed 2-D with the gathered dim in its rows.
 
-    ``rows``: ``mm(G2d, W)``, each block is a block of the product's rows.
-    ``contract``: ``mm(G2d^T, X)`` (a weight gradient): the gathered rows are the
-    contracting dim, each block adds ``G2d_b^T @ X_b`` to the product.
+    Where G2d sits decides what a block of it computes (``role``):
+    ``rows``:      ``G2d @ W``    (column-parallel input): a block of the product's rows.
+    ``contract``:  ``G2d^T @ X``  (weight gradient): adds ``G2d_b^T @ X_b``.
+    ``columns``:   ``X @ G2d^T``  (a gathered weight, FSDP): a block of the product's columns.
+    ``contract_left``: ``Y @ G2d`` (input gradient of a gathered weight): adds ``Y_b @ G2d_b``.
     """
 
     mm: Matmul
     row_dims: int  # the gathered tensor's dims [:row_dims] fold into G2d's rows
-    contract: bool = False
+    role: str = "rows"
 
 
 @dataclasses.dataclass
@@ -129,7 +131,7 @@ class AgMmSite:
             "gather_dim": self.gather_dim,
             "gathered_shape": list(self.gathered_shape),
             "matmuls": [u.mm.node.name for u in self.uses],
-            "contracting": [u.mm.node.name for u in self.uses if u.contract],
+            "roles": {u.mm.node.name: u.role for u in self.uses},
             "unmatched": list(self.unmatched),
         }
 
@@ -290,36 +292,45 @@ def _collect_uses(site: AgMmSite, gathered: Node) -> None:
             if user.target in VIEWS and user.args[0] is node:
                 site.chain.append(user)
                 frontier.append(user)
-            elif mm is not None and mm.a is node:
-                _add_use(site, node, mm, contract=False)
+            elif mm is not None:
+                _add_use(site, node, mm, "rows" if mm.a is node else "contract_left")
             elif is_transpose_2d(user) and user.args[0] is node:
                 site.chain.append(user)
                 for consumer in user.users:
                     mm = Matmul.of(consumer)
-                    if mm is not None and mm.a is user and mm.bias is None:
-                        _add_use(site, node, mm, contract=True)
-                    elif _reaches_matmul(consumer) or Matmul.of(consumer) is not None:
-                        site.unmatched.append(_why_not_rows(site, user, consumer))
-            elif mm is not None or _reaches_matmul(user):
-                site.unmatched.append(_why_not_rows(site, node, user))
+                    if mm is not None:
+                        _add_use(site, node, mm, "contract" if mm.a is user else "columns")
+                    elif _reaches_matmul(consumer):
+                        site.unmatched.append(_between(consumer))
+            elif _reaches_matmul(user):
+                site.unmatched.append(_between(user))
 
 
-def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, contract: bool) -> None:
+def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
     """Record ``mm`` as a use if the gathered dim lands in the rows of ``g2d``."""
     rows, cols = dims.concrete(val(g2d).shape, f"operand of {mm.node.name}")
     j = dims.row_split(site.gathered_shape, rows, cols)
+    contiguous = math.prod(site.gathered_shape[: site.gather_dim]) == 1
+    problem = None
     if j is None or site.gather_dim >= j:
-        site.unmatched.append(
-            f"{mm.node.name}: gathered dim {site.gather_dim} of {list(site.gathered_shape)} "
-            f"does not fold into the rows of [{rows}, {cols}]"
+        problem = (
+            f"gathered dim {site.gather_dim} of {list(site.gathered_shape)} does not fold "
+            f"into the rows of [{rows}, {cols}]"
         )
-    elif mm.bias is not None and not _bias_is_row_broadcast(mm.bias):
-        site.unmatched.append(f"{mm.node.name}: bias has a row dim")
-    elif contract and tuple(val(mm.b).shape)[:1] != (rows,):
-        site.unmatched.append(f"{mm.node.name}: its other operand does not have {rows} rows")
-    else:
-        _check_tensor(mm.node, "matmul output")
-        site.uses.append(GatherUse(mm=mm, row_dims=j, contract=contract))
+    elif role in ("columns", "contract_left") and not contiguous:
+        problem = f"gathered dim {site.gather_dim} is not the outermost: blocks not contiguous"
+    elif role in ("contract", "contract_left") and mm.bias is not None:
+        problem = "a bias on a contracted product"
+    elif role == "rows" and mm.bias is not None and not _bias_is_row_broadcast(mm.bias):
+        problem = "bias has a row dim"
+    elif role == "contract" and tuple(val(mm.b).shape)[:1] != (rows,):
+        problem = f"its other operand does not have {rows} rows"
+    if problem:
+        site.unmatched.append(f"{mm.node.name} ({role}): {problem}")
+        return
+    _check_tensor(mm.node, "matmul output")
+    assert j is not None
+    site.uses.append(GatherUse(mm=mm, row_dims=j, role=role))
 
 
 def is_transpose_2d(node: Node) -> bool:
@@ -332,9 +343,7 @@ def is_transpose_2d(node: Node) -> bool:
     return False
 
 
-def _why_not_rows(site: AgMmSite, node: Node, user: Node) -> str:
-    if Matmul.of(user) is not None:
-        return f"{user.name}: gathered tensor is its second operand"
+def _between(user: Node) -> str:
     return f"{user.name} ({_op_name(user)}) sits between the gathered tensor and a matmul"
 
 
