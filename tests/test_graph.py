@@ -763,3 +763,45 @@ def test_inner_compiler_failure_falls_back_to_the_original_graph():
         record.reason
         == "inner compiler failed on the rewritten graph: RuntimeError: compiler says no"
     )
+
+
+def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
+    """The graph's P2P peers must be this rank's steps of the schedule, and the schedule,
+    run for all ranks, must match every receive with a send (no rank waits forever)."""
+    from commfuse_compile import groups
+    from commfuse_compile.passes import match, verify
+    from commfuse_compile.passes.lower import lower, start
+    from commfuse_compile.report import Declined
+    from commfuse_compile.schedules import GatherStep, Transfer, ring
+
+    gm = build(AgMm())
+    (site,) = match.find_sites(gm.graph)
+    group = groups.resolve(site.group_name, site.group_size)
+    rewrite = start(site, 0, gm.graph)
+    lower(rewrite, group, ring)
+    verify.check_exchange(rewrite, group, ring)
+
+    class Mirrored:  # a valid ring in the other direction: not what the graph does
+        __name__ = "Mirrored"
+
+        @staticmethod
+        def gather_steps(rank, n):
+            flip = lambda ts: tuple(Transfer(t.block, -t.peer) for t in ts)  # noqa: E731
+            return [
+                GatherStep(s.compute, flip(s.sends), flip(s.recvs))
+                for s in ring.gather_steps(rank, n)
+            ]
+
+    with pytest.raises(Declined, match="are not the schedule's"):
+        verify.check_exchange(rewrite, group, Mirrored)
+    rewrite.discard()
+
+    class Deadlocks:  # every rank receives from the rank that sends elsewhere
+        __name__ = "Deadlocks"
+
+        @staticmethod
+        def gather_steps(rank, n):
+            return [GatherStep((rank,), (Transfer(rank, +1),), (Transfer((rank + 1) % n, +1),))]
+
+    with pytest.raises(Declined, match="schedule Deadlocks on 3 ranks"):
+        verify._check_schedule_all_ranks(Deadlocks, 3, True)

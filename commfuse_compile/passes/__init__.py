@@ -113,6 +113,7 @@ def _rewrite_sites(
             rewrite = start(site, record.site, gm.graph)
             lower(rewrite, group, by_name(chosen.schedule))
             verify.check_emitted(rewrite)
+            verify.check_exchange(rewrite, group, by_name(chosen.schedule))
             rewrite.commit(_site_nodes(site))
             verify.check_committed(rewrite, gm.graph)
         except Exception as err:  # noqa: BLE001 - declines and internal errors alike

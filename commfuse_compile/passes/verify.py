@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import operator
+from types import ModuleType
 
 import torch
 from torch.fx import Graph
 
+from ..groups import Group
 from ..report import decline
+from ..schedules import simulate
 from .lower import P2P, Rewrite
+from .match import AgMmSite, val
 
 c10d = torch.ops._c10d_functional
 
@@ -51,3 +56,43 @@ def check_committed(rw: Rewrite, graph: Graph) -> None:
     dead = [n.name for n in rw.created if not n.users and n.target is not c10d.wait_tensor.default]
     if dead:
         raise decline(f"internal: the rewrite computes values nothing reads: {dead}")
+
+
+def check_exchange(rw: Rewrite, group: Group, schedule: ModuleType) -> None:
+    """Cross-rank check: the graph's P2P ops are exactly this rank's steps of ``schedule``,
+    and the schedule, run for every rank of the group, matches each receive with the
+    peer's send of the same block in the same step (so no rank waits for a message that
+    is never sent) and leaves every rank with the right blocks. Tensors are the same
+    shape on every rank (SPMD), so each received buffer has the shape of what is sent."""
+    n = group.size
+    gather = isinstance(rw.site, AgMmSite)
+    steps = schedule.gather_steps(group.rank, n) if gather else schedule.reduce_steps(group.rank, n)
+    expected = [
+        ([group.peer(t.peer) for t in st.sends], [group.peer(t.peer) for t in st.recvs])
+        for st in steps
+        if st.sends or st.recvs
+    ]
+    p2p = [node for node in rw.created if node.target is P2P]
+    emitted = [(list(node.args[1]), list(node.args[3])) for node in p2p]  # type: ignore[arg-type]
+    if emitted != expected:
+        raise decline(f"internal: P2P peers {emitted} are not the schedule's {expected}")
+    for node in p2p:
+        shapes = {tuple(val(t).shape) for t in (*node.args[0], *node.args[2])}  # type: ignore[misc]
+        if len(shapes) != 1:
+            raise decline(f"internal: {node.name} sends and receives different shapes {shapes}")
+    _check_schedule_all_ranks(schedule, n, gather)
+
+
+@functools.cache
+def _check_schedule_all_ranks(schedule: ModuleType, n: int, gather: bool) -> None:
+    try:
+        if gather:
+            held = simulate.gather(schedule, list(range(n)), lambda b, x: x)
+            if any(sorted(h) != list(range(n)) for h in held):
+                raise simulate.ScheduleError("a rank does not multiply every block")
+        else:
+            sums = simulate.reduce(schedule, n, lambda r, b: {(r, b)}, lambda x, y: x | y)
+            if sums != [{(r, b) for r in range(n)} for b in range(n)]:
+                raise simulate.ScheduleError("a block does not sum every rank's partial")
+    except simulate.ScheduleError as err:
+        raise decline(f"internal: schedule {schedule.__name__} on {n} ranks: {err}") from None
