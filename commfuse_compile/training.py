@@ -18,9 +18,12 @@ or without it (plain eager), from the same initialization and data.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -49,14 +52,14 @@ class TrainConfig:
     steps: int = 3
     lr: float = 1e-2
     seed: int = 0
-    tp: int = 1  # fsdp only: size of the "tp" mesh dim (1: pure sharded data parallel)
+    tp: int = 1  # fsdp: size of the "tp" mesh dim (1: none); front "tp": the whole world
     activation_checkpointing: bool = False
     device: str = "cpu"
 
 
 @dataclasses.dataclass
 class TrainResult:
-    """Per step: the loss averaged over data-parallel ranks, and the wall time."""
+    """Per step: the loss (averaged over data-parallel ranks) and the wall time."""
 
     losses: list[float]
     step_s: list[float]
@@ -78,10 +81,35 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             if self.activation_checkpointing:
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(layer, x, use_reentrant=False, context_fn=_save_attention)
             else:
                 x = layer(x)
         return self.head(self.norm(x))
+
+
+def _save_attention() -> tuple[Any, Any]:
+    """Activation checkpointing that keeps the attention output and recomputes the rest.
+
+    Recomputing attention does not compile with DTensor in torch 2.13: SDPA is tagged
+    ``nondeterministic_seeded`` (dropout), so the partitioner functionalizes its RNG
+    (``functionalize_rng_ops``) and inserts the RNG state among the forward's outputs
+    before the saved DeviceMesh, which then lands in the saved-tensor slice
+    ("expected all tensors_saved_with_vc_check to be Tensors").
+    """
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    saved = {
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention.default,
+        aten._scaled_dot_product_efficient_attention.default,
+        aten._scaled_dot_product_cudnn_attention.default,
+    }
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 class MSELoss(nn.Module):
@@ -99,8 +127,8 @@ class GatherShard(nn.Module):
     """Parametrization: the module stores this rank's dim-0 shard of a parameter; reading
     the parameter all-gathers it (so the backward reduce-scatters the gradient).
 
-    With ``tp_placements``, the gathered tensor is this rank's TP shard of a DTensor
-    parameter and is wrapped back into that DTensor.
+    With ``tp`` (mesh, placements), the gathered tensor is this rank's local part of a
+    TP-sharded DTensor parameter and is wrapped back into that DTensor.
     """
 
     def __init__(self, group: dist.ProcessGroup, tp: tuple[Any, tuple[Any, ...]] | None) -> None:
@@ -119,22 +147,29 @@ class GatherShard(nn.Module):
         mesh, placements = self.tp
         return DTensor.from_local(full, mesh, placements, run_check=False)
 
-    def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
-        local = value.to_local() if hasattr(value, "to_local") else value
-        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        if local.shape[0] % size:
-            raise ValueError(f"dim 0 of {tuple(local.shape)} is not divisible by {size}")
-        return local.detach().chunk(size, dim=0)[rank].clone()
-
 
 def shard_parameters(model: nn.Module, group: dist.ProcessGroup) -> None:
-    """Shard every parameter of ``model`` on dim 0 over ``group`` (FSDP-style, in graph)."""
+    """Shard every parameter of ``model`` on dim 0 over ``group`` (FSDP-style, in graph).
+
+    A DTensor parameter (TP) is sharded through its local tensor: the module keeps a plain
+    ``nn.Parameter`` with this rank's dim-0 block of it.
+    """
     from torch.distributed.tensor import DTensor
     from torch.nn.utils import parametrize
 
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
     for module in list(model.modules()):
         for name, param in list(module.named_parameters(recurse=False)):
-            tp = (param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+            tp = None
+            local = param.detach()
+            if isinstance(param, DTensor):
+                tp = (param.device_mesh, tuple(param.placements))
+                local = param.to_local().detach()
+            if local.shape[0] % size:
+                raise ValueError(
+                    f"{name}: dim 0 of {tuple(local.shape)} is not divisible by {size}"
+                )
+            module._parameters[name] = nn.Parameter(local.chunk(size, dim=0)[rank].clone())
             parametrize.register_parametrization(module, name, GatherShard(group, tp), unsafe=True)
 
 
@@ -168,6 +203,8 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
     if world_size % tp:
         raise ValueError(f"tp={tp} does not divide the world size {world_size}")
     dp = world_size // tp
+    if cfg.batch % dp or cfg.seq % tp:
+        raise ValueError(f"batch {cfg.batch} / seq {cfg.seq} not divisible by dp={dp} / tp={tp}")
     torch.manual_seed(cfg.seed)
     model = Transformer(cfg).to(cfg.device)
     tp_mesh = None
@@ -226,6 +263,8 @@ def train(
         (loss / setup.dp).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cfg.device == "cuda":
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         value = loss.detach().clone()
         if setup.dp_group is not None:
@@ -238,3 +277,112 @@ def train(
     result.sites = [s.as_json() for s in report.REPORT.sites]
     return result
 
+
+def compare(
+    rank: int, world_size: int, cfg: TrainConfig, options: Mapping[str, Any]
+) -> tuple[TrainResult, TrainResult]:
+    """(with the pass, without it): the same run twice; a ``RankPool`` job."""
+    return train(cfg, rank, world_size, options), train(cfg, rank, world_size, None)
+
+
+def max_relative_diff(a: Iterable[float], b: Iterable[float]) -> float:
+    """Largest ``|a - b| / |b|`` over steps (``b`` the reference)."""
+    return max((abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b, strict=True)), default=0.0)
+
+
+@dataclasses.dataclass
+class SiteSummary:
+    """The sites of one (graph, kind): how many, and why the declined ones were."""
+
+    graph: str
+    kind: str
+    found: int = 0
+    rewritten: int = 0
+    declined: int = 0
+    reasons: dict[str, int] = dataclasses.field(default_factory=dict)  # generic reason -> n
+
+
+def generic_reason(reason: str) -> str:
+    """A reason with node numbers (``mm_3``, ``mm`` -> ``mm_*``) and predicted times
+    (``1252.4 us`` -> ``* us``) dropped, so that the same reason on other nodes counts once."""
+    reason = re.sub(r"\b([a-z]+(?:_[a-z]+)*)_\d+\b", r"\1_*", reason)
+    reason = re.sub(r"\b\d+(?:\.\d+)? us\b", "* us", reason)
+    return re.sub(r"\b(mm|addmm|wait_tensor)\b(?!_)", r"\1_*", reason)
+
+
+def summarize(sites: Iterable[Mapping[str, Any]]) -> list[SiteSummary]:
+    """Group report sites (``SiteRecord.as_json()``) by graph and kind, in that order."""
+    rows: dict[tuple[str, str], SiteSummary] = {}
+    for site in sites:
+        key = (site["graph"], site["kind"])
+        row = rows.setdefault(key, SiteSummary(*key))
+        row.found += 1
+        if site["decision"] == "rewritten":
+            row.rewritten += 1
+        else:
+            row.declined += 1
+            why = generic_reason(site["reason"])
+            row.reasons[why] = row.reasons.get(why, 0) + 1
+    return sorted(rows.values(), key=lambda r: (r.graph != "forward", r.graph, r.kind))
+
+
+def format_summary(rows: Iterable[SiteSummary]) -> str:
+    """The summary as a text table, one line per (graph, kind), reasons indented below."""
+    lines = [f"{'graph':<9} {'site':<6} {'found':>5} {'rewritten':>9} {'declined':>8}"]
+    for row in rows:
+        lines.append(
+            f"{row.graph:<9} {row.kind:<6} {row.found:>5} {row.rewritten:>9} {row.declined:>8}"
+        )
+        lines += [f"    {n} x declined: {why}" for why, n in sorted(row.reasons.items())]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# torchrun scripts (examples/)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every training example takes."""
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--compare", action="store_true", help="also train without the pass")
+    parser.add_argument("--inner", default="eager", choices=["eager", "inductor"])
+    parser.add_argument("--schedule", default="ring", choices=["auto", "ring", "off"])
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--debug-dir", default=None, help="commfuse debug dump")
+
+
+def init_torchrun() -> str:
+    """Initialize the default group from torchrun's environment: NCCL on CUDA if there is
+    one, else gloo on CPU. Returns the device type."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return device
+
+
+def run_and_print(cfg: TrainConfig, args: argparse.Namespace) -> None:
+    """Train with the pass (and, with ``--compare``, without it); rank 0 prints each step,
+    the site summary and the largest relative loss difference."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+
+    def show(step: int, loss: float, seconds: float) -> None:
+        if rank == 0:
+            print(f"step {step:>3}  loss {loss:.6f}  {seconds * 1e3:8.1f} ms", flush=True)
+
+    options = {"schedule": args.schedule, "inner": args.inner, "debug_dir": args.debug_dir}
+    if rank == 0:
+        print(f"with commfuse ({options}), {world_size} ranks:\n{cfg}", flush=True)
+    fused = train(cfg, rank, world_size, options, on_step=show)
+    if rank == 0:
+        print("\nsites (rank 0):\n" + format_summary(summarize(fused.sites)), flush=True)
+    if args.compare:
+        if rank == 0:
+            print("\nwithout the pass (plain eager):", flush=True)
+        eager = train(cfg, rank, world_size, None, on_step=show)
+        if rank == 0:
+            diff = max_relative_diff(fused.losses, eager.losses)
+            print(f"\nlargest relative loss difference over {cfg.steps} steps: {diff:.3e}")

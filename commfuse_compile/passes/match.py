@@ -300,6 +300,9 @@ def _collect_uses(site: AgMmSite, gathered: Node) -> None:
                     mm = Matmul.of(consumer)
                     if mm is not None:
                         _add_use(site, node, mm, "contract" if mm.a is user else "columns")
+                    elif is_transpose_2d(consumer):  # t(t(G)) is G
+                        site.chain.append(consumer)
+                        frontier.append(consumer)
                     elif _reaches_matmul(consumer):
                         site.unmatched.append(_between(consumer))
             elif _reaches_matmul(user):
@@ -407,10 +410,18 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
 
 
 def _through_views(node: Node, chain: list[Node]) -> Node:
-    """The producer of ``node`` behind single-user views (appended to ``chain``)."""
-    while node.target in VIEWS and len(node.users) == 1:
-        chain.append(node)
-        node = _arg(node, 0, "self")
+    """The producer of ``node`` behind single-user views and transposes that cancel in
+    pairs (AOTAutograd writes a weight gradient as ``t(t(mm(...)))``), added to ``chain``."""
+    while len(node.users) == 1:
+        source = _arg(node, 0, "self")
+        if node.target in VIEWS:
+            chain.append(node)
+            node = source
+        elif is_transpose_2d(node) and is_transpose_2d(source) and len(source.users) == 1:
+            chain += [node, source]
+            node = _arg(source, 0, "self")
+        else:
+            break
     return node
 
 

@@ -1,0 +1,217 @@
+"""Training end to end: AdamW steps with and without the pass, from the same init and data.
+
+Front ends (``commfuse_compile.training``, shared with ``examples/train_*.py``): a TP+SP
+transformer (DTensor ``parallelize_module``), the same with activation checkpointing,
+FSDP-style in-graph sharding on 2 ranks, and FSDP x TP on a 2x2 mesh. Each test checks
+that the losses match the plain eager run, pins the table of sites the pass found per
+(graph, kind, decision, reason), and checks from the debug dump (``graph*_before.py``)
+that every all-gather / reduce-scatter next to a matmul has a report entry.
+
+Sites declined (or not reported) because a pattern is not supported yet are pinned as
+they are today, each with a comment naming the pattern: update them when it lands.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import pytest
+
+from commfuse_compile import training
+
+CFG = training.TrainConfig(blocks=2, dim=32, heads=4, hidden=64, batch=2, seq=16, steps=3)
+OPTIONS = {"schedule": "ring", "inner": "eager"}
+RTOL = 1e-5  # float32 losses; the ring changes summation order only
+
+RING = "schedule 'ring' requested"
+LATE_INPUT = "input wait_tensor_* is computed after the site and cannot move"
+TAKEN_BY_GATHER = "mm_* was rewritten by its all-gather site"
+
+
+def run(ranks, n: int, cfg: training.TrainConfig, dump: Path) -> list[dict]:
+    """Train with and without the pass on n ranks; per rank the results and site table."""
+    results = ranks(n).run(training.compare, cfg, {**OPTIONS, "debug_dir": str(dump)})
+    out = []
+    for rank, (fused, eager) in enumerate(results):
+        assert len(fused.losses) == cfg.steps
+        assert training.max_relative_diff(fused.losses, eager.losses) <= RTOL, (
+            rank,
+            fused.losses,
+            eager.losses,
+        )
+        out.append({"sites": fused.sites, "table": table(fused.sites)})
+    assert all(r["table"] == out[0]["table"] for r in out), "ranks disagree on the sites"
+    return out
+
+
+def table(sites: list[dict]) -> dict[tuple[str, str, str, str], int]:
+    """(graph, kind, decision, reason with node numbers dropped) -> number of sites."""
+    return dict(
+        collections.Counter(
+            (s["graph"], s["kind"], s["decision"], training.generic_reason(s["reason"]))
+            for s in sites
+        )
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# every collective next to a matmul, read back from the dumped graphs (independent of the
+# pass's matcher: layout ops are followed more generously than the pass does)
+
+LAYOUT = {
+    f"aten.{op}"
+    for op in (
+        "view.default",
+        "reshape.default",
+        "_unsafe_view.default",
+        "t.default",
+        "permute.default",
+        "transpose.int",
+        "split.Tensor",
+        "split_with_sizes.default",
+        "cat.default",
+        "clone.default",
+        "_to_copy.default",
+        "alias.default",
+        "contiguous.default",
+    )
+} | {"getitem", "_c10d_functional.wait_tensor.default"}
+MATMULS = {f"aten.{op}.default" for op in ("mm", "addmm", "bmm", "baddbmm", "matmul")}
+GATHER = "_c10d_functional.all_gather_into_tensor.default"
+SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
+
+
+def collectives_next_to_matmuls(code: str) -> dict[str, set[str]]:
+    """{"ag_mm": gathers whose value reaches a matmul through layout ops, "mm_rs":
+    reduce-scatters of a matmul (or of a sum of matmuls) through layout ops}."""
+    func = next(n for n in ast.parse(code).body if isinstance(n, ast.FunctionDef))
+    ops: dict[str, str] = {}
+    inputs: dict[str, list[str]] = {}
+    for stmt in func.body:
+        if not (isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name)):
+            continue
+        name, value = stmt.targets[0].id, stmt.value
+        if isinstance(value, ast.Call):
+            ops[name] = ast.unparse(value.func).removeprefix("torch.ops.")
+            args = value.args
+        elif isinstance(value, ast.Subscript):
+            ops[name], args = "getitem", [value.value]
+        else:
+            continue
+        inputs[name] = [n.id for a in args for n in ast.walk(a) if isinstance(n, ast.Name)]
+    users = collections.defaultdict(list)
+    for name, args in inputs.items():
+        for arg in args:
+            users[arg].append(name)
+
+    def feeds_matmul(name: str, depth: int = 12) -> bool:
+        return any(
+            ops[u] in MATMULS or (depth > 0 and ops[u] in LAYOUT and feeds_matmul(u, depth - 1))
+            for u in users[name]
+        )
+
+    def from_matmul(name: str, depth: int = 12, sums: bool = True) -> bool:
+        op = ops.get(name)
+        if op in MATMULS:
+            return True
+        if depth > 0 and op in LAYOUT:
+            return any(from_matmul(i, depth - 1, sums) for i in inputs[name])
+        if depth > 0 and sums and op == "aten.add.Tensor":
+            return all(from_matmul(i, depth - 1, False) for i in inputs[name])
+        return False
+
+    return {
+        "ag_mm": {n for n, op in ops.items() if op == GATHER and feeds_matmul(n)},
+        "mm_rs": {n for n, op in ops.items() if op == SCATTER and from_matmul(inputs[n][0])},
+    }
+
+
+def unreported(dump: Path, sites: list[dict]) -> dict[tuple[str, str], int]:
+    """Per (graph, kind): collectives next to a matmul in the dumped graphs that no report
+    entry names. Also checks the converse: every reported collective is next to a matmul."""
+    files = sorted(dump.glob("graph*_before.py"))
+    graphs = [f.stem.split("_")[1] for f in files]
+    assert sorted(graphs) == ["backward", "forward"], graphs  # one graph each: no break
+    missing = {}
+    for path, graph in zip(files, graphs, strict=True):
+        for kind, found in collectives_next_to_matmuls(path.read_text()).items():
+            here = [s for s in sites if (s["graph"], s["kind"]) == (graph, kind)]
+            reported = {c for s in here for c in s["collectives"]}
+            assert reported <= found, (graph, kind, sorted(reported - found))
+            if found - reported:
+                missing[graph, kind] = len(found - reported)
+    return missing
+
+
+# ----------------------------------------------------------------------------------------
+# tests
+
+
+def test_tp_sp_transformer_trains_like_eager_and_every_site_is_rewritten(ranks, tmp_path):
+    (first, *_) = run(ranks, 2, CFG, tmp_path)
+    assert first["table"] == {
+        # per block: norm -> q/k/v (one ring for 3 gathers), norm -> w1/w3; + the head
+        ("forward", "ag_mm", "rewritten", RING): 5,
+        ("forward", "mm_rs", "rewritten", RING): 4,  # wo, w2 per block
+        # gradient of wo's / w2's output gathered into their input- and weight-gradients
+        ("backward", "ag_mm", "rewritten", RING): 4,
+        # input gradients of q, k, v, w1, w3 per block, and of the head
+        ("backward", "mm_rs", "rewritten", RING): 11,
+    }
+    assert unreported(tmp_path / "rank0", first["sites"]) == {}
+
+
+def test_tp_sp_transformer_with_activation_checkpointing(ranks, tmp_path):
+    cfg = training.TrainConfig(**{**vars(CFG), "activation_checkpointing": True})
+    (first, *_) = run(ranks, 2, cfg, tmp_path)
+    # Each block is recomputed in backward (only the attention output is saved), forward
+    # collectives included: the backward also holds the blocks' forward sites.
+    assert first["table"] == {
+        ("forward", "ag_mm", "rewritten", RING): 5,
+        ("forward", "mm_rs", "rewritten", RING): 4,
+        # 4 gradient gathers (as without checkpointing) + 4 recomputed forward gathers
+        ("backward", "ag_mm", "rewritten", RING): 7,
+        # A gradient gather whose weight-gradient matmul reads a recomputed forward
+        # gather that the backward graph computes later: the ring cannot move after it.
+        ("backward", "ag_mm", "declined", LATE_INPUT): 1,
+        # 11 input-gradient scatters (as without checkpointing) + 3 recomputed wo/w2
+        ("backward", "mm_rs", "rewritten", RING): 14,
+    }
+    assert unreported(tmp_path / "rank0", first["sites"]) == {}
+
+
+def test_fsdp_style_trains_like_eager(ranks, tmp_path):
+    cfg = training.TrainConfig(**{**vars(CFG), "front": "fsdp", "batch": 4})
+    (first, *_) = run(ranks, 2, cfg, tmp_path)
+    assert first["table"] == {
+        # every parameter gather that feeds a linear: the gathered weight is the second
+        # matmul operand (x @ AG(w).t(), column blocks); the norm weights feed no matmul
+        ("forward", "ag_mm", "rewritten", RING): 15,
+        # every weight gradient, RS(t(t(mm(t(dY), X)))): AOTAutograd transposes the
+        # gradient of `w.t()` back; the pair cancels, and t(dY)'s rows are dY's columns
+        ("backward", "mm_rs", "rewritten", RING): 15,
+    }
+    assert unreported(tmp_path / "rank0", first["sites"]) == {}
+
+
+@pytest.mark.slow
+def test_fsdp_times_tp_on_a_2x2_mesh_trains_like_eager(ranks, tmp_path):
+    cfg = training.TrainConfig(**{**vars(CFG), "front": "fsdp", "tp": 2, "batch": 4, "steps": 2})
+    (first, *_) = run(ranks, 4, cfg, tmp_path)
+    assert first["table"] == {
+        # 15 dp weight gathers (columns), as in 1-D; the 5 TP activation gathers (norm ->
+        # q/k/v, norm -> w1/w3, norm -> head) feed the same matmuls, whose weight comes from
+        # a dp gather emitted after them: one collective per matmul is hidden, not both.
+        ("forward", "ag_mm", "rewritten", RING): 15,
+        ("forward", "ag_mm", "declined", LATE_INPUT): 5,
+        # wo / w2: the matmul already belongs to its dp weight-gather ring
+        ("forward", "mm_rs", "declined", TAKEN_BY_GATHER): 4,
+        ("backward", "ag_mm", "rewritten", RING): 4,  # TP, as in the TP+SP test
+        # 15 dp weight-gradient reduce-scatters, as in 1-D, and 7 TP input gradients;
+        # the other 4 TP input-gradient matmuls already belong to a gather's ring
+        ("backward", "mm_rs", "rewritten", RING): 22,
+        ("backward", "mm_rs", "declined", TAKEN_BY_GATHER): 4,
+    }
+    assert unreported(tmp_path / "rank0", first["sites"]) == {}
