@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-SCHEDULES = ("auto", "ring", "off")
+SCHEDULES = ("auto", "ring", "bidir", "off")
 INNER_COMPILERS = ("inductor", "eager")
 DEBUG_DIR_ENV = "COMMFUSE_DEBUG_DIR"
 

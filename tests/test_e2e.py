@@ -15,9 +15,13 @@ from models import mlp_train_step
 TOLERANCE = {"eager": 1e-5, "inductor": 1e-5}
 
 
-@pytest.mark.parametrize(("n", "inner"), [(2, "eager"), (3, "eager"), (2, "inductor")])
-def test_tp_sp_mlp_forward_backward(ranks, tmp_path, n, inner):
-    results = ranks(n).run(mlp_train_step, {"schedule": "ring", "inner": inner}, str(tmp_path))
+@pytest.mark.parametrize(
+    ("n", "inner", "schedule"),
+    [(2, "eager", "ring"), (3, "eager", "ring"), (3, "eager", "bidir"), (2, "inductor", "ring")],
+)
+def test_tp_sp_mlp_forward_backward(ranks, tmp_path, n, inner, schedule):
+    options = {"schedule": schedule, "inner": inner}
+    results = ranks(n).run(mlp_train_step, options, str(tmp_path))
     for rank, res in enumerate(results):
         assert res["out_diff"] <= TOLERANCE[inner], rank
         assert max(res["grad_diff"].values()) <= TOLERANCE[inner], res["grad_diff"]
@@ -34,8 +38,11 @@ def test_tp_sp_mlp_forward_backward(ranks, tmp_path, n, inner):
         # gate and up share one ring (DTensor emits one all-gather for each; eager keeps both)
         assert len(by_graph["forward", "ag_mm"]["matmuls"]) == 2
         assert len(by_graph["forward", "ag_mm"]["collectives"]) == (2 if inner == "eager" else 1)
+        steps, p2p_ops = (n, n - 1) if schedule == "ring" else (n // 2 + 1, n // 2)
         assert all(
-            s["steps"] == n and s["p2p_ops"] == n - 1 for s in sites if s["decision"] == "rewritten"
+            s["steps"] == steps and s["p2p_ops"] == p2p_ops and s["schedule"] == schedule
+            for s in sites
+            if s["decision"] == "rewritten"
         )
         assert {
             "graph000_forward_before.py",

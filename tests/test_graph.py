@@ -463,8 +463,8 @@ def test_auto_rewrites_when_the_cost_model_predicts_a_win(case):
 
 DECLINES = [
     pytest.param(lambda: build(AgMm()), "off", "schedule 'off' keeps every collective", id="off"),
-    pytest.param(lambda: build(AgMm()), "auto", "not profitable: ring predicted", id="auto-ag"),
-    pytest.param(lambda: build(MmRs()), "auto", "not profitable: ring predicted", id="auto-rs"),
+    pytest.param(lambda: build(AgMm()), "auto", "not profitable: bidir predicted", id="auto-ag"),
+    pytest.param(lambda: build(MmRs()), "auto", "not profitable: bidir predicted", id="auto-rs"),
     pytest.param(lambda: build(MmRs(op="avg")), "ring", "reduce op 'avg' is not 'sum'", id="avg"),
     pytest.param(
         lambda: build(MmRs(lead=(2, 4), dim=0)),
@@ -805,3 +805,24 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
 
     with pytest.raises(Declined, match="schedule Deadlocks on 3 ranks"):
         verify._check_schedule_all_ranks(Deadlocks, 3, True)
+
+
+@pytest.mark.parametrize("case", [AgMm(), MmRs()], ids=["ag_mm", "mm_rs"])
+def test_bidir_exchanges_with_both_neighbours_in_half_the_rounds(case):
+    gm = build(case)
+    record = rewrite_one(gm, Options(schedule="bidir", inner="eager"))
+    assert record.decision == "rewritten" and record.schedule == "bidir"
+    p2p = calls(gm, P2P)
+    assert len(p2p) == N // 2  # rounds: ceil((N-1)/2)
+    first_sends, first_recvs = p2p[0].args[1], p2p[0].args[3]
+    assert sorted(first_sends) == sorted(first_recvs) == [(RANK - 1) % N, (RANK + 1) % N]
+    assert sum(len(node.args[0]) for node in p2p) == N - 1  # every block / sum sent once
+    gm.graph.lint()
+
+
+def test_auto_predicts_every_schedule_and_keeps_the_collective_when_it_is_faster():
+    gm = build(AgMm())
+    record = rewrite_one(gm, Options(schedule="auto", inner="eager"))
+    assert set(record.details["predicted_us"]) == {"collective", "ring", "bidir"}
+    best = min(record.details["predicted_us"], key=record.details["predicted_us"].get)
+    assert best == "collective" and record.decision == "declined"

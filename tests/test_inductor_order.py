@@ -13,11 +13,11 @@ import torch
 from cases import AgMm, MmRs
 
 
-def compiled_code(rank, n, case):
+def compiled_code(rank, n, case, schedule="ring"):
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    fn = torch.compile(case.fn(n), backend="commfuse", options={"schedule": "ring"})
+    fn = torch.compile(case.fn(n), backend="commfuse", options={"schedule": schedule})
     inputs = case.inputs(rank, 0, n) if isinstance(case, AgMm) else case.inputs(rank, 0)
     outputs, codes = run_and_get_code(fn, *inputs)
     expected = case.fn(n)(*inputs)  # eager: the real collectives
@@ -53,9 +53,10 @@ def overlap_violations(code: str) -> list[str]:
     ],
     ids=["ag_mm_rows", "ag_mm_all_roles", "mm_rs", "mm_rs_sum_transposed"],
 )
-def test_waits_follow_the_overlapped_matmul(ranks, case):
+@pytest.mark.parametrize("schedule", ["ring", "bidir"])
+def test_waits_follow_the_overlapped_matmul(ranks, case, schedule):
     pool = ranks(3)
-    for codes, error in pool.run(compiled_code, case):
+    for codes, error in pool.run(compiled_code, case, schedule):
         assert error < 1e-4  # and Inductor computes the same numbers
         assert any("commfuse.p2p" in c for c in codes)
         for code in codes:

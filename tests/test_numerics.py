@@ -1,8 +1,9 @@
 """The rewritten graph computes the numbers of the original, on real gloo ranks.
 
-Property tests: hypothesis draws shapes, dtypes, collective dims, bias, consumers and
-world sizes; every rank traces the same program, runs the original (real collective)
-and the rewritten graph (ring of P2P steps) on the same inputs, and compares.
+Property tests: hypothesis draws shapes, dtypes, collective dims, bias, consumers, world
+sizes and the schedule (ring or bidirectional ring); every rank traces the same program,
+runs the original (real collective) and the rewritten graph (P2P steps) on the same
+inputs, and compares.
 Splitting a matmul into row or column blocks keeps each output element's dot product,
 but BLAS may pick another kernel for a smaller block (a matrix-vector product for one
 row) and sum K in another order; contracting the gathered dim sums blocks in ring order;
@@ -20,20 +21,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 PROPERTY = settings(
-    max_examples=25,
+    max_examples=40,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-RING = {"schedule": "ring"}
+STEPS_WITH_P2P = {"ring": lambda n: n - 1, "bidir": lambda n: n // 2}
 SUM_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
-def _run(pool, case, seed):
-    results = pool.run(run_case, case, seed, RING)
+def _run(pool, case, seed, schedule="ring"):
+    results = pool.run(run_case, case, seed, {"schedule": schedule})
     for out in results:
         assert out["collectives_left"] == 0
-        assert out["p2p"] == pool.world_size - 1
+        assert out["p2p"] == STEPS_WITH_P2P[schedule](pool.world_size)
     return results
 
 
@@ -55,7 +56,7 @@ def gather_cases(draw):
         extra_user=draw(st.booleans()),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
     )
-    return n, case, draw(st.integers(0, 10_000))
+    return n, case, draw(st.integers(0, 10_000)), draw(st.sampled_from(list(STEPS_WITH_P2P)))
 
 
 @st.composite
@@ -78,7 +79,7 @@ def scatter_cases(draw):
         terms=draw(st.integers(1, 3)),
         transposed=draw(st.booleans()),
     )
-    return n, case, draw(st.integers(0, 10_000))
+    return n, case, draw(st.integers(0, 10_000)), draw(st.sampled_from(list(STEPS_WITH_P2P)))
 
 
 @PROPERTY
@@ -86,11 +87,11 @@ def scatter_cases(draw):
 def test_all_gather_matmul_matches(ranks, example):
     """Every matmul output matches up to summation order; the rebuilt gathered tensor
     (the extra user) is bit-exact: it is the same bytes, moved by P2P instead."""
-    n, case, seed = example
+    n, case, seed, schedule = example
     if case.consumers + case.contract + case.columns + case.left == 0:
         case = dataclasses.replace(case, consumers=1)
     rtol, atol = SUM_TOLERANCE[case.dtype]
-    for out in _run(ranks(n), case, seed):
+    for out in _run(ranks(n), case, seed, schedule):
         assert len(out["actual"]) == len(out["expected"])
         pairs = list(zip(out["actual"], out["expected"], strict=True))
         if case.extra_user:
@@ -103,11 +104,15 @@ def test_all_gather_matmul_matches(ranks, example):
 @PROPERTY
 @given(scatter_cases())
 def test_matmul_reduce_scatter_matches(ranks, example):
-    n, case, seed = example
+    """Partials are rounded to the dtype before they are summed (by gloo or by the ring), so
+    in bfloat16 two summation orders differ by a few units in the last place of the
+    largest values, whatever a cancelling result's own magnitude."""
+    n, case, seed, schedule = example
     rtol, atol = SUM_TOLERANCE[case.dtype]
-    for out in _run(ranks(n), case, seed):
+    for out in _run(ranks(n), case, seed, schedule):
         (actual,), (expected,) = out["actual"], out["expected"]
-        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+        scale = expected.abs().max().item() if case.dtype == torch.bfloat16 else 0.0
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol + scale * 2**-5)
 
 
 def test_exact_for_two_ranks_reduce_scatter(ranks):

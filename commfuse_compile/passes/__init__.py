@@ -23,7 +23,7 @@ from ..report import REPORT, Declined, SiteRecord, decline, dump_code
 from ..schedules import by_name
 from . import match, order, verify
 from .lower import Rewrite, lower, start
-from .plan import plan
+from .plan import plan, predict
 
 _site_ids = itertools.count()
 T = TypeVar("T")
@@ -106,10 +106,9 @@ def _rewrite_sites(
             if claimed:
                 raise decline(f"{claimed[0]} was rewritten by its all-gather site")
             group = groups.resolve(site.group_name, site.group_size)
-            chosen = plan(site, group, options)
-            record.details["predicted_us"] = {
-                k: round(v * 1e6, 2) for k, v in chosen.predicted_s.items()
-            }
+            predicted = predict(site, group.size)
+            record.details["predicted_us"] = {k: round(v * 1e6, 2) for k, v in predicted.items()}
+            chosen = plan(predicted, options)
             rewrite = start(site, record.site, gm.graph)
             lower(rewrite, group, by_name(chosen.schedule))
             verify.check_emitted(rewrite)

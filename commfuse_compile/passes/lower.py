@@ -27,6 +27,7 @@ from torch.fx import Graph, Node
 from .. import p2p as _p2p  # noqa: F401  (registers commfuse::p2p)
 from ..groups import Group
 from ..report import decline
+from ..schedules import Transfer
 from . import dims
 from .match import AgMmSite, Matmul, MmRsSite, Site, is_transpose_2d, val
 
@@ -39,7 +40,8 @@ _tags = itertools.count(1)  # distinct per site, same sequence on every rank (SP
 
 @dataclasses.dataclass
 class Step:
-    """One overlap window: ``issue`` starts, ``compute`` runs, then ``waits`` complete."""
+    """One overlap window: ``issue`` starts, ``compute`` (every matmul of the window) runs,
+    then ``waits`` complete."""
 
     issue: Node | None
     compute: list[Node]
@@ -56,6 +58,7 @@ class Rewrite:
     replace: dict[Node, Node] = dataclasses.field(default_factory=dict)
     steps: list[Step] = dataclasses.field(default_factory=list)
     fake_mode: Any = None
+    matmuls: dict[int, list[Node]] = dataclasses.field(default_factory=dict)  # by step
     p2p_ops: int = 0
     committing: bool = False  # past this point the graph cannot be restored site by site
 
@@ -73,6 +76,8 @@ class Rewrite:
         self.created.append(node)
         node.meta["val"] = _fake_eval(self.fake_mode, target, args, kwargs or {})
         node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
+        if target in (aten.mm.default, aten.addmm.default):
+            self.matmuls.setdefault(step, []).append(node)
         return node
 
     def discard(self) -> None:
@@ -131,7 +136,6 @@ def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleTyp
         issue, recvs, sent = _issue(
             rw, group, tag, s, step.sends, step.recvs, held, recv_like=site.shard
         )
-        compute = []
         for b in step.compute:
             views: dict[tuple[int, int], Node] = {}  # one 2-D view of the block per shape
             for i, use in enumerate(site.uses):
@@ -147,19 +151,18 @@ def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleTyp
                     blocks[i][b] = _viewed(rw, part, [*lead, val(part).shape[1]], s)
                 elif use.role == "columns":
                     bias = mm.bias and _column_block(rw, mm.bias, b, shape2d[0], s)
-                    part = blocks[i][b] = _matmul(rw, mm, mm.a, _transposed(rw, g2d, s), bias, s)
+                    blocks[i][b] = _matmul(rw, mm, mm.a, _transposed(rw, g2d, s), bias, s)
                 elif use.role == "contract":
                     if i not in others:
                         k = val(mm.b).shape[1]
                         others[i] = _viewed(rw, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
                     x_b = _rows_of_block(rw, others[i], site.gather_dim, b, width, s)
-                    part = sums[i] = _accumulate(rw, sums[i], _transposed(rw, g2d, s), x_b, s)
+                    sums[i] = _accumulate(rw, sums[i], _transposed(rw, g2d, s), x_b, s)
                 else:  # contract_left
                     y_b = _column_block(rw, mm.a, b, shape2d[0], s)
-                    part = sums[i] = _accumulate(rw, sums[i], y_b, g2d, s)
-                compute.append(part)
+                    sums[i] = _accumulate(rw, sums[i], y_b, g2d, s)
         waits = _wait_all(rw, s, recvs, sent, held)
-        rw.steps.append(Step(issue, compute, waits))
+        rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
     last = len(rw.steps)
     for i, use in enumerate(site.uses):
         total = sums[i]
@@ -254,29 +257,39 @@ def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleTyp
     n, tag = group.size, next(_tags)
     width = site.product_shape[site.scatter_dim] // n
     pending: Pending = (None, [], [])
-    held: dict[int, Node] = {}
-    acc: Node | None = None
+    received: dict[tuple[int, int], Node] = {}  # (block, peer) -> partial sum from that peer
+    sums: dict[int, Node] = {}
     for s, step in enumerate(schedule.reduce_steps(group.rank, n)):
-        part = None
-        for term in site.terms:
-            term_part = _reduce_block(rw, site, term, step.block, width, s)
-            part = (
-                term_part
-                if part is None
-                else rw.emit(aten.add.Tensor, (part, term_part), step=s, lane="compute")
-            )
-        assert part is not None
+        parts = {}
+        for b in step.blocks:
+            part = None
+            for term in site.terms:
+                term_part = _reduce_block(rw, site, term, b, width, s)
+                part = (
+                    term_part
+                    if part is None
+                    else rw.emit(aten.add.Tensor, (part, term_part), step=s, lane="compute")
+                )
+            assert part is not None
+            parts[b] = part
         issue, recvs, sent = pending
-        waits = _wait_all(rw, s, recvs, sent, held)
-        rw.steps.append(Step(issue, [part], waits))
-        acc = part
-        if step.add_received:
-            acc = rw.emit(aten.add.Tensor, (part, held.pop(step.block)), step=s, lane="compute")
-        held[step.block] = acc
-        pending = _issue(rw, group, tag, s, step.sends, step.recvs, held, recv_like=part)
-    assert acc is not None and not pending[1]
+        waits = _wait_all(rw, s, recvs, sent, received, by_peer=True)
+        rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
+        sums = dict(parts)
+        for t in step.adds:
+            sums[t.block] = rw.emit(
+                aten.add.Tensor,
+                (sums[t.block], received.pop((t.block, t.peer))),
+                step=s,
+                lane="compute",
+            )
+        like = next(iter(parts.values()))
+        pending = _issue(rw, group, tag, s, step.sends, step.recvs, sums, recv_like=like)
+    assert not pending[1] and not received
     out_shape = list(val(site.wait).shape)
-    rw.replace[site.wait] = rw.emit(aten.view.default, (acc, out_shape), step=n, lane="compute")
+    rw.replace[site.wait] = rw.emit(
+        aten.view.default, (sums[group.rank], out_shape), step=n, lane="compute"
+    )
 
 
 def _reduce_block(rw: Rewrite, site: MmRsSite, mm: Matmul, b: int, width: int, step: int) -> Node:
@@ -302,7 +315,7 @@ def _reduce_block(rw: Rewrite, site: MmRsSite, mm: Matmul, b: int, width: int, s
 # ----------------------------------------------------------------------------------------
 
 
-Pending = tuple[Node | None, list[tuple[int, Node]], list[tuple[Node, Node]]]
+Pending = tuple[Node | None, list[tuple[Transfer, Node]], list[tuple[Node, Node]]]
 
 
 def _issue(
@@ -338,23 +351,26 @@ def _issue(
         for i in range(len(sends) + len(recvs))
     ]
     sent = list(zip(outs[: len(sends)], buffers, strict=True))
-    pending = [(t.block, out) for t, out in zip(recvs, outs[len(sends) :], strict=True)]
+    pending = list(zip(recvs, outs[len(sends) :], strict=True))
     return p2p, pending, sent
 
 
 def _wait_all(
     rw: Rewrite,
     step: int,
-    recvs: list[tuple[int, Node]],
+    recvs: list[tuple[Transfer, Node]],
     sent: list[tuple[Node, Node]],
-    held: dict[int, Node],
+    held: dict[Any, Node],
+    by_peer: bool = False,
 ) -> list[Node]:
-    """Wait every output of a P2P batch; received blocks become held. A send's buffer is
-    passed to a (no-op) wait too, so that no compiler reuses its memory mid-transfer."""
+    """Wait every output of a P2P batch; what is received becomes held (by block, or by
+    (block, peer) where partial sums of one block arrive from both sides). A send's buffer
+    is passed to a (no-op) wait too, so that no compiler reuses its memory mid-transfer."""
     waits = []
-    for block, out in recvs:
-        held[block] = rw.emit(c10d.wait_tensor.default, (out,), step=step, lane="comm")
-        waits.append(held[block])
+    for t, out in recvs:
+        key = (t.block, t.peer) if by_peer else t.block
+        held[key] = rw.emit(c10d.wait_tensor.default, (out,), step=step, lane="comm")
+        waits.append(held[key])
     for handle, buffer in sent:
         waits.append(rw.emit(c10d.wait_tensor.default, (handle,), step=step, lane="comm"))
         waits.append(rw.emit(c10d.wait_tensor.default, (buffer,), step=step, lane="comm"))

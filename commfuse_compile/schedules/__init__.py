@@ -29,15 +29,17 @@ class GatherStep:
 
 @dataclasses.dataclass(frozen=True)
 class ReduceStep:
-    """Multiply ``block``; add the partial received last step; pass the sum on."""
+    """Multiply ``blocks``; to each, add the partials received earlier from the peers in
+    ``adds`` (``Transfer(block, peer)``); then send the sums in ``sends`` and start the
+    receives in ``recvs``, which later steps add. A rank's last step holds its own block."""
 
-    block: int
-    add_received: bool
+    blocks: tuple[int, ...]
+    adds: tuple[Transfer, ...] = ()
     sends: tuple[Transfer, ...] = ()
     recvs: tuple[Transfer, ...] = ()
 
 
 def by_name(name: str) -> ModuleType:
-    from . import ring
+    from . import bidir, ring
 
-    return {"ring": ring}[name]
+    return {"ring": ring, "bidir": bidir}[name]

@@ -33,5 +33,6 @@ def reduce_steps(rank: int, n: int) -> list[ReduceStep]:
             recv: tuple[Transfer, ...] = (Transfer(block=(rank - s - 2) % n, peer=-1),)
         else:
             send, recv = (), ()
-        steps.append(ReduceStep(block=block, add_received=s > 0, sends=send, recvs=recv))
+        adds = (Transfer(block=block, peer=-1),) if s > 0 else ()
+        steps.append(ReduceStep(blocks=(block,), adds=adds, sends=send, recvs=recv))
     return steps

@@ -68,8 +68,8 @@ def reduce(
 ) -> list[T]:
     """For each rank, the finished block it holds: sum over ranks of partial(rank, block)."""
     plans = [schedule.reduce_steps(r, n) for r in range(n)]
-    inbox: list[dict[int, T]] = [{} for _ in range(n)]
-    last: list[T] = [None for _ in range(n)]  # type: ignore[misc]
+    inbox: list[dict[tuple[int, int], T]] = [{} for _ in range(n)]  # (block, peer) -> sum
+    sums: list[dict[int, T]] = []
     for s in range(len(plans[0])):
         steps = [plans[r][s] for r in range(n)]
         _exchange(
@@ -78,17 +78,25 @@ def reduce(
             {r: st.sends for r, st in enumerate(steps)},
             {r: st.recvs for r, st in enumerate(steps)},
         )
-        acc = []
+        sums = []
         for r, st in enumerate(steps):
-            value = partial(r, st.block)
-            if st.add_received:
-                value = add(value, inbox[r].pop(st.block))
-            acc.append(value)
-            last[r] = value
+            values = {}
+            for b in st.blocks:
+                value = partial(r, b)
+                for t in st.adds:
+                    if t.block == b:
+                        if (b, t.peer) not in inbox[r]:
+                            raise ScheduleError(
+                                f"step {s}: rank {r} adds block {b} from "
+                                f"{t.peer:+d} before receiving it"
+                            )
+                        value = add(value, inbox[r].pop((b, t.peer)))
+                values[b] = value
+            sums.append(values)
         for r, st in enumerate(steps):
             for t in st.recvs:
-                inbox[r][t.block] = acc[(r + t.peer) % n]
+                inbox[r][(t.block, t.peer)] = sums[(r + t.peer) % n][t.block]
     for r in range(n):
-        if plans[r][-1].block != r:
-            raise ScheduleError(f"rank {r} ends holding block {plans[r][-1].block}, not its own")
-    return last
+        if r not in sums[r] or inbox[r]:
+            raise ScheduleError(f"rank {r} does not end holding exactly its own block")
+    return [sums[r][r] for r in range(n)]
