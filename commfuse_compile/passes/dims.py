@@ -35,10 +35,3 @@ def row_split(shape: Sequence[int], rows: int, cols: int) -> int | None:
         if math.prod(shape[:j]) == rows and math.prod(shape[j:]) == cols:
             return j
     return None
-
-
-def block(shape: Sequence[int], dim: int, n: int) -> tuple[int, ...]:
-    """Shape of one of n equal blocks along ``dim``."""
-    out = list(shape)
-    out[dim] //= n
-    return tuple(out)
