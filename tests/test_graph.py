@@ -826,3 +826,24 @@ def test_auto_predicts_every_schedule_and_keeps_the_collective_when_it_is_faster
     assert set(record.details["predicted_us"]) == {"collective", "ring", "bidir"}
     best = min(record.details["predicted_us"], key=record.details["predicted_us"].get)
     assert best == "collective" and record.decision == "declined"
+
+
+def test_a_matmul_that_needs_the_sites_own_result_keeps_the_gathered_tensor():
+    """Recomputed forward + backward through a gathered weight: y = x @ W^T, then
+    dX = f(y) @ W. dX's matmul cannot join W's ring (its operand comes from the ring's
+    own product); it reads the gathered W rebuilt from the received shards."""
+
+    def forward_then_backward(x, w_shard):
+        w = gathered(w_shard, N, 0)
+        y = torch.mm(x, w.t())
+        return torch.mm(torch.relu(y), w)
+
+    gm = fx(forward_then_backward, (3, 5), (2, 5))
+    record = rewrite_one(gm)
+    assert record.decision == "rewritten"
+    assert record.details["roles"] == {"mm": "columns"}
+    assert record.details["unmatched"] == [
+        "mm_1 (contract_left): its other operand is computed from this site's own result"
+    ]
+    assert calls(gm, ALL_GATHER) == []
+    gm.graph.lint()

@@ -110,6 +110,7 @@ def _rewrite_sites(
             record.details["predicted_us"] = {k: round(v * 1e6, 2) for k, v in predicted.items()}
             chosen = plan(predicted, options)
             rewrite = start(site, record.site, gm.graph)
+            record.details.update(site.describe())  # start may leave some matmuls out
             lower(rewrite, group, by_name(chosen.schedule))
             verify.check_emitted(rewrite)
             verify.check_exchange(rewrite, group, by_name(chosen.schedule))

@@ -105,6 +105,7 @@ def start(site: Site, site_id: int, graph: Graph) -> Rewrite:
     """An empty rewrite of ``site``: where its nodes go, and the fake mode of their values."""
     if isinstance(site, AgMmSite):
         before, anchor = _first_consumer(graph, site), site.shard
+        _drop_uses_needing_own_result(graph, site, before)
     else:
         before, anchor = site.reduce_scatter, site.terms[0].node
     fake_mode = detect_fake_mode([val(anchor)])
@@ -392,6 +393,41 @@ def _first_consumer(graph: Graph, site: AgMmSite) -> Node:
         if node in readers:
             return node
     raise decline("gathered value has no reader")  # pragma: no cover - matched sites have one
+
+
+def _drop_uses_needing_own_result(graph: Graph, site: AgMmSite, before: Node) -> None:
+    """A matmul whose other operand is computed from this site's own result (a consumer
+    reached again later, e.g. dX = dY @ W where dY comes from W's recomputed forward)
+    cannot share the ring: it keeps reading the (rebuilt) gathered tensor instead."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    own = {*site.waits, *site.chain, *(u.mm.node for u in site.uses)}
+    start = order[before]
+
+    def depends(node: Node) -> bool:
+        stack, seen = [node], set()
+        while stack:
+            current = stack.pop()
+            if current in own:
+                return True
+            if order[current] >= start and current not in seen:
+                seen.add(current)
+                stack += current.all_input_nodes
+        return False
+
+    kept = []
+    for use in site.uses:
+        operands = [use.mm.a, use.mm.b] + ([use.mm.bias] if use.mm.bias is not None else [])
+        others = [op for op in operands if op not in own]
+        if any(depends(op) for op in others):
+            site.unmatched.append(
+                f"{use.mm.node.name} ({use.role}): its other operand is "
+                "computed from this site's own result"
+            )
+        else:
+            kept.append(use)
+    if not kept:
+        raise decline("; ".join(site.unmatched))
+    site.uses = kept
 
 
 def _inputs_to_hoist(graph: Graph, created: list[Node]) -> tuple[Node, list[Node]]:
