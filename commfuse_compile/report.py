@@ -12,6 +12,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch._logging
+
+# TORCH_LOGS="+commfuse_compile" shows every decision through torch's logging (a short
+# registered name cannot work: torch validates TORCH_LOGS when it is imported, before us).
 log = logging.getLogger("commfuse_compile")
 
 
@@ -79,9 +83,17 @@ def rank_dir(debug_dir: str) -> Path:
     return path
 
 
-def dump_code(debug_dir: str, graph_index: int, graph: str, stage: str, code: str) -> None:
-    name = f"graph{graph_index:03d}_{graph}_{stage}.py"
-    (rank_dir(debug_dir) / name).write_text(code)
+def dump_code(debug_dir: str | None, graph_index: int, graph: str, stage: str, code: str) -> None:
+    """The graph's code to the debug dump, and as an artifact to torch's structured trace
+    (what tlparse shows)."""
+    name = f"graph{graph_index:03d}_{graph}_{stage}"
+    torch._logging.trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": f"commfuse_{name}", "encoding": "string"},
+        payload_fn=lambda: code,
+    )
+    if debug_dir:
+        (rank_dir(debug_dir) / f"{name}.py").write_text(code)
 
 
 def reset() -> None:

@@ -62,8 +62,7 @@ def _rewrite(
 ) -> tuple[list[SiteRecord], torch.fx.Graph]:
     graph_index = REPORT.graphs
     REPORT.graphs += 1
-    if options.debug_dir:
-        dump_code(options.debug_dir, graph_index, graph_kind, "before", gm.code)
+    dump_code(options.debug_dir, graph_index, graph_kind, "before", gm.code)
     original = copy.deepcopy(gm.graph)
     try:
         records, rewrites = _rewrite_sites(gm, graph_kind, options)
@@ -83,8 +82,8 @@ def _rewrite(
         ]
     for record in records:
         REPORT.add(record)
+    dump_code(options.debug_dir, graph_index, graph_kind, "after", gm.code)
     if options.debug_dir:
-        dump_code(options.debug_dir, graph_index, graph_kind, "after", gm.code)
         REPORT.write(options.debug_dir)
     return records, original
 
