@@ -10,6 +10,9 @@ from typing import Any
 SCHEDULES = ("auto", "ring", "bidir", "off")
 INNER_COMPILERS = ("inductor", "eager")
 DEBUG_DIR_ENV = "COMMFUSE_DEBUG_DIR"
+DISABLE_ENV = "COMMFUSE_DISABLE"
+# What ``disable`` can switch off, for bisecting: site kinds, matmul roles, schedules.
+DISABLEABLE = ("ag_mm", "mm_rs", "rows", "contract", "columns", "contract_left", "ring", "bidir")
 
 
 class CommfuseOptionError(ValueError):
@@ -21,6 +24,7 @@ class Options:
     schedule: str = "auto"
     inner: str = "inductor"
     debug_dir: str | None = None
+    disable: frozenset[str] = frozenset()
 
     @classmethod
     def from_mapping(cls, given: Mapping[str, Any] | None) -> Options:
@@ -41,6 +45,20 @@ class Options:
                 f"commfuse: option 'debug_dir' must be a path, got {debug_dir!r}"
             )
         given["debug_dir"] = os.fspath(debug_dir) if debug_dir is not None else None
+        disable = given.get("disable")
+        if disable is None:
+            disable = [d for d in os.environ.get(DISABLE_ENV, "").split(",") if d.strip()]
+        if isinstance(disable, str) or not all(isinstance(d, str) for d in disable):
+            raise CommfuseOptionError(
+                f"commfuse: option 'disable' must be a list of names, got {disable!r}"
+            )
+        names = frozenset(d.strip() for d in disable)
+        if names - set(DISABLEABLE):
+            raise CommfuseOptionError(
+                f"commfuse: cannot disable {sorted(names - set(DISABLEABLE))}; "
+                f"names are {list(DISABLEABLE)}"
+            )
+        given["disable"] = names
         return cls(**given)
 
 

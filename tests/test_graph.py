@@ -847,3 +847,35 @@ def test_a_matmul_that_needs_the_sites_own_result_keeps_the_gathered_tensor():
     ]
     assert calls(gm, ALL_GATHER) == []
     gm.graph.lint()
+
+
+@pytest.mark.parametrize(
+    ("disable", "decision", "reason", "roles"),
+    [
+        (["ag_mm"], "declined", "ag_mm is disabled", None),
+        (["contract"], "rewritten", "schedule 'ring' requested", {"mm": "rows"}),
+        (["rows", "contract"], "declined", "mm (rows): disabled; mm_1 (contract): disabled", None),
+        (["ring"], "declined", "schedule 'ring' is disabled", None),
+    ],
+)
+def test_disable_switches_off_kinds_roles_and_schedules(disable, decision, reason, roles):
+    case = AgMm(consumers=1, contract=1, bias=False)
+    gm = trace(case, N, case.inputs(RANK, seed=0, n=N))
+    before = gm.code
+    record = rewrite_one(
+        gm, Options.from_mapping({"schedule": "ring", "inner": "eager", "disable": disable})
+    )
+    assert (record.decision, record.reason) == (decision, reason)
+    if roles is not None:
+        assert record.details["roles"] == roles
+    else:
+        assert gm.code == before
+
+
+def test_disable_from_the_environment_and_bad_names(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_DISABLE", "bidir, mm_rs")
+    assert Options.from_mapping({}).disable == {"bidir", "mm_rs"}
+    with pytest.raises(CommfuseOptionError, match=r"cannot disable \['ringg'\]"):
+        Options.from_mapping({"disable": ["ringg"]})
+    with pytest.raises(CommfuseOptionError, match="must be a list of names"):
+        Options.from_mapping({"disable": "ring"})

@@ -101,6 +101,7 @@ def _rewrite_sites(
         try:
             if site.declined:
                 raise Declined(site.declined)
+            _apply_disable(site, options.disable)
             claimed = [t.node.name for t in getattr(site, "terms", []) if t.node._erased]
             if claimed:
                 raise decline(f"{claimed[0]} was rewritten by its all-gather site")
@@ -135,6 +136,19 @@ def _rewrite_sites(
         )
         rewrites.append(rewrite)
     return records, rewrites
+
+
+def _apply_disable(site: match.Site, disabled: frozenset[str]) -> None:
+    """``disable``: decline a disabled kind; leave matmuls of a disabled role out."""
+    if site.kind in disabled:
+        raise decline(f"{site.kind} is disabled")
+    if isinstance(site, match.AgMmSite) and any(u.role in disabled for u in site.uses):
+        site.unmatched += [
+            f"{u.mm.node.name} ({u.role}): disabled" for u in site.uses if u.role in disabled
+        ]
+        site.uses = [u for u in site.uses if u.role not in disabled]
+        if not site.uses:
+            raise decline("; ".join(site.unmatched))
 
 
 def _site_nodes(site: match.Site) -> list:

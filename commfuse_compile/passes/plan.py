@@ -59,11 +59,16 @@ def plan(predicted: dict[str, float], options: Options) -> Plan:
     """The schedule for a site with these predicted times (seconds, by schedule)."""
     if options.schedule == "off":
         raise decline("schedule 'off' keeps every collective")
+    if options.schedule in options.disable:
+        raise decline(f"schedule {options.schedule!r} is disabled")
     if options.schedule != "auto":
         return Plan(options.schedule, predicted, f"schedule {options.schedule!r} requested")
+    predicted = {k: v for k, v in predicted.items() if k not in options.disable}
     best = min(predicted, key=predicted.__getitem__)
     collective = predicted["collective"]
     if best == "collective":
+        if len(predicted) == 1:
+            raise decline("every schedule is disabled")
         runner_up = min((k for k in predicted if k != "collective"), key=predicted.__getitem__)
         raise decline(
             f"not profitable: {runner_up} predicted {predicted[runner_up] * 1e6:.1f} us >= "
