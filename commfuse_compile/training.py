@@ -307,6 +307,7 @@ def generic_reason(reason: str) -> str:
     (``1252.4 us`` -> ``* us``) dropped, so that the same reason on other nodes counts once."""
     reason = re.sub(r"\b([a-z]+(?:_[a-z]+)*)_\d+\b", r"\1_*", reason)
     reason = re.sub(r"\b\d+(?:\.\d+)? us\b", "* us", reason)
+    reason = re.sub(r"\bsite \d+\b", "site *", reason)
     return re.sub(r"\b(mm|addmm|wait_tensor)\b(?!_)", r"\1_*", reason)
 
 

@@ -27,7 +27,7 @@ RTOL = 1e-5  # float32 losses; the ring changes summation order only
 
 RING = "schedule 'ring' requested"
 LATE_INPUT = "input wait_tensor_* is computed after the site and cannot move"
-TAKEN_BY_GATHER = "mm_* was rewritten by its all-gather site"
+TAKEN_BY_GATHER = "its matmul was rewritten by all-gather site *"
 
 
 def run(ranks, n: int, cfg: training.TrainConfig, dump: Path) -> list[dict]:

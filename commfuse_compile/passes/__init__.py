@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -92,7 +92,7 @@ def _rewrite_sites(
     gm: GraphModule, graph_kind: str, options: Options
 ) -> tuple[list[SiteRecord], list[Rewrite]]:
     records, rewrites = [], []
-    for site in match.find_sites(gm.graph):
+    for site in _each_site(gm):
         record = SiteRecord(
             kind=site.kind, graph=graph_kind, site=next(_site_ids), details=site.describe()
         )
@@ -102,9 +102,6 @@ def _rewrite_sites(
             if site.declined:
                 raise Declined(site.declined)
             _apply_disable(site, options.disable)
-            claimed = [t.node.name for t in getattr(site, "terms", []) if t.node._erased]
-            if claimed:
-                raise decline(f"{claimed[0]} was rewritten by its all-gather site")
             group = groups.resolve(site.group_name, site.group_size)
             predicted = predict(site, group.size)
             record.details["predicted_us"] = {k: round(v * 1e6, 2) for k, v in predicted.items()}
@@ -136,6 +133,19 @@ def _rewrite_sites(
         )
         rewrites.append(rewrite)
     return records, rewrites
+
+
+def _each_site(gm: GraphModule) -> Iterator[match.Site]:
+    """Every site, in graph order. All are matched up front; after a rewrite the graph has
+    new nodes (a rewritten matmul may be the next site's shard), so the sites not yet
+    handled are matched again on the current graph, identified by their collective."""
+    done: set[torch.fx.Node] = set()
+    sites = match.find_sites(gm.graph)
+    while sites:
+        site = sites[0]
+        done.add(site.anchor)
+        yield site
+        sites = [s for s in match.find_sites(gm.graph) if s.anchor not in done]
 
 
 def _apply_disable(site: match.Site, disabled: frozenset[str]) -> None:
