@@ -377,7 +377,7 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
     try:
         if wait is None or wait.target is not c10d.wait_tensor.default:
             raise decline(f"{rs.name} is used without exactly one wait_tensor")
-        if not terms and "commfuse" in product.meta:
+        if "commfuse" in product.meta:
             site_id = product.meta["commfuse"]["site"]
             raise decline(f"its matmul was rewritten by all-gather site {site_id}")
         if not terms:
