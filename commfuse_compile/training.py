@@ -353,6 +353,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug-dir", default=None, help="commfuse debug dump")
 
 
+def example_config(
+    args: argparse.Namespace, front: str, tp: int, batch: int, seq: int, device: str
+) -> TrainConfig:
+    """The examples' model (128 wide, 8 heads, SwiGLU 384) with the command line's options."""
+    return TrainConfig(
+        front=front,
+        tp=tp,
+        blocks=args.blocks,
+        dim=128,
+        heads=8,
+        hidden=384,
+        batch=batch,
+        seq=seq,
+        steps=args.steps,
+        activation_checkpointing=args.activation_checkpointing,
+        device=device,
+    )
+
+
 def init_torchrun() -> str:
     """Initialize the default group from torchrun's environment: NCCL on CUDA if there is
     one, else gloo on CPU. Returns the device type."""

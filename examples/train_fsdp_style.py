@@ -31,19 +31,8 @@ def main() -> None:
     args = parser.parse_args()
     device = training.init_torchrun()
     dp = dist.get_world_size() // args.tp
-    cfg = training.TrainConfig(
-        front="fsdp",
-        tp=args.tp,
-        blocks=args.blocks,
-        dim=128,
-        heads=8,
-        hidden=384,
-        batch=2 * dp,  # 2 sequences per data-parallel rank
-        seq=32 * args.tp,
-        steps=args.steps,
-        activation_checkpointing=args.activation_checkpointing,
-        device=device,
-    )
+    # 2 sequences per data-parallel rank, 32 tokens per tensor-parallel rank
+    cfg = training.example_config(args, "fsdp", args.tp, 2 * dp, 32 * args.tp, device)
     training.run_and_print(cfg, args)
     dist.destroy_process_group()
 

@@ -27,19 +27,8 @@ def main() -> None:
     args = parser.parse_args()
     device = training.init_torchrun()
     world_size = dist.get_world_size()
-    cfg = training.TrainConfig(
-        front="tp",
-        tp=world_size,  # TP over every rank (the "tp" front end always is)
-        blocks=args.blocks,
-        dim=128,
-        heads=8,
-        hidden=384,
-        batch=4,
-        seq=32 * world_size,  # 32 tokens per rank (sequence parallel)
-        steps=args.steps,
-        activation_checkpointing=args.activation_checkpointing,
-        device=device,
-    )
+    # TP over every rank; 32 tokens per rank (sequence parallel)
+    cfg = training.example_config(args, "tp", world_size, 4, 32 * world_size, device)
     training.run_and_print(cfg, args)
     dist.destroy_process_group()
 
