@@ -29,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--steps", type=int, default=5)
     demo.add_argument("--debug-dir", default=None, help="write the debug dump here")
+    inspect = commands.add_parser(
+        "inspect", help="a debug dump as DIR/report.html and DIR/trace.json (Perfetto)"
+    )
+    inspect.add_argument("dir", help="the debug_dir the pass wrote (all rank<r> inside)")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -45,6 +49,16 @@ def main(argv: list[str] | None = None) -> int:
                 debug_dir=args.debug_dir,
             )
         )
+    if args.command == "inspect":
+        from .inspection import NotADumpError, inspect_dump
+
+        try:
+            written = inspect_dump(args.dir)
+        except NotADumpError as err:
+            parser.error(str(err))
+        for path in written:
+            print(path)
+        return 0
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
