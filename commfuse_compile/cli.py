@@ -33,7 +33,24 @@ def main(argv: list[str] | None = None) -> int:
         "inspect", help="a debug dump as DIR/report.html and DIR/trace.json (Perfetto)"
     )
     inspect.add_argument("dir", help="the debug_dir the pass wrote (all rank<r> inside)")
+    calibrate = commands.add_parser(
+        "calibrate", help="measure this machine's gloo ranks and write a profile file"
+    )
+    calibrate.add_argument("--world-size", type=int, default=2)
+    calibrate.add_argument("--out", default="commfuse-profile.json")
+    calibrate.add_argument("--reps", type=int, default=20, help="repetitions per measurement")
     args = parser.parse_args(argv)
+
+    if args.command == "calibrate":
+        from .calibrate import run as calibrate_run
+
+        if args.world_size < 2:
+            parser.error("--world-size must be at least 2")
+        profile = calibrate_run(args.world_size, args.out, args.reps)
+        for field, value in profile.as_json().items():
+            print(f"{field:>22}: {value}")
+        print(f"wrote {args.out}; use it with options={{'profile': {args.out!r}}}")
+        return 0
 
     if args.command == "demo":
         from .demo import DemoConfig, run

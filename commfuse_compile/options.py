@@ -7,12 +7,25 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-SCHEDULES = ("auto", "ring", "bidir", "off")
+SCHEDULES = ("auto", "ring", "bidir", "push", "slicing", "off")
 INNER_COMPILERS = ("inductor", "eager")
 DEBUG_DIR_ENV = "COMMFUSE_DEBUG_DIR"
 DISABLE_ENV = "COMMFUSE_DISABLE"
 # What ``disable`` can switch off, for bisecting: site kinds, matmul roles, schedules.
-DISABLEABLE = ("ag_mm", "mm_rs", "rows", "contract", "columns", "contract_left", "ring", "bidir")
+DISABLEABLE = (
+    "ag_mm",
+    "mm_rs",
+    "rows",
+    "contract",
+    "columns",
+    "contract_left",
+    "ring",
+    "bidir",
+    "push",
+    "slicing",
+)
+PROFILE_ENV = "COMMFUSE_PROFILE"
+MAX_SLICES = 64
 
 
 class CommfuseOptionError(ValueError):
@@ -25,6 +38,8 @@ class Options:
     inner: str = "inductor"
     debug_dir: str | None = None
     disable: frozenset[str] = frozenset()
+    profile: str | None = None  # built-in profile name or profile file; None: by device
+    slices: int = 2  # chunks of the slicing schedule
 
     @classmethod
     def from_mapping(cls, given: Mapping[str, Any] | None) -> Options:
@@ -59,6 +74,22 @@ class Options:
                 f"names are {list(DISABLEABLE)}"
             )
         given["disable"] = names
+        profile = given.get("profile")
+        if profile is None:
+            profile = os.environ.get(PROFILE_ENV) or None
+        if profile is not None:
+            from .profiles import ProfileError, load
+
+            try:
+                load(profile)
+            except ProfileError as err:
+                raise CommfuseOptionError(f"commfuse: option 'profile': {err}") from None
+            given["profile"] = os.fspath(profile)
+        slices = given.get("slices", 2)
+        if not isinstance(slices, int) or isinstance(slices, bool) or not 1 < slices <= MAX_SLICES:
+            raise CommfuseOptionError(
+                f"commfuse: option 'slices' must be an integer in 2..{MAX_SLICES}, got {slices!r}"
+            )
         return cls(**given)
 
 

@@ -9,6 +9,7 @@ on real gloo ranks.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import importlib
 import json
 import operator
@@ -26,6 +27,7 @@ import commfuse_compile
 from commfuse_compile import CommfuseOptionError, Options, report
 from commfuse_compile.options import DEBUG_DIR_ENV
 from commfuse_compile.passes import rewrite_and_compile, rewrite_graph
+from commfuse_compile.profiles import BUILTIN, save
 
 N, RANK = 4, 1
 PREV, NEXT = (RANK - 1) % N, (RANK + 1) % N
@@ -435,27 +437,32 @@ def test_matmul_between_gather_and_reduce_scatter_is_claimed_by_the_gather():
 
 def test_claimed_matmul_reason_holds_when_the_gather_site_declines():
     gm = fx(gather_mm_scatter, (2, 8), (8, 6))
-    ag, rs = rewrite_graph(gm, "forward", Options(schedule="auto", inner="eager"))
-    assert ag.decision == "declined" and ag.reason.startswith("not profitable")
+    ag, rs = rewrite_graph(gm, "forward", Options(inner="eager", disable=frozenset({"ag_mm"})))
+    assert ag.decision == "declined" and ag.reason == "ag_mm is disabled"
     assert "already rewritten" not in rs.reason
 
 
 @pytest.mark.parametrize(
     "case",
     [
-        # ~2 GFLOP: each ring step's matmul outweighs a step's overhead on any profile
+        # ~2 GFLOP: each ring step's matmul outweighs a step's overhead
         pytest.param(AgMm(shard=(2, 256, 512), n_out=1024, consumers=1), id="ag_mm"),
         pytest.param(MmRs(lead=(2, 1024), k=512, n_out=1024), id="mm_rs"),
     ],
 )
-def test_auto_rewrites_when_the_cost_model_predicts_a_win(case):
+def test_auto_rewrites_when_the_cost_model_predicts_a_win(case, tmp_path):
+    """On a link as slow as the benchmark's throttled one, communication costs about what
+    the matmuls do: hiding it pays (on plain loopback it is too cheap to be worth a step)."""
+    slow_link = tmp_path / "slow.json"
+    save(dataclasses.replace(BUILTIN["gloo-loopback"], link_bytes_per_s=1e8), slow_link)
     gm = build(case)
-    record = rewrite_one(gm, Options(schedule="auto", inner="eager"))
-    assert record.decision == "rewritten" and record.schedule == "ring"
-    assert record.reason.startswith("ring predicted") and record.reason.endswith("x faster")
+    record = rewrite_one(gm, Options(schedule="auto", inner="eager", profile=str(slow_link)))
     predicted = record.details["predicted_us"]
-    assert predicted["ring"] < predicted["collective"]
-    assert len(calls(gm, P2P)) == N - 1
+    best = min(predicted, key=predicted.get)
+    assert record.decision == "rewritten" and record.schedule == best != "collective"
+    assert record.reason.startswith(f"{best} predicted") and record.reason.endswith("x faster")
+    assert predicted[best] * 1.05 <= predicted["collective"]
+    assert len(calls(gm, P2P)) == {"ring": N - 1, "push": N - 1, "bidir": N // 2}[best]
 
 
 # ----------------------------------------------------------------------------------------
@@ -463,8 +470,8 @@ def test_auto_rewrites_when_the_cost_model_predicts_a_win(case):
 
 DECLINES = [
     pytest.param(lambda: build(AgMm()), "off", "schedule 'off' keeps every collective", id="off"),
-    pytest.param(lambda: build(AgMm()), "auto", "not profitable: bidir predicted", id="auto-ag"),
-    pytest.param(lambda: build(MmRs()), "auto", "not profitable: bidir predicted", id="auto-rs"),
+    pytest.param(lambda: build(AgMm()), "auto", "not profitable: ", id="auto-ag"),
+    pytest.param(lambda: build(MmRs()), "auto", "not profitable: ", id="auto-rs"),
     pytest.param(lambda: build(MmRs(op="avg")), "ring", "reduce op 'avg' is not 'sum'", id="avg"),
     pytest.param(
         lambda: build(MmRs(lead=(2, 4), dim=0)),
@@ -823,7 +830,7 @@ def test_bidir_exchanges_with_both_neighbours_in_half_the_rounds(case):
 def test_auto_predicts_every_schedule_and_keeps_the_collective_when_it_is_faster():
     gm = build(AgMm())
     record = rewrite_one(gm, Options(schedule="auto", inner="eager"))
-    assert set(record.details["predicted_us"]) == {"collective", "ring", "bidir"}
+    assert set(record.details["predicted_us"]) == {"collective", "ring", "bidir", "push", "slicing"}
     best = min(record.details["predicted_us"], key=record.details["predicted_us"].get)
     assert best == "collective" and record.decision == "declined"
 

@@ -1,7 +1,8 @@
 """The rewritten graph computes the numbers of the original, on real gloo ranks.
 
 Property tests: hypothesis draws shapes, dtypes, collective dims, bias, consumers, world
-sizes and the schedule (ring or bidirectional ring); every rank traces the same program,
+sizes and the schedule (ring, bidirectional ring, push, or slicing into 2 or 3 chunks);
+every rank traces the same program,
 runs the original (real collective) and the rewritten graph (P2P steps) on the same
 inputs, and compares.
 Splitting a matmul into row or column blocks keeps each output element's dot product,
@@ -26,26 +27,39 @@ PROPERTY = settings(
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-STEPS_WITH_P2P = {"ring": lambda n: n - 1, "bidir": lambda n: n // 2}
+STEPS_WITH_P2P = {"ring": lambda n: n - 1, "bidir": lambda n: n // 2, "push": lambda n: n - 1}
+SCHEDULES = [*STEPS_WITH_P2P, "slicing"]
 SUM_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
-def _run(pool, case, seed, schedule="ring"):
-    results = pool.run(run_case, case, seed, {"schedule": schedule})
+def _run(pool, case, seed, schedule="ring", slices=2):
+    options = {"schedule": schedule} | ({"slices": slices} if schedule == "slicing" else {})
+    results = pool.run(run_case, case, seed, options)
     for out in results:
-        assert out["collectives_left"] == 0
-        assert out["p2p"] == STEPS_WITH_P2P[schedule](pool.world_size)
+        if schedule == "slicing":  # one collective per chunk, no P2P
+            assert (out["collectives_left"], out["p2p"]) == (slices, 0)
+        else:
+            assert out["collectives_left"] == 0
+            assert out["p2p"] == STEPS_WITH_P2P[schedule](pool.world_size)
     return results
+
+
+def _schedule(draw):
+    """A schedule, and the chunk count its sizes are drawn divisible by (1: no slicing)."""
+    schedule = draw(st.sampled_from(SCHEDULES))
+    return schedule, draw(st.sampled_from([2, 3])) if schedule == "slicing" else 1
 
 
 @st.composite
 def gather_cases(draw):
     n = draw(st.sampled_from([2, 3, 4]))
+    schedule, k = _schedule(draw)
     rank3 = draw(st.booleans())
     dim = draw(st.integers(0, 1)) if rank3 else 0
-    shard = (draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 9)))
+    shard = [draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(1, 9))]
+    shard[dim] *= k
     case = AgMm(
-        shard=shard if rank3 else (shard[0] * shard[1], shard[2]),
+        shard=tuple(shard) if rank3 else (shard[0] * shard[1], shard[2]),
         dim=dim,
         n_out=draw(st.integers(1, 7)),
         consumers=draw(st.integers(0, 2)),
@@ -56,19 +70,20 @@ def gather_cases(draw):
         extra_user=draw(st.booleans()),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
     )
-    return n, case, draw(st.integers(0, 10_000)), draw(st.sampled_from(list(STEPS_WITH_P2P)))
+    return n, case, draw(st.integers(0, 10_000)), schedule, k
 
 
 @st.composite
 def scatter_cases(draw):
     n = draw(st.sampled_from([2, 3, 4]))
+    schedule, k = _schedule(draw)
     dim = draw(st.integers(0, 2))
     lead = [draw(st.integers(1, 3)), draw(st.integers(1, 3))]
     n_out = draw(st.integers(1, 4))
     if dim < 2:
-        lead[dim] *= n
+        lead[dim] *= n * k
     else:
-        n_out *= n
+        n_out *= n * k
     case = MmRs(
         lead=tuple(lead),
         k=draw(st.integers(1, 9)),
@@ -79,7 +94,7 @@ def scatter_cases(draw):
         terms=draw(st.integers(1, 3)),
         transposed=draw(st.booleans()),
     )
-    return n, case, draw(st.integers(0, 10_000)), draw(st.sampled_from(list(STEPS_WITH_P2P)))
+    return n, case, draw(st.integers(0, 10_000)), schedule, k
 
 
 @PROPERTY
@@ -87,11 +102,11 @@ def scatter_cases(draw):
 def test_all_gather_matmul_matches(ranks, example):
     """Every matmul output matches up to summation order; the rebuilt gathered tensor
     (the extra user) is bit-exact: it is the same bytes, moved by P2P instead."""
-    n, case, seed, schedule = example
+    n, case, seed, schedule, k = example
     if case.consumers + case.contract + case.columns + case.left == 0:
         case = dataclasses.replace(case, consumers=1)
     rtol, atol = SUM_TOLERANCE[case.dtype]
-    for out in _run(ranks(n), case, seed, schedule):
+    for out in _run(ranks(n), case, seed, schedule, k):
         assert len(out["actual"]) == len(out["expected"])
         pairs = list(zip(out["actual"], out["expected"], strict=True))
         if case.extra_user:
@@ -107,9 +122,9 @@ def test_matmul_reduce_scatter_matches(ranks, example):
     """Partials are rounded to the dtype before they are summed (by gloo or by the ring), so
     in bfloat16 two summation orders differ by a few units in the last place of the
     largest values, whatever a cancelling result's own magnitude."""
-    n, case, seed, schedule = example
+    n, case, seed, schedule, k = example
     rtol, atol = SUM_TOLERANCE[case.dtype]
-    for out in _run(ranks(n), case, seed, schedule):
+    for out in _run(ranks(n), case, seed, schedule, k):
         (actual,), (expected,) = out["actual"], out["expected"]
         scale = expected.abs().max().item() if case.dtype == torch.bfloat16 else 0.0
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol + scale * 2**-5)

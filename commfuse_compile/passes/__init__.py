@@ -65,7 +65,7 @@ def _rewrite(
     dump_code(options.debug_dir, graph_index, graph_kind, "before", gm.code)
     original = copy.deepcopy(gm.graph)
     try:
-        records, rewrites = _rewrite_sites(gm, graph_kind, options)
+        records, rewrites = _rewrite_sites(gm, graph_kind, options, graph_index)
         if rewrites and options.inner == "inductor":
             order.keep_overlap_order(gm.graph, (s for rw in rewrites for s in rw.steps))
         gm.graph.lint()
@@ -89,12 +89,15 @@ def _rewrite(
 
 
 def _rewrite_sites(
-    gm: GraphModule, graph_kind: str, options: Options
+    gm: GraphModule, graph_kind: str, options: Options, graph_index: int
 ) -> tuple[list[SiteRecord], list[Rewrite]]:
     records, rewrites = [], []
     for site in _each_site(gm):
         record = SiteRecord(
-            kind=site.kind, graph=graph_kind, site=next(_site_ids), details=site.describe()
+            kind=site.kind,
+            graph=graph_kind,
+            site=next(_site_ids),
+            details={"graph_index": graph_index, **site.describe()},
         )
         records.append(record)
         rewrite = None
@@ -103,14 +106,18 @@ def _rewrite_sites(
                 raise Declined(site.declined)
             _apply_disable(site, options.disable)
             group = groups.resolve(site.group_name, site.group_size)
-            predicted = predict(site, group.size)
-            record.details["predicted_us"] = {k: round(v * 1e6, 2) for k, v in predicted.items()}
+            predicted = predict(site, group.size, options)
+            record.details["predicted_us"] = {
+                k: round(t.end_s * 1e6, 2) for k, t in predicted.items()
+            }
             chosen = plan(predicted, options)
+            record.details["timeline"] = predicted[chosen.schedule].as_json(group.rank)
             rewrite = start(site, record.site, gm.graph)
             record.details.update(site.describe())  # start may leave some matmuls out
-            lower(rewrite, group, by_name(chosen.schedule))
+            schedule = by_name(chosen.schedule)
+            lower(rewrite, group, schedule, options.slices)
             verify.check_emitted(rewrite)
-            verify.check_exchange(rewrite, group, by_name(chosen.schedule))
+            verify.check_exchange(rewrite, group, schedule, options.slices)
             rewrite.commit(_site_nodes(site))
             verify.check_committed(rewrite, gm.graph)
         except Exception as err:  # noqa: BLE001 - declines and internal errors alike

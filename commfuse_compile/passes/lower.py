@@ -27,7 +27,7 @@ from torch.fx import Graph, Node
 from .. import p2p as _p2p  # noqa: F401  (registers commfuse::p2p)
 from ..groups import Group
 from ..report import decline
-from ..schedules import Transfer
+from ..schedules import Transfer, slicing
 from . import dims
 from .match import AgMmSite, Matmul, MmRsSite, Site, is_transpose_2d, val
 
@@ -114,74 +114,167 @@ def start(site: Site, site_id: int, graph: Graph) -> Rewrite:
     return Rewrite(site, site_id, graph, before=before, fake_mode=fake_mode)
 
 
-def lower(rw: Rewrite, group: Group, schedule: ModuleType) -> None:
+def lower(rw: Rewrite, group: Group, schedule: ModuleType, slices: int = 2) -> None:
     """Emit ``rw.site`` as ``schedule`` for this rank of ``group``."""
+    sliced = schedule is slicing
     if isinstance(rw.site, AgMmSite):
-        _lower_gather(rw, rw.site, group, schedule)
+        (_lower_gather_sliced if sliced else _lower_gather)(rw, rw.site, group, schedule, slices)
     else:
-        _lower_reduce(rw, rw.site, group, schedule)
+        (_lower_reduce_sliced if sliced else _lower_reduce)(rw, rw.site, group, schedule, slices)
 
 
 # ----------------------------------------------------------------------------------------
 
 
-def _lower_gather(rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleType) -> None:
+class _GatherProducts:
+    """What every use of the gathered tensor computes from one piece of it.
+
+    A piece is block ``index`` of ``count`` equal blocks along the gathered dim (a shard,
+    or a chunk of a shard under slicing); rows/columns uses keep a product block per
+    piece, contracting uses add the piece's partial product to a running sum."""
+
+    def __init__(self, rw: Rewrite, site: AgMmSite) -> None:
+        self.rw, self.site = rw, site
+        self.blocks: list[dict[int, Node]] = [{} for _ in site.uses]
+        self.sums: list[Node | None] = [None for _ in site.uses]
+        self.others: dict[int, Node] = {}  # contract: the other operand viewed like G
+
+    def add(self, piece: Node, index: int, shape: Sequence[int], s: int) -> None:
+        rw, site = self.rw, self.site
+        width = shape[site.gather_dim]
+        views: dict[tuple[int, int], Node] = {}  # one 2-D view of the piece per shape
+        for i, use in enumerate(site.uses):
+            mm, lead = use.mm, shape[: use.row_dims]
+            shape2d = (math.prod(lead), math.prod(shape[use.row_dims :]))
+            if shape2d not in views:
+                views[shape2d] = rw.emit(
+                    aten.view.default, (piece, list(shape2d)), step=s, lane="compute"
+                )
+            g2d = views[shape2d]
+            if use.role == "rows":
+                part = _matmul(rw, mm, g2d, mm.b, mm.bias, s)
+                self.blocks[i][index] = _viewed(rw, part, [*lead, val(part).shape[1]], s)
+            elif use.role == "columns":
+                bias = mm.bias and _column_block(rw, mm.bias, index, shape2d[0], s)
+                self.blocks[i][index] = _matmul(rw, mm, mm.a, _transposed(rw, g2d, s), bias, s)
+            elif use.role == "contract":
+                if i not in self.others:
+                    k = val(mm.b).shape[1]
+                    self.others[i] = _viewed(rw, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
+                x_b = _rows_of_block(rw, self.others[i], site.gather_dim, index, width, s)
+                self.sums[i] = _accumulate(rw, self.sums[i], _transposed(rw, g2d, s), x_b, s)
+            else:  # contract_left
+                y_b = _column_block(rw, mm.a, index, shape2d[0], s)
+                self.sums[i] = _accumulate(rw, self.sums[i], y_b, g2d, s)
+
+    def finish(self, count: int, step: int) -> None:
+        """Assemble the ``count`` pieces' products into each matmul's replacement."""
+        rw, site = self.rw, self.site
+        for i, use in enumerate(site.uses):
+            total = self.sums[i]
+            if total is not None:
+                rw.replace[use.mm.node] = _finish_sum(rw, total, use.mm.node, step)
+                continue
+            dim = site.gather_dim if use.role == "rows" else 1
+            pieces = [self.blocks[i][b] for b in range(count)]
+            full = rw.emit(aten.cat.default, (pieces, dim), step=step, lane="compute")
+            rw.replace[use.mm.node] = _viewed(rw, full, list(val(use.mm.node).shape), step)
+
+
+def _lower_gather(
+    rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleType, slices: int
+) -> None:
     n, tag = group.size, next(_tags)
     shard_shape = dims.concrete(val(site.shard).shape, "shard")
-    width = shard_shape[site.gather_dim]
     held: dict[int, Node] = {group.rank: site.shard}
-    blocks: list[dict[int, Node]] = [{} for _ in site.uses]  # rows/columns: product blocks
-    sums: list[Node | None] = [None for _ in site.uses]  # contract*: running sums
-    others: dict[int, Node] = {}  # contract: the other operand viewed like G
+    products = _GatherProducts(rw, site)
     for s, step in enumerate(schedule.gather_steps(group.rank, n)):
         issue, recvs, sent = _issue(
             rw, group, tag, s, step.sends, step.recvs, held, recv_like=site.shard
         )
         for b in step.compute:
-            views: dict[tuple[int, int], Node] = {}  # one 2-D view of the block per shape
-            for i, use in enumerate(site.uses):
-                mm, lead = use.mm, shard_shape[: use.row_dims]
-                shape2d = (math.prod(lead), math.prod(shard_shape[use.row_dims :]))
-                if shape2d not in views:
-                    views[shape2d] = rw.emit(
-                        aten.view.default, (held[b], list(shape2d)), step=s, lane="compute"
-                    )
-                g2d = views[shape2d]
-                if use.role == "rows":
-                    part = _matmul(rw, mm, g2d, mm.b, mm.bias, s)
-                    blocks[i][b] = _viewed(rw, part, [*lead, val(part).shape[1]], s)
-                elif use.role == "columns":
-                    bias = mm.bias and _column_block(rw, mm.bias, b, shape2d[0], s)
-                    blocks[i][b] = _matmul(rw, mm, mm.a, _transposed(rw, g2d, s), bias, s)
-                elif use.role == "contract":
-                    if i not in others:
-                        k = val(mm.b).shape[1]
-                        others[i] = _viewed(rw, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
-                    x_b = _rows_of_block(rw, others[i], site.gather_dim, b, width, s)
-                    sums[i] = _accumulate(rw, sums[i], _transposed(rw, g2d, s), x_b, s)
-                else:  # contract_left
-                    y_b = _column_block(rw, mm.a, b, shape2d[0], s)
-                    sums[i] = _accumulate(rw, sums[i], y_b, g2d, s)
+            products.add(held[b], b, shard_shape, s)
         waits = _wait_all(rw, s, recvs, sent, held)
         rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
     last = len(rw.steps)
-    for i, use in enumerate(site.uses):
-        total = sums[i]
-        if total is not None:
-            rw.replace[use.mm.node] = _finish_sum(rw, total, use.mm.node, last)
-            continue
-        dim = site.gather_dim if use.role == "rows" else 1
-        full = rw.emit(
-            aten.cat.default, ([blocks[i][b] for b in range(n)], dim), step=last, lane="compute"
-        )
-        rw.replace[use.mm.node] = _viewed(rw, full, list(val(use.mm.node).shape), last)
+    products.finish(n, last)
+    _rebuild_gathered(rw, site, [held[b] for b in range(n)], last)
+
+
+def _lower_gather_sliced(
+    rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleType, k: int
+) -> None:
+    """k all-gathers of shard chunks along the gathered dim, chunk i-1's matmuls under
+    chunk i's all-gather; piece (b, i) is block b*k + i of the gathered dim."""
+    n, dim = group.size, site.gather_dim
+    shard_shape = dims.concrete(val(site.shard).shape, "shard")
+    width = _chunk_width(shard_shape[dim], k, f"the shard's dim {dim}")
+    chunk_shape = [*shard_shape[:dim], width, *shard_shape[dim + 1 :]]
+    gathering: dict[int, Node] = {}
+    pieces: dict[tuple[int, int], Node] = {}  # (block, chunk) -> gathered piece
+    products = _GatherProducts(rw, site)
+    for s, step in enumerate(schedule.gather_steps(k)):
+        issue = None
+        if step.issue is not None:
+            chunk = _contiguous(rw, _slice(rw, site.shard, dim, step.issue, width, s, "comm"), s)
+            issue = gathering[step.issue] = rw.emit(
+                c10d.all_gather_into_tensor.default, (chunk, n, group.name), step=s, lane="comm"
+            )
+        if step.compute is not None:
+            for b in range(n):
+                index = b * k + step.compute
+                products.add(pieces[b, step.compute], index, chunk_shape, s)
+        waits = []
+        if step.wait is not None:
+            gathered = rw.emit(
+                c10d.wait_tensor.default, (gathering[step.wait],), step=s, lane="comm"
+            )
+            waits.append(gathered)
+            for b in range(n):
+                pieces[b, step.wait] = _slice(rw, gathered, 0, b, chunk_shape[0], s, "comm")
+        rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
+    last = len(rw.steps)
+    products.finish(n * k, last)
     if _gathered_outlives(site):
-        # all_gather_into_tensor's value, rebuilt from the shards: never gather twice
-        rebuilt = rw.emit(
-            aten.cat.default, ([held[b] for b in range(n)], 0), step=last, lane="comm"
-        )
+        shards = [
+            rw.emit(
+                aten.cat.default, ([pieces[b, i] for i in range(k)], dim), step=last, lane="comm"
+            )
+            for b in range(n)
+        ]
+        _rebuild_gathered(rw, site, shards, last)
+
+
+def _rebuild_gathered(rw: Rewrite, site: AgMmSite, shards: list[Node], step: int) -> None:
+    """all_gather_into_tensor's value, rebuilt from the shards: never gather twice."""
+    if _gathered_outlives(site):
+        rebuilt = rw.emit(aten.cat.default, (shards, 0), step=step, lane="comm")
         for wait in site.waits:
             rw.replace[wait] = rebuilt
+
+
+def _chunk_width(width: int, k: int, what: str) -> int:
+    if width % k:
+        raise decline(f"slicing: {k} chunks do not divide {what} of size {width}")
+    return width // k
+
+
+def _slice(rw: Rewrite, node: Node, dim: int, index: int, width: int, step: int, lane: str) -> Node:
+    return rw.emit(
+        aten.slice.Tensor, (node, dim, index * width, (index + 1) * width), step=step, lane=lane
+    )
+
+
+def _contiguous(rw: Rewrite, node: Node, step: int) -> Node:
+    if val(node).is_contiguous():
+        return node
+    return rw.emit(
+        aten.clone.default,
+        (node,),
+        {"memory_format": torch.contiguous_format},
+        step=step,
+        lane="compute",
+    )
 
 
 def _transposed(rw: Rewrite, node: Node, step: int) -> Node:
@@ -193,9 +286,7 @@ def _column_block(rw: Rewrite, node: Node, b: int, width: int, step: int) -> Nod
     """Columns [b*width, (b+1)*width) of ``node`` (kept whole if broadcast along them)."""
     if val(node).dim() == 0 or val(node).shape[-1] == 1:
         return node
-    return rw.emit(
-        aten.slice.Tensor, (node, -1, b * width, (b + 1) * width), step=step, lane="compute"
-    )
+    return _slice(rw, node, -1, b, width, step, "compute")
 
 
 def _accumulate(rw: Rewrite, total: Node | None, a: Node, b: Node, step: int) -> Node:
@@ -230,17 +321,7 @@ def _viewed(rw: Rewrite, node: Node, shape: list[int], step: int) -> Node:
 
 def _rows_of_block(rw: Rewrite, x: Node, dim: int, b: int, width: int, step: int) -> Node:
     """Block ``b`` along ``dim`` of ``x`` (shaped lead + [K]), as contiguous 2-D rows."""
-    rows = rw.emit(
-        aten.slice.Tensor, (x, dim, b * width, (b + 1) * width), step=step, lane="compute"
-    )
-    if not val(rows).is_contiguous():
-        rows = rw.emit(
-            aten.clone.default,
-            (rows,),
-            {"memory_format": torch.contiguous_format},
-            step=step,
-            lane="compute",
-        )
+    rows = _contiguous(rw, _slice(rw, x, dim, b, width, step, "compute"), step)
     k = val(rows).shape[-1]
     return _viewed(rw, rows, [val(rows).numel() // k, k], step)
 
@@ -254,25 +335,16 @@ def _gathered_outlives(site: AgMmSite) -> bool:
 # ----------------------------------------------------------------------------------------
 
 
-def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleType) -> None:
+def _lower_reduce(
+    rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleType, slices: int
+) -> None:
     n, tag = group.size, next(_tags)
     width = site.product_shape[site.scatter_dim] // n
     pending: Pending = (None, [], [])
     received: dict[tuple[int, int], Node] = {}  # (block, peer) -> partial sum from that peer
     sums: dict[int, Node] = {}
     for s, step in enumerate(schedule.reduce_steps(group.rank, n)):
-        parts = {}
-        for b in step.blocks:
-            part = None
-            for term in site.terms:
-                term_part = _reduce_block(rw, site, term, b, width, s)
-                part = (
-                    term_part
-                    if part is None
-                    else rw.emit(aten.add.Tensor, (part, term_part), step=s, lane="compute")
-                )
-            assert part is not None
-            parts[b] = part
+        parts = {b: _reduce_part(rw, site, b, width, s) for b in step.blocks}
         issue, recvs, sent = pending
         waits = _wait_all(rw, s, recvs, sent, received, by_peer=True)
         rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
@@ -293,6 +365,65 @@ def _lower_reduce(rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleTyp
     )
 
 
+def _lower_reduce_sliced(
+    rw: Rewrite, site: MmRsSite, group: Group, schedule: ModuleType, k: int
+) -> None:
+    """Chunk i of every block is computed, stacked and reduce-scattered while chunk i+1
+    is computed; this rank's k reduced chunks are its block."""
+    n, dim = group.size, site.scatter_dim
+    width = _chunk_width(site.product_shape[dim] // n, k, f"a block's dim {dim}")
+    parts: dict[tuple[int, int], Node] = {}  # (block, chunk) -> this rank's partial
+    reducing: dict[int, Node] = {}
+    own: dict[int, Node] = {}
+    for s, step in enumerate(schedule.reduce_steps(k)):
+        issue = None
+        if step.issue is not None:
+            stacked = rw.emit(
+                aten.cat.default,
+                ([parts[b, step.issue] for b in range(n)], 0),
+                step=s,
+                lane="comm",
+            )
+            issue = reducing[step.issue] = rw.emit(
+                c10d.reduce_scatter_tensor.default,
+                (stacked, "sum", n, group.name),
+                step=s,
+                lane="comm",
+            )
+        if step.compute is not None:
+            for b in range(n):
+                parts[b, step.compute] = _reduce_part(rw, site, b * k + step.compute, width, s)
+        waits = []
+        if step.wait is not None:
+            own[step.wait] = rw.emit(
+                c10d.wait_tensor.default, (reducing[step.wait],), step=s, lane="comm"
+            )
+            waits.append(own[step.wait])
+        rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
+    last = len(rw.steps)
+    if site.columns:
+        chunks, cat_dim = [own[i] for i in range(k)], 1
+    else:
+        shape = [*site.product_shape[:dim], width, *site.product_shape[dim + 1 :]]
+        chunks, cat_dim = [_viewed(rw, own[i], shape, last) for i in range(k)], dim
+    block = rw.emit(aten.cat.default, (chunks, cat_dim), step=last, lane="compute")
+    rw.replace[site.wait] = _viewed(rw, block, list(val(site.wait).shape), last)
+
+
+def _reduce_part(rw: Rewrite, site: MmRsSite, b: int, width: int, step: int) -> Node:
+    """This rank's partial of block ``b`` of the product: the sum over the site's terms."""
+    part = None
+    for term in site.terms:
+        term_part = _reduce_block(rw, site, term, b, width, step)
+        part = (
+            term_part
+            if part is None
+            else rw.emit(aten.add.Tensor, (part, term_part), step=step, lane="compute")
+        )
+    assert part is not None
+    return part
+
+
 def _reduce_block(rw: Rewrite, site: MmRsSite, mm: Matmul, b: int, width: int, step: int) -> Node:
     """This rank's partial of block ``b`` of the product ``mm``."""
     if site.columns:
@@ -301,10 +432,7 @@ def _reduce_block(rw: Rewrite, site: MmRsSite, mm: Matmul, b: int, width: int, s
         return _matmul(rw, mm, mm.a, w, bias, step)
     if len(site.product_shape) == 2 and is_transpose_2d(mm.a):
         # rows of t(Z) are columns of Z: slice Z and transpose the block, no copy
-        source = mm.a.args[0]
-        cols = rw.emit(
-            aten.slice.Tensor, (source, 1, b * width, (b + 1) * width), step=step, lane="compute"
-        )
+        cols = _slice(rw, mm.a.args[0], 1, b, width, step, "compute")  # type: ignore[arg-type]
         rows = rw.emit(aten.permute.default, (cols, [1, 0]), step=step, lane="compute")
     else:
         k = val(mm.a).shape[1]

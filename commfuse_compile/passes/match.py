@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -180,6 +180,8 @@ def find_sites(graph: Graph) -> list[Site]:
         if site is not None:
             found.append(site)
     for node in graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default):
+        if "commfuse" in node.meta:  # the slicing schedule's own chunk collectives
+            continue
         rs_site = _match_reduce_scatter(node)
         if rs_site is not None:
             found.append(rs_site)
@@ -195,6 +197,8 @@ def _gathers_by_shard(graph: Graph) -> dict[tuple[Node, int, str], list[Node]]:
     """Gathers of one shard on one group compute one value: DTensor emits one per consumer."""
     groups: dict[tuple[Node, int, str], list[Node]] = {}
     for node in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
+        if "commfuse" in node.meta:  # the slicing schedule's own chunk collectives
+            continue
         shard, size, name = node.args[:3]
         groups.setdefault((shard, int(size), str(name)), []).append(node)
     return groups
@@ -315,7 +319,9 @@ def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
     j = dims.row_split(site.gathered_shape, rows, cols)
     contiguous = math.prod(site.gathered_shape[: site.gather_dim]) == 1
     problem = None
-    if j is None or site.gather_dim >= j:
+    if not mm.node.users:
+        problem = "its product is never read"
+    elif j is None or site.gather_dim >= j:
         problem = (
             f"gathered dim {site.gather_dim} of {list(site.gathered_shape)} does not fold "
             f"into the rows of [{rows}, {cols}]"
@@ -361,7 +367,8 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
     scattered, g, chain = _scattered(inp, int(n))
     product = _through_views(scattered, chain)
     terms, between = _sum_of_matmuls(product)
-    if not terms and not any(is_matmul(a) for a in _view_sources(product)):
+    from_matmul = _comes_from_matmul(inp) or any(is_matmul(a) for a in _view_sources(product))
+    if not terms and not from_matmul:
         return None
     site = MmRsSite(
         reduce_scatter=rs,
@@ -377,6 +384,8 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
     try:
         if wait is None or wait.target is not c10d.wait_tensor.default:
             raise decline(f"{rs.name} is used without exactly one wait_tensor")
+        if not wait.users:
+            raise decline(f"the result of {rs.name} is never read")
         if "commfuse" in product.meta:
             site_id = product.meta["commfuse"]["site"]
             raise decline(f"its matmul was rewritten by all-gather site {site_id}")
@@ -465,17 +474,35 @@ def _scattered(inp: Node, n: int) -> tuple[Node, int, list[Node]]:
 # shared helpers
 
 
-def _reaches_matmul(node: Node, depth: int = 8) -> bool:
+def _reaches_matmul(node: Node) -> bool:
     """Does the value flow into a matmul through layout, copy or reassembly ops only?
 
-    Decides what counts as "next to a matmul", so that every such collective is reported
-    (rewritten or declined with a reason), never silently skipped.
+    With ``_comes_from_matmul``, decides what counts as "next to a matmul", so that every
+    such collective is reported (rewritten or declined with a reason), never silently
+    skipped, however long the chain.
     """
-    for user in node.users:
-        if is_matmul(user):
+    return _matmul_through_pass_through(list(node.users), lambda n: list(n.users))
+
+
+def _comes_from_matmul(node: Node) -> bool:
+    """Is ``node`` (a reduce-scatter's input) a matmul, or computed from one through layout,
+    copy or reassembly ops only (a cast and a transpose, say)?"""
+    return _matmul_through_pass_through([node], lambda n: n.all_input_nodes)
+
+
+def _matmul_through_pass_through(
+    frontier: list[Node], neighbours: Callable[[Node], list[Node]]
+) -> bool:
+    """Is a matmul in ``frontier`` or beyond it, following ``neighbours`` (users or inputs)
+    through ``PASS_THROUGH`` ops only?"""
+    seen: set[Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if is_matmul(node):
             return True
-        if depth and user.target in PASS_THROUGH and _reaches_matmul(user, depth - 1):
-            return True
+        if node.target in PASS_THROUGH and node not in seen:
+            seen.add(node)
+            frontier += neighbours(node)
     return False
 
 

@@ -1,11 +1,10 @@
-"""Plan stage: pick a schedule per site from an alpha-beta cost model.
+"""Plan stage: predict every schedule of a site on the machine profile, pick one.
 
-Per ring step: ``c`` = one block's matmuls, ``m`` = alpha + bytes/beta for one block's
-message, ``a`` = one block's add, ``o`` = the fixed cost of one more step (issuing a
-P2P op, waiting on it, launching a smaller matmul). SPEC.md gives the formulas; the
-step overhead is what makes the collective win for small matmuls. The bidirectional
-ring does ceil((n-1)/2) rounds of two blocks; its two messages share a rank's bandwidth
-unless the profile's links are independent per neighbour (``duplex_neighbours``).
+The prediction is the discrete-event simulation of ``simulator.py`` (the same one
+``commfuse sim`` runs), fed with the site's per-block matmul FLOPs and message bytes.
+``auto`` takes the fastest prediction and keeps the collective when no schedule is
+predicted at least ``MIN_GAIN`` faster; the per-step fixed cost in the profile is what
+makes the collective win for small matmuls.
 """
 
 from __future__ import annotations
@@ -16,93 +15,68 @@ import math
 import torch
 
 from ..options import Options
+from ..profiles import Profile, for_device, load
 from ..report import decline
+from ..simulator import Timeline, Work
+from ..simulator import predict as simulate_all
 from .match import AgMmSite, MmRsSite, Site, val
 
-
-@dataclasses.dataclass(frozen=True)
-class Profile:
-    """Rough machine constants; ``name`` says where they come from."""
-
-    name: str
-    matmul_flops: float  # achieved matmul FLOP/s
-    memory_bytes_per_s: float  # for the element-wise add of a partial sum
-    link_alpha_s: float  # per-message latency
-    link_bytes_per_s: float  # per-direction P2P bandwidth
-    step_overhead_s: float  # issue + wait + launch of one extra ring step
-    duplex_neighbours: bool = False  # sending to both neighbours at once costs no more
-
-
-# Defaults by device type until a measured profile is given.
-# cpu: measured on this project's 2-core CI machine kind (2026-11-30), gloo ranks on
-#   loopback: fp32 mm on one thread 80-110 GFLOP/s; send+recv of a small message
-#   0.2-1.9 ms one way depending on load (1 ms taken); 2.5 GB/s for 16 MiB messages;
-#   a tiny all-gather site (2x8 shard, eager FX) took 0.23/1.7/3.5 ms as a collective
-#   and 0.25/2.5/5.7 ms as a ring on 2/3/4 ranks: ~0.8 ms more per ring step.
-# cuda: H100 SXM, NVLink 4: bf16 dense 989 TFLOP/s peak (~600 achieved in large GEMMs),
-#   NVLink 4 450 GB/s per direction (~350 achieved by NCCL P2P), HBM3 3.35 TB/s;
-#   latency and step overhead are kernel-launch and NCCL P2P orders of magnitude.
-PROFILES = {
-    "cpu": Profile("cpu+gloo loopback (measured, 2 cores)", 8e10, 5e9, 1e-3, 2.5e9, 8e-4),
-    "cuda": Profile("H100 SXM NVLink4 (datasheet-derived)", 6e14, 2.5e12, 1e-5, 3.5e11, 8e-6),
-}
+# ``auto`` decomposes only for a predicted gain of at least 5%: within the model's
+# error, the collective (one call, no extra steps) is the safer choice.
+MIN_GAIN = 1.05
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     schedule: str
-    predicted_s: dict[str, float]
+    predicted: dict[str, Timeline]
     why: str
 
 
-def plan(predicted: dict[str, float], options: Options) -> Plan:
-    """The schedule for a site with these predicted times (seconds, by schedule)."""
+def plan(predicted: dict[str, Timeline], options: Options) -> Plan:
+    """The schedule for a site with these predicted timelines (by schedule)."""
     if options.schedule == "off":
         raise decline("schedule 'off' keeps every collective")
     if options.schedule in options.disable:
         raise decline(f"schedule {options.schedule!r} is disabled")
     if options.schedule != "auto":
         return Plan(options.schedule, predicted, f"schedule {options.schedule!r} requested")
-    predicted = {k: v for k, v in predicted.items() if k not in options.disable}
-    best = min(predicted, key=predicted.__getitem__)
-    collective = predicted["collective"]
+    times = {k: t.end_s for k, t in predicted.items() if k not in options.disable}
+    best = min(times, key=times.__getitem__)
+    collective = times["collective"]
+    if best != "collective" and times[best] * MIN_GAIN > collective:
+        best = "collective"
     if best == "collective":
-        if len(predicted) == 1:
+        if len(times) == 1:
             raise decline("every schedule is disabled")
-        runner_up = min((k for k in predicted if k != "collective"), key=predicted.__getitem__)
+        runner_up = min((k for k in times if k != "collective"), key=times.__getitem__)
         raise decline(
-            f"not profitable: {runner_up} predicted {predicted[runner_up] * 1e6:.1f} us >= "
-            f"collective {collective * 1e6:.1f} us"
+            f"not profitable: {runner_up} predicted {times[runner_up] * 1e6:.1f} us, "
+            f"collective {collective * 1e6:.1f} us (a schedule must gain {MIN_GAIN - 1:.0%})"
         )
-    return Plan(best, predicted, f"{best} predicted {collective / predicted[best]:.2f}x faster")
+    return Plan(best, predicted, f"{best} predicted {collective / times[best]:.2f}x faster")
 
 
-def predict(site: Site, n: int) -> dict[str, float]:
-    """Predicted seconds of the collective + matmul and of the ring for one site."""
+def site_work(site: Site, n: int) -> Work:
+    """Per-block matmul FLOPs and message bytes of a matched site."""
     if isinstance(site, AgMmSite):
         shard = val(site.shard)
         flops = sum(2 * math.prod(val(u.mm.node).shape) * val(u.mm.a).shape[1] for u in site.uses)
-        block_flops, message_bytes = flops / n, shard.numel() * shard.element_size()
-        add_bytes = 0
-    else:
-        assert isinstance(site, MmRsSite)
-        out = val(site.terms[0].node)
-        block_flops = sum(2 * out.numel() * val(t.a).shape[1] for t in site.terms) / n
-        message_bytes = add_bytes = out.numel() * out.element_size() // n
-    p = PROFILES.get(_device_type(site), PROFILES["cpu"])
-    c = block_flops / p.matmul_flops
-    m = p.link_alpha_s + message_bytes / p.link_bytes_per_s
-    m2 = p.link_alpha_s + message_bytes * (1 if p.duplex_neighbours else 2) / p.link_bytes_per_s
-    a = 3 * add_bytes / p.memory_bytes_per_s
-    rounds = n // 2  # bidir: steps after the first
-    return {
-        "collective": n * c + (n - 1) * (m + a) + p.step_overhead_s,
-        "ring": c + (n - 1) * (max(c, m) + a) + n * p.step_overhead_s,
-        "bidir": c + rounds * (max(2 * c, m2) + 2 * a) + (rounds + 1) * p.step_overhead_s,
-    }
+        return Work("gather", n, flops / n, shard.numel() * shard.element_size(), len(site.uses))
+    assert isinstance(site, MmRsSite)
+    out = val(site.terms[0].node)
+    flops = sum(2 * out.numel() * val(t.a).shape[1] for t in site.terms)
+    return Work("reduce", n, flops / n, out.numel() * out.element_size() / n, len(site.terms))
 
 
-def _device_type(site: Site) -> str:
+def predict(site: Site, n: int, options: Options) -> dict[str, Timeline]:
+    """Every schedule's predicted timeline for ``site`` on a group of ``n`` ranks."""
+    return simulate_all(site_work(site, n), profile_for(site, options), options.slices)
+
+
+def profile_for(site: Site, options: Options) -> Profile:
+    if options.profile is not None:
+        return load(options.profile)
     node = site.shard if isinstance(site, AgMmSite) else site.reduce_scatter
     value = node.meta.get("val")
-    return value.device.type if isinstance(value, torch.Tensor) else "cpu"
+    return for_device(value.device.type if isinstance(value, torch.Tensor) else "cpu")

@@ -11,11 +11,12 @@ from torch.fx import Graph
 
 from ..groups import Group
 from ..report import decline
-from ..schedules import simulate
+from ..schedules import simulate, slicing
 from .lower import P2P, Rewrite
 from .match import AgMmSite, val
 
 c10d = torch.ops._c10d_functional
+COLLECTIVES = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
 
 
 def check_emitted(rw: Rewrite) -> None:
@@ -36,6 +37,9 @@ def check_emitted(rw: Rewrite) -> None:
             raise decline(f"internal: an output of {node.name} is not waited exactly once")
         if any(waited.get(buf, 0) < 1 for buf in sends):  # type: ignore[union-attr]
             raise decline(f"internal: a send buffer of {node.name} is released before its wait")
+    for node in rw.created:
+        if node.target in COLLECTIVES and waited.get(node) != 1:
+            raise decline(f"internal: {node.name} is not waited exactly once")
     for old, new in rw.replace.items():
         a, b = old.meta.get("val"), new.meta.get("val")
         if (
@@ -58,12 +62,17 @@ def check_committed(rw: Rewrite, graph: Graph) -> None:
         raise decline(f"internal: the rewrite computes values nothing reads: {dead}")
 
 
-def check_exchange(rw: Rewrite, group: Group, schedule: ModuleType) -> None:
+def check_exchange(rw: Rewrite, group: Group, schedule: ModuleType, slices: int = 2) -> None:
     """Cross-rank check: the graph's P2P ops are exactly this rank's steps of ``schedule``,
     and the schedule, run for every rank of the group, matches each receive with the
     peer's send of the same block in the same step (so no rank waits for a message that
     is never sent) and leaves every rank with the right blocks. Tensors are the same
-    shape on every rank (SPMD), so each received buffer has the shape of what is sent."""
+    shape on every rank (SPMD), so each received buffer has the shape of what is sent.
+    Under slicing, every rank runs the same k collectives on the site's group in the
+    same order, each chunk collected before use."""
+    if schedule is slicing:
+        _check_sliced(rw, group, slices)
+        return
     n = group.size
     gather = isinstance(rw.site, AgMmSite)
     steps = schedule.gather_steps(group.rank, n) if gather else schedule.reduce_steps(group.rank, n)
@@ -96,3 +105,18 @@ def _check_schedule_all_ranks(schedule: ModuleType, n: int, gather: bool) -> Non
                 raise simulate.ScheduleError("a block does not sum every rank's partial")
     except simulate.ScheduleError as err:
         raise decline(f"internal: schedule {schedule.__name__} on {n} ranks: {err}") from None
+
+
+def _check_sliced(rw: Rewrite, group: Group, k: int) -> None:
+    collectives = [node for node in rw.created if node.target in COLLECTIVES]
+    if len(collectives) != k or any(
+        node.args[-2:] != (group.size, group.name) for node in collectives
+    ):
+        raise decline(
+            f"internal: slicing emitted {len(collectives)} collectives, not {k} on the group"
+        )
+    gather = isinstance(rw.site, AgMmSite)
+    try:
+        slicing.check(slicing.gather_steps(k) if gather else slicing.reduce_steps(k), k, gather)
+    except simulate.ScheduleError as err:
+        raise decline(f"internal: slicing with {k} chunks: {err}") from None

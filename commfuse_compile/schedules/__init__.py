@@ -39,7 +39,11 @@ class ReduceStep:
     recvs: tuple[Transfer, ...] = ()
 
 
-def by_name(name: str) -> ModuleType:
-    from . import bidir, ring
+P2P_SCHEDULES = ("ring", "bidir", "push")  # step lists of point-to-point transfers
+# ``slicing`` (k collectives on chunks) is described by ``slicing.gather_steps(k)``.
 
-    return {"ring": ring, "bidir": bidir}[name]
+
+def by_name(name: str) -> ModuleType:
+    from . import bidir, push, ring, slicing
+
+    return {"ring": ring, "bidir": bidir, "push": push, "slicing": slicing}[name]

@@ -1,0 +1,149 @@
+"""``commfuse calibrate``: measure this machine and process group, write a profile.
+
+On n local gloo ranks (or the ranks of a running job): matmul time by shape (fitted as
+call latency + FLOPs / throughput, all ranks computing at once as in training), P2P
+time by message size between ranks 0 and 1 (a ring exchange, fitted as alpha + bytes/beta),
+an element-wise add, and the fixed costs the model cannot derive: one P2P step of a
+rewritten graph and one collective call, from a tiny all-gather -> matmul site run
+both ways. The result loads with ``options={"profile": path}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .profiles import Profile
+
+MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
+MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    matmul: list[tuple[float, float]]  # (FLOPs, seconds)
+    message: list[tuple[float, float]]  # (bytes, seconds one way)
+    add_bytes_per_s: float
+    ring_site_s: float  # tiny all-gather -> matmul, rewritten as a ring
+    collective_site_s: float  # the same site with its collective
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``y = a + b x`` fitted on relative errors (weights 1/y^2), so that small sizes set
+    the latency ``a`` and large ones the rate ``b``; both kept >= 0."""
+    w = [1 / y**2 for _, y in points]
+    sw = sum(w)
+    mx = sum(wi * x for wi, (x, _) in zip(w, points, strict=True)) / sw
+    my = sum(wi * y for wi, (_, y) in zip(w, points, strict=True)) / sw
+    var = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points, strict=True))
+    cov = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points, strict=True))
+    b = max(cov / var, 1e-30)
+    return max(my - b * mx, 0.0), b
+
+
+def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
+    """The profile whose model reproduces the measurements."""
+    matmul_latency, s_per_flop = fit_line(m.matmul)
+    alpha, s_per_byte = fit_line(m.message)
+    # ring site: n-1 steps of (overhead + one tiny message) and n tiny matmuls;
+    # collective site: one call (its overhead + n-1 tiny hops) and one tiny matmul.
+    step = (m.ring_site_s - (n - 1) * alpha - n * matmul_latency) / (n - 1)
+    collective = m.collective_site_s - (n - 1) * alpha - matmul_latency
+    return Profile(
+        name=name,
+        source=source,
+        matmul_flops=1 / s_per_flop,
+        matmul_latency_s=matmul_latency,
+        memory_bytes_per_s=m.add_bytes_per_s,
+        link_alpha_s=alpha,
+        link_bytes_per_s=1 / s_per_byte,
+        step_overhead_s=max(step, 0.0),
+        collective_overhead_s=max(collective, 0.0),
+    )
+
+
+def measure(rank: int, world_size: int, reps: int) -> Measurements:
+    """Run on every rank of the default group (a ``RankPool`` job)."""
+    torch.manual_seed(rank)
+    matmul = []
+    for m, k, n in MATMUL_SHAPES:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        matmul.append((2.0 * m * k * n, _median(functools.partial(torch.mm, a, b), reps)))
+    message = [(float(size), _one_way(rank, world_size, size, reps)) for size in MESSAGE_BYTES]
+    x, y = torch.randn(1 << 20), torch.randn(1 << 20)
+    add_s = _median(lambda: torch.add(x, y), reps)
+    ring, collective = _tiny_site_times(world_size, reps)
+    return Measurements(matmul, message, 3 * x.numel() * 4 / add_s, ring, collective)
+
+
+def _median(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _one_way(rank: int, world_size: int, nbytes: int, reps: int) -> float:
+    """One ring exchange of ``nbytes``: every rank sends to the next and receives from
+    the previous at once, as a ring step does (the batch's time = one message)."""
+    send, recv = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
+    peers = ((rank + 1) % world_size, (rank - 1) % world_size)
+
+    def exchange() -> None:
+        ops = [dist.P2POp(dist.isend, send, peers[0]), dist.P2POp(dist.irecv, recv, peers[1])]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    dist.barrier()
+    return _median(exchange, reps)
+
+
+def _tiny_site_times(n: int, reps: int) -> tuple[float, float]:
+    """A 2x8 shard all-gathered into a matmul: (as a ring, with its collective)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from .api import apply
+
+    c10d = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name  # type: ignore[union-attr]
+
+    def site(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.mm(c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)), w)
+
+    x, w = torch.randn(2, 8), torch.randn(8, 8)
+    ring = apply(make_fx(site, tracing_mode="fake")(x, w), schedule="ring")
+    collective = make_fx(site, tracing_mode="fake")(x, w)
+    times: dict[str, list[float]] = {"ring": [], "collective": []}
+    for _ in range(reps + 1):  # interleaved, so that both see the same machine
+        for name, gm in (("ring", ring), ("collective", collective)):
+            dist.barrier()
+            start = time.perf_counter()
+            gm(x, w)
+            times[name].append(time.perf_counter() - start)
+    return statistics.median(times["ring"][1:]), statistics.median(times["collective"][1:])
+
+
+def run(world_size: int, out: str, reps: int) -> Profile:
+    """Calibrate on ``world_size`` local gloo ranks and write the profile to ``out``."""
+    from .profiles import save
+    from .ranks import RankPool
+
+    with RankPool(world_size) as pool:
+        per_rank = pool.run(measure, reps)
+    m = per_rank[0]
+    source = (
+        f"measured by `commfuse calibrate` on {world_size} local gloo ranks "
+        f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {reps} reps)"
+    )
+    profile = profile_from(m, world_size, f"calibrated-gloo-{world_size}", source)
+    save(profile, out)
+    return profile

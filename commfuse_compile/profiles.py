@@ -1,0 +1,156 @@
+"""Machine profiles: the constants the cost model and the simulator run on.
+
+Built-in profiles describe real hardware; every number says where it comes from. A
+profile measured on the current machine and process group (``commfuse calibrate``) is a
+JSON file with the same fields, loaded with ``options={"profile": path}``.
+GPU matmul figures are for bf16/fp16 tensor-core GEMMs (the dtype of LLM training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+class ProfileError(ValueError):
+    """A profile name or file that cannot be used."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    source: str  # where the numbers come from
+    matmul_flops: float  # achieved FLOP/s of a large matmul
+    matmul_latency_s: float  # fixed cost of one matmul call (launch; dominates tiny ones)
+    memory_bytes_per_s: float  # element-wise ops (adding a partial sum)
+    link_alpha_s: float  # latency of one point-to-point message
+    link_bytes_per_s: float  # bandwidth of one point-to-point message, one direction
+    step_overhead_s: float  # issuing and waiting one P2P batch of a rewritten graph
+    collective_overhead_s: float  # one collective call, beyond its messages
+    # True where each neighbour has its own link (full mesh, physical ring): a rank
+    # sending to both neighbours at once gets twice the bandwidth. False behind a
+    # switch (NVSwitch, PCIe switch, loopback): both messages share one port.
+    duplex_neighbours: bool = False
+
+    def matmul_s(self, flops: float) -> float:
+        return self.matmul_latency_s + flops / self.matmul_flops
+
+    def message_s(self, nbytes: float, sharing: int = 1) -> float:
+        """One message of ``nbytes`` while ``sharing`` messages leave the rank at once."""
+        share = 1 if self.duplex_neighbours else sharing
+        return self.link_alpha_s + nbytes * share / self.link_bytes_per_s
+
+    def add_s(self, nbytes: float) -> float:
+        """out = x + y over tensors of ``nbytes``: two reads, one write."""
+        return 3 * nbytes / self.memory_bytes_per_s
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+BUILTIN = {
+    "h100-nvlink4": Profile(
+        name="h100-nvlink4",
+        source="NVIDIA H100 SXM5 datasheet: bf16 dense 989 TFLOP/s peak (650 taken as "
+        "achieved by large cuBLAS GEMMs), HBM3 3.35 TB/s (2.8 achieved); NVLink 4 900 GB/s "
+        "per GPU both directions = 450 GB/s per direction through NVSwitch (360 taken as "
+        "achieved by NCCL P2P); latency/overheads: NCCL P2P and kernel-launch orders of "
+        "magnitude (10 us message, 5 us launch), not measured by us",
+        matmul_flops=6.5e14,
+        matmul_latency_s=5e-6,
+        memory_bytes_per_s=2.8e12,
+        link_alpha_s=1e-5,
+        link_bytes_per_s=3.6e11,
+        step_overhead_s=1e-5,
+        collective_overhead_s=1e-5,
+    ),
+    "a100-nvlink3": Profile(
+        name="a100-nvlink3",
+        source="NVIDIA A100 SXM4 80GB datasheet: bf16 dense 312 TFLOP/s peak (230 taken "
+        "as achieved), HBM2e 2.0 TB/s (1.7 achieved); NVLink 3 600 GB/s per GPU both "
+        "directions = 300 GB/s per direction through NVSwitch (230 taken as achieved); "
+        "latency/overheads as for H100, not measured by us",
+        matmul_flops=2.3e14,
+        matmul_latency_s=5e-6,
+        memory_bytes_per_s=1.7e12,
+        link_alpha_s=1e-5,
+        link_bytes_per_s=2.3e11,
+        step_overhead_s=1e-5,
+        collective_overhead_s=1e-5,
+    ),
+    "pcie-8x-l40s": Profile(
+        name="pcie-8x-l40s",
+        source="8 x NVIDIA L40S on PCIe Gen4 x16, no NVLink: L40S datasheet bf16 dense "
+        "362 TFLOP/s peak (220 taken as achieved), GDDR6 864 GB/s (750 achieved); PCIe "
+        "Gen4 x16 32 GB/s per direction theoretical, 20 GB/s taken for GPU-to-GPU P2P "
+        "through the host's switch (shared by both neighbours); 20 us message latency",
+        matmul_flops=2.2e14,
+        matmul_latency_s=5e-6,
+        memory_bytes_per_s=7.5e11,
+        link_alpha_s=2e-5,
+        link_bytes_per_s=2.0e10,
+        step_overhead_s=1.5e-5,
+        collective_overhead_s=1.5e-5,
+    ),
+    "ascend-910b-hccs": Profile(
+        name="ascend-910b-hccs",
+        source="Huawei Atlas 800T A2 (8 x Ascend 910B) published specs: fp16 ~313-376 "
+        "TFLOP/s peak per NPU by SKU (250 taken as achieved), HBM2e 1.6 TB/s (1.3 "
+        "achieved); HCCS full mesh, 7 links x 56 GB/s = 392 GB/s per NPU, a dedicated "
+        "link per peer (28 GB/s per direction taken: the 56 GB/s figure is read as both "
+        "directions); 20 us HCCL message latency, not measured by us",
+        matmul_flops=2.5e14,
+        matmul_latency_s=1e-5,
+        memory_bytes_per_s=1.3e12,
+        link_alpha_s=2e-5,
+        link_bytes_per_s=2.8e10,
+        step_overhead_s=2e-5,
+        collective_overhead_s=2e-5,
+        duplex_neighbours=True,
+    ),
+    "gloo-loopback": Profile(
+        name="gloo-loopback",
+        source="measured on this project's CI machine kind (2 cores, 2 gloo ranks on "
+        "loopback, 1 torch thread each, 2026-11-30, `commfuse calibrate` and its parts): "
+        "fp32 matmul 65 GFLOP/s; ring exchange of 16 MiB 8.8 ms (~2 GB/s); element-wise "
+        "add 16-23 GB/s; a 2x8 all-gather -> matmul site 0.35 ms with its collective "
+        "and 0.65-3.0 ms as a one-step ring (eager FX: ~1 ms per P2P step, ~0.25 ms per "
+        "collective call, 0.1 ms per hop inside it)",
+        matmul_flops=6.5e10,
+        matmul_latency_s=2e-5,
+        memory_bytes_per_s=1.6e10,
+        link_alpha_s=1e-4,
+        link_bytes_per_s=2e9,
+        step_overhead_s=1e-3,
+        collective_overhead_s=2.5e-4,
+    ),
+}
+
+
+def load(name_or_path: str | os.PathLike[str]) -> Profile:
+    """A built-in profile by name, or a profile JSON file (``commfuse calibrate``)."""
+    if str(name_or_path) in BUILTIN:
+        return BUILTIN[str(name_or_path)]
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ProfileError(
+            f"profile {str(name_or_path)!r} is neither a built-in profile "
+            f"({', '.join(BUILTIN)}) nor a file"
+        )
+    try:
+        fields = json.loads(path.read_text())
+        return Profile(**fields)
+    except (ValueError, TypeError) as err:
+        raise ProfileError(f"profile file {path} is not a commfuse profile: {err}") from None
+
+
+def save(profile: Profile, path: str | os.PathLike[str]) -> None:
+    Path(path).write_text(json.dumps(profile.as_json(), indent=1) + "\n")
+
+
+def for_device(device_type: str) -> Profile:
+    """The default when no profile is given: loopback gloo on CPU, H100 on CUDA."""
+    return BUILTIN["h100-nvlink4" if device_type == "cuda" else "gloo-loopback"]

@@ -1,0 +1,246 @@
+"""Discrete-event simulation of one site on n ranks, for every schedule.
+
+The cost model of the plan stage and ``commfuse sim`` are this one simulation: each
+rank has a compute lane and a comm lane; a step's P2P messages start when both sides
+have issued them, take ``alpha + bytes/beta`` (shared when several leave a rank at
+once over one port), and a step ends when its matmuls and its messages are done, plus
+the fixed cost of issuing and waiting them. The schedules' own step lists drive it, so
+what is simulated is exactly what the lowering emits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from .profiles import Profile
+from .schedules import by_name, slicing
+
+SCHEDULES = ("collective", "ring", "bidir", "push", "slicing")
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """One site as the simulator sees it: n blocks, each a matmul and a message."""
+
+    kind: str  # "gather" (all-gather -> matmul) | "reduce" (matmul -> reduce-scatter)
+    n: int
+    block_flops: float  # FLOPs of one block's matmuls (all the site's matmuls)
+    block_bytes: float  # bytes of one block's message (a shard, or a partial sum)
+    matmuls_per_block: int = 1  # matmul calls per block (each pays the call latency)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    rank: int
+    lane: str  # "compute" | "comm"
+    step: int
+    name: str
+    start_s: float
+    end_s: float
+
+
+@dataclasses.dataclass
+class Timeline:
+    schedule: str
+    events: list[Event]
+
+    @property
+    def end_s(self) -> float:
+        return max((e.end_s for e in self.events), default=0.0)
+
+    def on_rank(self, rank: int) -> list[Event]:
+        return [e for e in self.events if e.rank == rank]
+
+    def exposed_comm_s(self, rank: int = 0) -> float:
+        """Time on ``rank`` that is not spent computing."""
+        busy = sum(e.end_s - e.start_s for e in self.on_rank(rank) if e.lane == "compute")
+        return max((e.end_s for e in self.on_rank(rank)), default=0.0) - busy
+
+    def as_json(self, rank: int) -> list[dict[str, object]]:
+        """This rank's events in report.json's ``timeline`` format (microseconds)."""
+        return [
+            {
+                "lane": e.lane,
+                "step": e.step,
+                "name": e.name,
+                "start_us": round(e.start_s * 1e6, 3),
+                "end_us": round(e.end_s * 1e6, 3),
+            }
+            for e in self.on_rank(rank)
+        ]
+
+
+def simulate(work: Work, schedule: str, profile: Profile, slices: int = 2) -> Timeline:
+    if schedule == "collective":
+        return _collective(work, profile)
+    if schedule == "slicing":
+        return _sliced(work, profile, slices)
+    if work.kind == "gather":
+        return _p2p_gather(work, schedule, profile)
+    return _p2p_reduce(work, schedule, profile)
+
+
+def predict(work: Work, profile: Profile, slices: int = 2) -> dict[str, Timeline]:
+    """Every schedule's timeline for ``work`` (slicing only where it applies)."""
+    names = [s for s in SCHEDULES if s != "slicing" or slices > 1]
+    return {s: simulate(work, s, profile, slices) for s in names}
+
+
+def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> float:
+    calls = work.matmuls_per_block
+    return calls * profile.matmul_s(work.block_flops * fraction / calls)
+
+
+def _collective(work: Work, p: Profile) -> Timeline:
+    """The unfused pair: a ring all-gather (n-1 messages) then one matmul over all
+    blocks, or the matmul then a ring reduce-scatter (n-1 messages and adds)."""
+    n, events = work.n, []
+    matmul = work.matmuls_per_block * p.matmul_s(work.block_flops * n / work.matmuls_per_block)
+    per_hop = p.message_s(work.block_bytes)
+    if work.kind == "reduce":
+        per_hop += p.add_s(work.block_bytes)
+    comm = p.collective_overhead_s + (n - 1) * per_hop if n > 1 else 0.0
+    for r in range(n):
+        if work.kind == "gather":
+            events += [
+                Event(r, "comm", 0, "all_gather", 0.0, comm),
+                Event(r, "compute", 0, "matmul", comm, comm + matmul),
+            ]
+        else:
+            events += [
+                Event(r, "compute", 0, "matmul", 0.0, matmul),
+                Event(r, "comm", 0, "reduce_scatter", matmul, matmul + comm),
+            ]
+    return Timeline("collective", events)
+
+
+def _sliced(work: Work, p: Profile, k: int) -> Timeline:
+    """k chunk collectives on the comm lane, k chunk matmuls (n blocks each) on compute."""
+    n, events = work.n, []
+    chunk_compute = n * _block_compute_s(work, p, 1 / k)
+    per_hop = p.message_s(work.block_bytes / k)
+    if work.kind == "reduce":
+        per_hop += p.add_s(work.block_bytes / k)
+    chunk_comm = p.collective_overhead_s + (n - 1) * per_hop
+    gather = work.kind == "gather"
+    steps = slicing.gather_steps(k) if gather else slicing.reduce_steps(k)
+    for r in range(n):
+        comm_free = compute_free = 0.0
+        comm_end: dict[int, float] = {}
+        compute_end: dict[int, float] = {}
+        for s, step in enumerate(steps):
+            if step.compute is not None:
+                start = max(compute_free, comm_end.get(step.compute, 0.0) if gather else 0.0)
+                compute_free = compute_end[step.compute] = start + chunk_compute
+                events.append(
+                    Event(r, "compute", s, f"matmul chunk {step.compute}", start, compute_free)
+                )
+            if step.issue is not None:
+                ready = 0.0 if gather else compute_end[step.issue]
+                start = max(comm_free, ready)
+                comm_free = comm_end[step.issue] = start + chunk_comm
+                name = "all_gather" if gather else "reduce_scatter"
+                events.append(Event(r, "comm", s, f"{name} chunk {step.issue}", start, comm_free))
+    return Timeline("slicing", events)
+
+
+def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
+    n, events = work.n, []
+    plans = [by_name(schedule).gather_steps(r, n) for r in range(n)]
+    c = _block_compute_s(work, p)
+    now = [0.0] * n
+    for s in range(len(plans[0])):
+        issue = [now[r] + (p.step_overhead_s if plans[r][s].sends else 0.0) for r in range(n)]
+        done = list(issue)
+        for r in range(n):
+            step = plans[r][s]
+            for t in step.sends:
+                dst = (r + t.peer) % n
+                start = max(issue[r], issue[dst])
+                end = start + p.message_s(work.block_bytes, sharing=len(step.sends))
+                events.append(Event(r, "comm", s, f"send {t.block} to {t.peer:+d}", start, end))
+                done[r], done[dst] = max(done[r], end), max(done[dst], end)
+            for i, b in enumerate(step.compute):
+                start = issue[r] + i * c
+                events.append(Event(r, "compute", s, f"matmul block {b}", start, start + c))
+                done[r] = max(done[r], start + c)
+        now = done
+    return Timeline(schedule, events)
+
+
+def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
+    n, events = work.n, []
+    plans = [by_name(schedule).reduce_steps(r, n) for r in range(n)]
+    c, a = _block_compute_s(work, p), p.add_s(work.block_bytes)
+    now = [0.0] * n
+    arrivals: list[float] = [0.0] * n  # when the messages a rank waits on next have landed
+    for s in range(len(plans[0])):
+        ready = []
+        for r in range(n):
+            step = plans[r][s]
+            for i, b in enumerate(step.blocks):
+                start = now[r] + i * c
+                events.append(Event(r, "compute", s, f"matmul block {b}", start, start + c))
+            added = max(now[r] + len(step.blocks) * c, arrivals[r])
+            if step.adds:
+                end = added + len(step.adds) * a
+                events.append(
+                    Event(r, "compute", s, f"add {len(step.adds)} partial(s)", added, end)
+                )
+                added = end
+            ready.append(added + (p.step_overhead_s if step.sends else 0.0))
+        arrivals = list(ready)
+        for r in range(n):
+            step = plans[r][s]
+            for t in step.sends:
+                dst = (r + t.peer) % n
+                start = max(ready[r], ready[dst])
+                end = start + p.message_s(work.block_bytes, sharing=len(step.sends))
+                events.append(Event(r, "comm", s, f"send {t.block} to {t.peer:+d}", start, end))
+                arrivals[dst] = max(arrivals[dst], end)
+                arrivals[r] = max(arrivals[r], end)  # its buffer is waited too
+        now = ready
+    return Timeline(schedule, events)
+
+
+def chrome_trace(timelines: Iterable[tuple[str, Timeline]], path: str | Path) -> None:
+    """Chrome trace-event JSON (Perfetto): a process per (label, rank), a thread per lane."""
+    events: list[dict[str, object]] = []
+    for pid, (label, timeline) in enumerate(timelines):
+        ranks = sorted({e.rank for e in timeline.events})
+        for r in ranks:
+            proc = pid * 1000 + r
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "process_name",
+                    "pid": proc,
+                    "args": {"name": f"{label} rank {r}"},
+                }
+            )
+            for tid, lane in enumerate(("compute", "comm")):
+                events.append(
+                    {
+                        "ph": "M",
+                        "name": "thread_name",
+                        "pid": proc,
+                        "tid": tid,
+                        "args": {"name": lane},
+                    }
+                )
+        for e in timeline.events:
+            events.append(
+                {
+                    "ph": "X",
+                    "name": e.name,
+                    "pid": pid * 1000 + e.rank,
+                    "tid": 0 if e.lane == "compute" else 1,
+                    "ts": e.start_s * 1e6,
+                    "dur": (e.end_s - e.start_s) * 1e6,
+                    "args": {"step": e.step},
+                }
+            )
+    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
