@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .layers import PRESETS
 from .options import INNER_COMPILERS, SCHEDULES
 
 
@@ -39,7 +40,19 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("--world-size", type=int, default=2)
     calibrate.add_argument("--out", default="commfuse-profile.json")
     calibrate.add_argument("--reps", type=int, default=20, help="repetitions per measurement")
+    sim = commands.add_parser(
+        "sim", help="simulate a model's layer for every schedule on a machine profile"
+    )
+    sim.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b")
+    sim.add_argument("--profile", default="h100-nvlink4", help="built-in name or profile file")
+    sim.add_argument("--group-size", default="2,4,8,16,32,64", help="comma-separated sizes")
+    sim.add_argument("--slices", type=int, default=2, help="chunks of the slicing schedule")
+    sim.add_argument("--tokens", type=int, default=None, help="tokens per step (sequence)")
+    sim.add_argument("--out", default=None, help="write a Chrome trace per group size here")
     args = parser.parse_args(argv)
+
+    if args.command == "sim":
+        return _sim(parser, args)
 
     if args.command == "calibrate":
         from .calibrate import run as calibrate_run
@@ -77,6 +90,31 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return 0
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _sim(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from .layers import format_table, simulate_layer, write_traces
+    from .profiles import ProfileError, load
+
+    try:
+        profile = load(args.profile)
+        sizes = [int(size) for size in args.group_size.split(",")]
+    except (ProfileError, ValueError) as err:
+        parser.error(str(err))
+    if any(size < 2 for size in sizes) or args.slices < 2:
+        parser.error("group sizes and --slices must be at least 2")
+    model = PRESETS[args.model]
+    if args.tokens:
+        model = dataclasses.replace(model, tokens=args.tokens)
+    results = [simulate_layer(model, n, profile, args.slices) for n in sizes]
+    print(format_table(model, profile, results))
+    if args.out:
+        for path in write_traces(results, Path(args.out)):
+            print(f"wrote {path} (open in https://ui.perfetto.dev)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""`commfuse demo`, the README's main command, end to end in a fresh process."""
+"""The `commfuse` command: `demo` (the README's main command) end to end in a fresh
+process, and `sim`."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+
+import pytest
 
 
 def test_demo_runs_checks_and_reports():
@@ -34,3 +38,33 @@ def test_demo_rejects_a_single_rank():
     )
     assert proc.returncode == 2
     assert "--world-size must be at least 2" in proc.stderr
+
+
+def test_sim_prints_every_schedule_and_writes_traces(tmp_path, capsys):
+    from commfuse_compile.cli import main
+    from commfuse_compile.layers import PRESETS, layer_sites
+    from commfuse_compile.simulator import SCHEDULES
+
+    assert (
+        main(["sim", "--model", "llama3-70b", "--group-size", "2,8", "--out", str(tmp_path)]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "llama3-70b layer, tokens 8192, profile h100-nvlink4" in out
+    for n in (2, 8):
+        assert f"n = {n}:" in out
+        trace = json.loads((tmp_path / f"trace_n{n}.json").read_text())
+        spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+        assert names == {f"{s} rank {r}" for s in SCHEDULES for r in range(n)}
+        assert all(e["dur"] >= 0 for e in spans)
+    for name, _ in layer_sites(PRESETS["llama3-70b"], 2):
+        assert name in out
+
+
+def test_sim_rejects_an_unknown_profile(capsys):
+    from commfuse_compile.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sim", "--profile", "no-such-machine"])
+    assert exit_info.value.code == 2
+    assert "neither a built-in profile" in capsys.readouterr().err

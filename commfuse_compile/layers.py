@@ -1,0 +1,183 @@
+"""``commfuse sim``: what decomposition buys a real model's layer, without a cluster.
+
+A preset is a transformer's layer shapes. Under tensor + sequence parallelism on n
+ranks, one layer's training step has eight sites (the same the pass finds in traced
+DTensor graphs): forward, the all-gathered input into q/k/v and into the MLP's input
+projections, and the attention output and MLP output projections into reduce-scatters;
+backward, the gradients of the two output projections all-gathered into dX (rows) and
+dW (contracted) on one ring each, and the input gradients of q/k/v and of the MLP's
+input projections (sums of matmuls) into reduce-scatters. Each site is simulated for
+every schedule on a machine profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .profiles import Profile
+from .simulator import SCHEDULES, Event, Timeline, Work, chrome_trace, simulate
+
+TRACE_RANKS = 8  # ranks written to a Chrome trace (all of them for n <= 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    name: str
+    source: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    gated: bool  # SwiGLU: two input projections (gate, up) share the gathered input
+    tokens: int  # sequence length x micro-batch of one step
+    dtype_bytes: int = 2  # bf16
+
+
+PRESETS = {
+    "llama3-8b": ModelShape(
+        "llama3-8b",
+        "Llama 3 8B config: hidden 4096, 32 heads, 8 KV heads, head dim 128, FFN 14336 "
+        "(SwiGLU), sequence 8192",
+        4096,
+        32,
+        8,
+        128,
+        14336,
+        True,
+        8192,
+    ),
+    "llama3-70b": ModelShape(
+        "llama3-70b",
+        "Llama 3 70B config: hidden 8192, 64 heads, 8 KV heads, head dim 128, FFN 28672 "
+        "(SwiGLU), sequence 8192",
+        8192,
+        64,
+        8,
+        128,
+        28672,
+        True,
+        8192,
+    ),
+    "gpt3-175b": ModelShape(
+        "gpt3-175b",
+        "GPT-3 175B (Brown et al. 2020): hidden 12288, 96 heads of 128, FFN 4x hidden "
+        "(GELU, one input projection), sequence 2048",
+        12288,
+        96,
+        96,
+        128,
+        49152,
+        False,
+        2048,
+    ),
+}
+
+
+def layer_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
+    """The layer's sites on a group of ``n`` ranks, as (name, Work), forward first."""
+    t, d, e = model.tokens, model.hidden, model.dtype_bytes
+    qkv = (model.heads + 2 * model.kv_heads) * model.head_dim
+    attn = model.heads * model.head_dim
+    projections = 2 if model.gated else 1
+
+    def gather(out_features: float, matmuls: int) -> Work:
+        # block: t/n rows of the gathered input times the local weight columns
+        return Work("gather", n, 2 * (t / n) * d * out_features / n, t / n * d * e, matmuls)
+
+    def reduce(in_features: float, terms: int) -> Work:
+        # block: t/n rows of the local product, contracted over the local features
+        return Work("reduce", n, 2 * (t / n) * in_features / n * d, t / n * d * e, terms)
+
+    def grad_gather(features: float) -> Work:
+        # dY gathered into dX = dY @ W (rows) and dW = dY^T @ X (contracted)
+        return Work("gather", n, 2 * 2 * (t / n) * d * features / n, t / n * d * e, 2)
+
+    return [
+        ("forward attention q/k/v", gather(qkv, 3)),
+        ("forward attention output", reduce(attn, 1)),
+        ("forward MLP input", gather(projections * model.ffn, projections)),
+        ("forward MLP output", reduce(model.ffn, 1)),
+        ("backward MLP output grads", grad_gather(model.ffn)),
+        ("backward MLP input grads", reduce(projections * model.ffn, projections)),
+        ("backward attention output grads", grad_gather(attn)),
+        ("backward q/k/v input grads", reduce(qkv, 3)),
+    ]
+
+
+@dataclasses.dataclass
+class LayerResult:
+    n: int
+    sites: list[tuple[str, dict[str, Timeline]]]  # per site, per schedule
+
+    def total_s(self, schedule: str) -> float:
+        return sum(timelines[schedule].end_s for _, timelines in self.sites)
+
+    def auto_s(self) -> float:
+        """Per site, the best schedule (what ``schedule="auto"`` picks on this profile)."""
+        return sum(min(t.end_s for t in timelines.values()) for _, timelines in self.sites)
+
+
+def simulate_layer(model: ModelShape, n: int, profile: Profile, slices: int) -> LayerResult:
+    sites = [
+        (name, {s: simulate(work, s, profile, slices) for s in SCHEDULES})
+        for name, work in layer_sites(model, n)
+    ]
+    return LayerResult(n, sites)
+
+
+def layer_timeline(result: LayerResult, schedule: str) -> Timeline:
+    """The layer's sites one after the other on every rank (the first ``TRACE_RANKS``)."""
+    events, offset = [], 0.0
+    for name, timelines in result.sites:
+        timeline = timelines[schedule]
+        for e in timeline.events:
+            if e.rank < TRACE_RANKS:
+                events.append(
+                    Event(
+                        e.rank,
+                        e.lane,
+                        e.step,
+                        f"{name}: {e.name}",
+                        offset + e.start_s,
+                        offset + e.end_s,
+                    )
+                )
+        offset += timeline.end_s
+    return Timeline(schedule, events)
+
+
+def format_table(model: ModelShape, profile: Profile, results: list[LayerResult]) -> str:
+    lines = [f"{model.name} layer, tokens {model.tokens}, profile {profile.name}"]
+    for result in results:
+        base = result.total_s("collective")
+        lines.append(f"\nn = {result.n}: time per site in us (speedup over the collective)")
+        header = f"{'site':<34}" + "".join(f"{s:>20}" for s in SCHEDULES)
+        lines += [header, "-" * len(header)]
+        for name, timelines in result.sites:
+            coll = timelines["collective"].end_s
+            cells = "".join(
+                f"{t.end_s * 1e6:>12.1f} ({coll / t.end_s:4.2f}x)" for t in timelines.values()
+            )
+            lines.append(f"{name:<34}{cells}")
+        cells = "".join(
+            f"{result.total_s(s) * 1e6:>12.1f} ({base / result.total_s(s):4.2f}x)"
+            for s in SCHEDULES
+        )
+        lines.append(f"{'layer (fwd + bwd sites)':<34}{cells}")
+        auto = result.auto_s()
+        lines.append(
+            f"{'layer, best schedule per site':<34}{auto * 1e6:>12.1f} ({base / auto:4.2f}x)"
+        )
+    return "\n".join(lines)
+
+
+def write_traces(results: list[LayerResult], out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for result in results:
+        path = out / f"trace_n{result.n}.json"
+        chrome_trace(((s, layer_timeline(result, s)) for s in SCHEDULES), path)
+        written.append(path)
+    return written
