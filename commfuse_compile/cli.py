@@ -49,10 +49,30 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--slices", type=int, default=2, help="chunks of the slicing schedule")
     sim.add_argument("--tokens", type=int, default=None, help="tokens per step (sequence)")
     sim.add_argument("--out", default=None, help="write a Chrome trace per group size here")
+    bench = commands.add_parser(
+        "bench",
+        help="measure every schedule on gloo ranks behind a throttled link (root: netns + tbf)",
+    )
+    bench.add_argument("--quick", action="store_true", help="one size, fewer rows (~2 min)")
+    bench.add_argument("--out", default="commfuse-bench", help="results directory")
+    bench.add_argument("--world-size", type=int, default=2)
+    bench.add_argument(
+        "--network",
+        choices=["veth", "lo", "none"],
+        default=None,
+        help="link topology (default: veth, else lo, else unthrottled)",
+    )
     args = parser.parse_args(argv)
 
     if args.command == "sim":
         return _sim(parser, args)
+
+    if args.command == "bench":
+        from .bench import main as bench_main
+
+        if args.world_size < 2:
+            parser.error("--world-size must be at least 2")
+        return bench_main(args.quick, args.out, args.world_size, args.network)
 
     if args.command == "calibrate":
         from .calibrate import run as calibrate_run

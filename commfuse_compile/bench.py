@@ -1,0 +1,631 @@
+"""``commfuse bench``: every schedule measured side by side over a bandwidth-limited link.
+
+The ranks run in network namespaces behind token-bucket links (``netns.py``). For each
+site (a TP+SP linear's all-gather -> matmul and matmul -> reduce-scatter, at several
+sizes) and each communication/computation ratio, the link rate is chosen from the
+measured matmul time so that the collective alone takes ``ratio`` times the matmul
+alone; then the baseline (collective then matmul), every schedule of the pass and the
+two parts alone are measured in one run, interleaved (A B C ... A B C ...) after a
+warm-up, each call started together on all ranks by a barrier and timed as the slowest
+rank's. The whole-layer figure is a transformer block's forward + backward, compiled
+with the pass and without it (the same compile with ``schedule="off"``).
+
+``auto`` gets the profile a user would calibrate on this link: ``commfuse calibrate``'s
+measurement run inside the namespaces at a reference rate, its bandwidth scaled to each
+cell's rate. ``bench_report.py`` turns the results into tables, files and the plot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import report
+from .options import SCHEDULES
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+KINDS = ("ag_mm", "mm_rs")
+SLICES = (2, 4)  # chunks of the data-slicing rows
+ROW_ORDER = ("off", "slicing", "push", "ring", "bidir", "auto")  # schedules not named go last
+REFERENCE_RATE = 1e9  # bit/s of the link while calibrating the profile ``auto`` uses
+RATE_TOLERANCE = 0.08  # accept a link rate whose comm-alone time is this close to target
+MAX_RATE_TRIES = 5  # the first one measures the matmul unthrottled
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One row: a schedule with its options (``off`` is the baseline)."""
+
+    label: str
+    schedule: str
+    slices: int | None = None
+
+    def options(self, profile: str | None) -> dict[str, Any]:
+        options: dict[str, Any] = {"schedule": self.schedule}
+        if self.slices is not None:
+            options["slices"] = self.slices
+        if profile is not None:
+            options["profile"] = profile
+        return options
+
+
+def variants(schedules: tuple[str, ...] = SCHEDULES) -> list[Variant]:
+    """The rows of every site, baseline first: each schedule the pass offers, slicing
+    once per k in ``SLICES`` (the list follows ``options.SCHEDULES``)."""
+    order = {name: i for i, name in enumerate(ROW_ORDER)}
+    rows = []
+    for name in sorted(schedules, key=lambda s: order.get(s, len(order))):
+        if name == "off":
+            rows.append(Variant("baseline", "off"))
+        elif name == "slicing":
+            rows += [Variant(f"slicing k={k}", "slicing", k) for k in SLICES]
+        else:
+            rows.append(Variant(name, name))
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteShape:
+    """A TP+SP linear: sequence ``seq`` (sharded), model width ``dim``, hidden ``ffn``
+    (column-parallel up-projection ``dim -> ffn``, row-parallel down ``ffn -> dim``)."""
+
+    seq: int
+    dim: int
+    ffn: int
+
+    @property
+    def label(self) -> str:
+        return f"S={self.seq} D={self.dim} F={self.ffn}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShape:
+    seq: int
+    dim: int
+    heads: int
+    hidden: int
+    batch: int = 1
+
+    @property
+    def label(self) -> str:
+        return f"S={self.seq} D={self.dim} H={self.heads} F={self.hidden} B={self.batch}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    sizes: tuple[SiteShape, ...]
+    ratios: tuple[float, ...]  # comm-alone / matmul-alone of a site
+    warmup: int
+    reps: int
+    block: BlockShape
+    block_ratio: float  # communication / compute of the block's step
+    block_schedules: tuple[str, ...] | None  # rows of the block (None: every row)
+    block_reps: int
+    calibrate_reps: int
+
+
+QUICK = Preset(
+    name="quick",
+    sizes=(SiteShape(1024, 512, 1024),),
+    ratios=(0.5, 1.0, 2.0),
+    warmup=1,
+    reps=5,
+    block=BlockShape(seq=512, dim=256, heads=4, hidden=768),
+    block_ratio=1.0,
+    block_schedules=("baseline", "ring", "auto"),
+    block_reps=5,
+    calibrate_reps=3,
+)
+FULL = Preset(
+    name="full",
+    sizes=(SiteShape(1024, 512, 1024), SiteShape(2048, 1024, 2048), SiteShape(4096, 1024, 4096)),
+    ratios=(0.5, 1.0, 2.0),
+    warmup=2,
+    reps=9,
+    block=BlockShape(seq=1024, dim=512, heads=8, hidden=1536),
+    block_ratio=1.0,
+    block_schedules=None,
+    block_reps=7,
+    calibrate_reps=5,
+)
+PRESETS = {p.name: p for p in (QUICK, FULL)}
+
+
+# ----------------------------------------------------------------------------------------
+# On the ranks (jobs fed by NamespaceRanks.run; every rank runs the same code in order)
+
+
+@dataclasses.dataclass
+class _Site:
+    graph: torch.fx.GraphModule  # the site as DTensor writes it, traced to aten
+    inputs: list[torch.Tensor]
+    matmul: Callable[[], object]  # the site's matmul alone, unsplit
+    comm: Callable[[], object]  # the site's collective alone
+    flops: float  # of this rank's matmul
+    sent_bytes: int  # what this rank sends in the collective (ring algorithm)
+
+
+def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    group = dist.group.WORLD.group_name  # type: ignore[union-attr]
+    s, d, f = shape.seq, shape.dim, shape.ffn
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if kind == "ag_mm":
+        x, w = torch.randn(1, s // n, d, generator=gen), torch.randn(d, f // n, generator=gen)
+        gathered = torch.randn(s, d, generator=gen)
+
+        def gather_program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+            g = c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
+            g = torch.cat(torch.split(g, 1), dim=1)  # DTensor's gather on the sequence dim
+            return (torch.mm(g.reshape(-1, d), w),)
+
+        return _Site(
+            graph=make_fx(gather_program, tracing_mode="fake")(x, w),
+            inputs=[x, w],
+            matmul=lambda: torch.mm(gathered, w),
+            comm=lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)),
+            flops=2.0 * s * d * (f // n),
+            sent_bytes=x.numel() * x.element_size() * (n - 1),
+        )
+    a, w = torch.randn(s, f // n, generator=gen), torch.randn(f // n, d, generator=gen)
+    product = torch.randn(n, s // n, d, generator=gen)
+
+    def scatter_program(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        z = torch.mm(a, w).view(1, s, d)
+        z = torch.cat(torch.split(z, s // n, dim=1), dim=0)  # DTensor's scatter on dim 1
+        return (c10d.wait_tensor(c10d.reduce_scatter_tensor(z, "sum", n, group)),)
+
+    return _Site(
+        graph=make_fx(scatter_program, tracing_mode="fake")(a, w),
+        inputs=[a, w],
+        matmul=lambda: torch.mm(a, w),
+        comm=lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(product, "sum", n, group)),
+        flops=2.0 * s * (f // n) * d,
+        sent_bytes=product.numel() * product.element_size() * (n - 1) // n,
+    )
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """``fn`` started together on every rank; this rank's seconds."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _interleaved(
+    fns: dict[str, Callable[[], object]], warmup: int, reps: int
+) -> dict[str, list[float]]:
+    """A B C ... repeated; the first ``warmup`` rounds are dropped."""
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    for rep in range(warmup + reps):
+        for label, fn in fns.items():
+            elapsed = _timed(fn)
+            if rep >= warmup:
+                times[label].append(elapsed)
+    return times
+
+
+_SITES: dict[tuple[str, SiteShape], _Site] = {}  # this rank's sites, built once
+
+
+def _site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
+    if (kind, shape) not in _SITES:
+        _SITES[(kind, shape)] = _build_site(kind, shape, n, rank)
+    return _SITES[(kind, shape)]
+
+
+def site_alone(rank: int, n: int, kind: str, shape: SiteShape, reps: int) -> dict[str, Any]:
+    """Job: the matmul alone and the collective alone (to choose the link rate)."""
+    site = _site(kind, shape, n, rank)
+    times = _interleaved({"matmul": site.matmul, "comm": site.comm}, 1, reps)
+    return {"times": times, "flops": site.flops, "sent_bytes": site.sent_bytes}
+
+
+def comm_alone(rank: int, n: int, kind: str, shape: SiteShape, reps: int) -> dict[str, Any]:
+    """Job: the collective alone."""
+    site = _site(kind, shape, n, rank)
+    return _interleaved({"comm": site.comm}, 1, reps)
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteJob:
+    kind: str
+    shape: SiteShape
+    rows: tuple[Variant, ...]
+    profile: str | None  # profile file for every row's cost model (``auto`` decides on it)
+    warmup: int
+    reps: int
+    breakdown_reps: int = 3
+
+
+NODE_CATEGORIES = ("matmul", "comm issue", "comm wait", "other")
+
+
+def _category(node: torch.fx.Node) -> str:
+    if node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        return "matmul"
+    if node.target is c10d.wait_tensor.default:
+        return "comm wait"
+    name = str(node.target)
+    if "c10d" in name or "commfuse" in name:
+        return "comm issue"
+    return "other"
+
+
+class _NodeClock(torch.fx.Interpreter):
+    """Runs a graph node by node, adding each node's wall time to its category."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.spent = dict.fromkeys(NODE_CATEGORIES, 0.0)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        start = time.perf_counter()
+        out = super().run_node(n)
+        if n.op == "call_function":
+            self.spent[_category(n)] += time.perf_counter() - start
+        return out
+
+
+def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
+    """Job: every row of one cell, plus the matmul and the collective alone, interleaved;
+    then, per row, where a call's time goes (node by node, median of a few calls)."""
+    from .api import apply
+
+    site = _site(job.kind, job.shape, n, rank)
+    fns: dict[str, Callable[[], object]] = {"matmul alone": site.matmul, "comm alone": site.comm}
+    rows: dict[str, dict[str, Any]] = {}
+    graphs: dict[str, torch.fx.GraphModule] = {}
+    for row in job.rows:
+        first = len(report.REPORT.sites)
+        gm = apply(copy.deepcopy(site.graph), **row.options(job.profile))
+        records = report.REPORT.sites[first:]
+        graphs[row.label] = gm
+        fns[row.label] = _bind(gm, site.inputs)
+        rows[row.label] = _row_record(records)
+    times = _interleaved(fns, job.warmup, job.reps)
+    breakdown = {}
+    for label, gm in graphs.items():
+        runs = []
+        for _ in range(job.breakdown_reps):
+            clock = _NodeClock(gm)
+            dist.barrier()
+            clock.run(*site.inputs)
+            runs.append(clock.spent)
+        breakdown[label] = {c: statistics.median(r[c] for r in runs) for c in NODE_CATEGORIES}
+    return {"times": times, "rows": rows, "breakdown": breakdown}
+
+
+def _bind(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[[], object]:
+    return lambda: gm(*inputs)
+
+
+def _row_record(records: list[report.SiteRecord]) -> dict[str, Any]:
+    """What the pass did at the site: the schedule it ran and the cost model's times."""
+    if not records:
+        return {"schedule": "off", "decision": "no site found", "reason": "", "predicted_us": {}}
+    record = records[0]
+    return {
+        "schedule": record.schedule if record.decision == "rewritten" else "off",
+        "decision": record.decision,
+        "reason": record.reason,
+        "predicted_us": dict(record.details.get("predicted_us", {})),
+    }
+
+
+_BLOCK: dict[str, Any] = {}  # this rank's compiled block variants, kept between jobs
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockJob:
+    shape: BlockShape
+    rows: tuple[Variant, ...]
+    profile: str | None
+
+
+def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]:
+    """Job: build the block once per row, compile it (eager inner compiler) and run one
+    step (which compiles forward and backward); returns the pass's sites per row."""
+    from .training import TrainConfig, build, summarize
+
+    torch._dynamo.config.recompile_limit = 64  # one entry per row, same code objects
+    cfg = TrainConfig(
+        front="tp",
+        blocks=1,
+        dim=job.shape.dim,
+        heads=job.shape.heads,
+        hidden=job.shape.hidden,
+        batch=job.shape.batch,
+        seq=job.shape.seq,
+    )
+    sites = {}
+    for row in job.rows:
+        setup = build(cfg, rank, n)
+        options = {**row.options(job.profile), "inner": "eager"}
+        compiled = torch.compile(setup.loss_module, backend="commfuse", options=options)
+        x, target = setup.inputs(0)
+
+        def step(compiled: Any = compiled, x: Any = x, target: Any = target, setup: Any = setup):
+            compiled(x, target).backward()
+            setup.loss_module.zero_grad(set_to_none=True)
+
+        first = len(report.REPORT.sites)
+        step()
+        _BLOCK[row.label] = step
+        found = [s.as_json() for s in report.REPORT.sites[first:]]
+        sites[row.label] = {
+            "rewritten": sum(s["decision"] == "rewritten" for s in found),
+            "found": len(found),
+            "schedules": sorted({s["schedule"] for s in found if s["decision"] == "rewritten"}),
+            "summary": [dataclasses.asdict(r) for r in summarize(found)],
+        }
+    return sites
+
+
+def block_times(rank: int, n: int, labels: list[str], warmup: int, reps: int) -> dict[str, Any]:
+    """Job: the compiled rows' steps, interleaved."""
+    return _interleaved({label: _BLOCK[label] for label in labels}, warmup, reps)
+
+
+def calibrate_link(rank: int, n: int, reps: int) -> Any:
+    """Job: ``commfuse calibrate``'s measurement, on this (throttled) link."""
+    from .calibrate import measure
+
+    return measure(rank, n, reps)
+
+
+# ----------------------------------------------------------------------------------------
+# In the parent: choose rates, run the jobs, collect
+
+
+def slowest(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Per label and repetition, the slowest rank's time (the step's time)."""
+    return {
+        label: [max(ts) for ts in zip(*(r[label] for r in per_rank), strict=True)]
+        for label in per_rank[0]
+    }
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
+
+
+class Progress:
+    """One line per stage, with the elapsed time: what the run is doing now."""
+
+    def __init__(self, total: int, echo: Callable[[str], None]) -> None:
+        self.total, self.done, self.echo = total, 0, echo
+        self.start = time.monotonic()
+
+    def stage(self, text: str) -> None:
+        elapsed = time.monotonic() - self.start
+        self.echo(f"[{self.done}/{self.total} {elapsed // 60:02.0f}:{elapsed % 60:02.0f}] {text}")
+
+    def advance(self) -> None:
+        self.done += 1
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on (and how loaded it was)."""
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average": list(os.getloadavg()),
+    }
+
+
+def _profile_file(base: Any, rate: float, path: Path) -> str:
+    """The calibrated profile with its bandwidth scaled to ``rate`` (the tbf's rate;
+    unthrottled: as calibrated)."""
+    from .profiles import save
+
+    if math.isfinite(rate):
+        base = dataclasses.replace(
+            base,
+            name=f"bench link {rate / 1e6:.0f} Mbit/s",
+            source=base.source + f"; bandwidth scaled from {REFERENCE_RATE / 1e6:.0f} Mbit/s",
+            link_bytes_per_s=base.link_bytes_per_s * rate / REFERENCE_RATE,
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save(base, path)
+    return str(path)
+
+
+def _choose_rate(
+    network: Any, ranks: Any, kind: str, shape: SiteShape, ratio: float, reps: int
+) -> tuple[float, list[dict[str, float]]]:
+    """A link rate under which the collective alone takes ``ratio`` times the matmul
+    alone: start from the bytes sent, then correct by measured times (fixed costs make
+    the collective slower than bytes / rate; the matmul time is re-measured each try)."""
+    rate, tries = None, []
+    for _ in range(MAX_RATE_TRIES):
+        network.set_rate(rate)
+        per_rank = ranks.run(site_alone, kind, shape, reps)
+        times = slowest([r["times"] for r in per_rank])
+        matmul, comm = statistics.median(times["matmul"]), statistics.median(times["comm"])
+        tries.append({"rate_bits_per_s": rate or math.inf, "matmul_s": matmul, "comm_s": comm})
+        target = ratio * matmul
+        if rate is None:  # unthrottled: the first guess from the bytes alone
+            rate = 8 * per_rank[0]["sent_bytes"] / target
+            continue
+        if abs(comm / target - 1) <= RATE_TOLERANCE:
+            break
+        rate *= comm / target
+    assert rate is not None
+    network.set_rate(rate)
+    return rate, tries
+
+
+def run(
+    preset: Preset,
+    out: Path,
+    world_size: int = 2,
+    topology: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The whole benchmark; writes ``out``/results.json, results.md, speedup.svg."""
+    from . import bench_report
+    from .calibrate import profile_from
+    from .netns import throttled_ranks
+
+    out.mkdir(parents=True, exist_ok=True)
+    rows = variants()
+    cells = [(k, s, r) for k in KINDS for s in preset.sizes for r in preset.ratios]
+    progress = Progress(len(cells) + 3, echo)
+    results: dict[str, Any] = {
+        "meta": {
+            "preset": preset.name,
+            "command": " ".join(["commfuse", *sys.argv[1:]]) if sys.argv else "commfuse bench",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "world_size": world_size,
+            "warmup": preset.warmup,
+            "reps": preset.reps,
+            "rows": [dataclasses.asdict(v) for v in rows],
+            "machine_before": machine(),
+        },
+        "sites": [],
+        "block": None,
+    }
+    with throttled_ranks(world_size, out / "logs", topology) as (network, ranks, description):
+        throttled = network.topology != "none"
+        results["meta"]["network"] = {
+            "topology": network.topology,
+            "description": description,
+            "throttled": throttled,
+        }
+        echo(f"network: {description}")
+        if not throttled:
+            echo("WARNING: " + "!" * 60)
+            echo(f"WARNING: the link is NOT throttled: {description}.")
+            echo("WARNING: overlap cannot show; run as root for meaningful numbers.")
+            echo("WARNING: " + "!" * 60)
+
+        progress.stage(f"calibrating the cost model's profile at {REFERENCE_RATE / 1e6:.0f} Mbit/s")
+        network.set_rate(REFERENCE_RATE)
+        measured = ranks.run(calibrate_link, preset.calibrate_reps)[0]
+        base = profile_from(
+            measured,
+            world_size,
+            "bench link",
+            f"`commfuse calibrate` measurement inside the benchmark's namespaces "
+            f"({description}) at {REFERENCE_RATE / 1e6:.0f} Mbit/s",
+        )
+        results["meta"]["profile"] = base.as_json()
+        tries: list[dict[str, float]]
+        progress.advance()
+
+        for index, (kind, shape, ratio) in enumerate(cells):
+            rate, tries = math.inf, []
+            if throttled:
+                progress.stage(f"{kind} {shape.label} ratio {ratio:g}: choosing the link rate")
+                rate, tries = _choose_rate(network, ranks, kind, shape, ratio, preset.reps)
+            profile = _profile_file(base, rate, out / "profiles" / f"cell{index:02d}.json")
+            progress.stage(
+                f"{kind} {shape.label} ratio {ratio:g}: {len(rows) + 2} rows x "
+                f"{preset.warmup}+{preset.reps} at {rate / 1e6:.0f} Mbit/s"
+            )
+            job = SiteJob(kind, shape, tuple(rows), profile, preset.warmup, preset.reps)
+            per_rank = ranks.run(measure_site, job)
+            cell = bench_report.site_cell(
+                kind, shape, ratio, rate, tries, per_rank, rows, world_size
+            )
+            results["sites"].append(cell)
+            progress.advance()
+            echo(bench_report.format_cell(cell))
+
+        results["block"] = _run_block(preset, network, ranks, base, rows, out, progress, echo)
+        progress.advance()
+        results["meta"]["qdisc"] = network.qdisc_stats()
+    results["meta"]["machine_after"] = machine()
+    results["targets"] = bench_report.check_targets(results)
+    bench_report.write(results, out)
+    progress.stage(f"done: {out / 'results.md'}")
+    echo(bench_report.format_targets(results["targets"]))
+    return results
+
+
+def _run_block(
+    preset: Preset,
+    network: Any,
+    ranks: Any,
+    base: Any,
+    rows: list[Variant],
+    out: Path,
+    progress: Progress,
+    echo: Callable[[str], None],
+) -> dict[str, Any]:
+    """The block's step, with and without the pass, on a link whose rate makes the
+    baseline's communication ``block_ratio`` times its compute."""
+    from . import bench_report
+
+    shape = preset.block
+    wanted = preset.block_schedules
+    block_rows = [v for v in rows if wanted is None or v.label in wanted]
+    baseline, others = block_rows[0], block_rows[1:]
+    progress.stage(f"block {shape.label}: compiling the baseline")
+    network.set_rate(None)
+    sites = ranks.run(block_compile, BlockJob(shape, (baseline,), None))[0]
+    label = baseline.label
+
+    def step_s(reps: int) -> float:
+        per_rank = ranks.run(block_times, [label], 1, reps)
+        return statistics.median(slowest(per_rank)[label])
+
+    compute_s = step_s(preset.block_reps)
+    rate, comm_s = math.inf, 0.0
+    if network.topology != "none":
+        # The step's communication at some rate, then the rate that makes it the target.
+        target = preset.block_ratio * compute_s
+        rate = REFERENCE_RATE
+        for _ in range(MAX_RATE_TRIES):
+            progress.stage(f"block: communication at {rate / 1e6:.0f} Mbit/s")
+            network.set_rate(rate)
+            comm_s = max(step_s(3) - compute_s, 1e-4)
+            if abs(comm_s / target - 1) <= RATE_TOLERANCE * 2:
+                break
+            rate *= comm_s / target
+        network.set_rate(rate)
+    profile = _profile_file(base, rate, out / "profiles" / "block.json")
+    progress.stage(f"block: compiling {', '.join(v.label for v in others)}")
+    sites.update(ranks.run(block_compile, BlockJob(shape, tuple(others), profile))[0])
+    progress.stage(
+        f"block: {len(block_rows)} rows x 1+{preset.block_reps} at {rate / 1e6:.0f} Mbit/s"
+    )
+    labels = [v.label for v in block_rows]
+    times = slowest(ranks.run(block_times, labels, 1, preset.block_reps))
+    block = bench_report.block_result(shape, rate, compute_s, times, sites, preset.block_ratio)
+    echo(bench_report.format_block(block))
+    return block
+
+
+def main(quick: bool, out: str, world_size: int = 2, network: str | None = None) -> int:
+    preset = QUICK if quick else FULL
+    results = run(preset, Path(out), world_size, network)
+    return 0 if results["sites"] else 1

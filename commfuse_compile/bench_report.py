@@ -1,0 +1,577 @@
+"""``commfuse bench``'s figures: per-row numbers, the targets, tables, files and the plot.
+
+Every row gets its median time (min and max kept), its speedup over the baseline
+(collective then matmul), its time over ``max(matmul alone, comm alone)`` (1.00 =
+perfect overlap) and the cost model's predicted time. The plot is written by hand as
+SVG (no plotting dependency): speedup against the comm/compute ratio, per schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .bench import BlockShape, SiteShape, Variant, slowest, summary
+
+KIND_TITLES = {"ag_mm": "all-gather -> matmul", "mm_rs": "matmul -> reduce-scatter"}
+OVERLAP_LIMIT = 1.15  # targets of the issue
+RING_SPEEDUP = 1.4
+AUTO_SLACK = 1.03
+
+
+def site_cell(
+    kind: str,
+    shape: SiteShape,
+    ratio: float,
+    rate: float,
+    rate_tries: list[dict[str, float]],
+    per_rank: list[dict[str, Any]],
+    rows: list[Variant],
+    n: int,
+) -> dict[str, Any]:
+    """One (site, size, ratio) cell from every rank's ``measure_site`` result."""
+    times = slowest([r["times"] for r in per_rank])
+    matmul, comm = summary(times["matmul alone"]), summary(times["comm alone"])
+    limit = max(matmul["median"], comm["median"])
+    baseline = statistics.median(times[rows[0].label])
+    out_rows = []
+    for row in rows:
+        record = per_rank[0]["rows"][row.label]
+        took = summary(times[row.label])
+        ran = record["schedule"]
+        predicted_us = record["predicted_us"].get("collective" if ran == "off" else ran)
+        out_rows.append(
+            {
+                "label": row.label,
+                "ran": ran,
+                "decision": record["decision"],
+                "reason": record["reason"],
+                **{f"{k}_s": v for k, v in took.items()},
+                "speedup": baseline / took["median"],
+                "vs_limit": took["median"] / limit,
+                "predicted_s": predicted_us / 1e6 if predicted_us is not None else None,
+                "predicted_all_us": record["predicted_us"],
+                "breakdown_rank0_s": per_rank[0]["breakdown"][row.label],
+            }
+        )
+    t_mm, t_comm = matmul["median"], comm["median"]
+    return {
+        "kind": kind,
+        "shape": dataclasses.asdict(shape),
+        "size": shape.label,
+        "ratio": ratio,
+        "measured_ratio": t_comm / t_mm,
+        "rate_bits_per_s": rate if math.isfinite(rate) else None,
+        "rate_tries": rate_tries,  # how the rate was found: matmul and comm alone per try
+        "matmul_alone": matmul,
+        "comm_alone": comm,
+        "limit_s": limit,
+        # The best any schedule with n blocks can do: one block's matmul cannot overlap.
+        "n_block_bound_s": t_mm / n + max(t_mm * (n - 1) / n, t_comm),
+        "rows": out_rows,
+    }
+
+
+def block_result(
+    shape: BlockShape,
+    rate: float,
+    compute_s: float,
+    times: dict[str, list[float]],
+    sites: dict[str, dict[str, Any]],
+    ratio: float,
+) -> dict[str, Any]:
+    """The block rows; ``compute_s``: the baseline's step on an unthrottled link."""
+    labels = list(times)
+    baseline = statistics.median(times[labels[0]])
+    comm = max(baseline - compute_s, 0.0)
+    limit = max(compute_s, comm)
+    rows = []
+    for label in labels:
+        took = summary(times[label])
+        rows.append(
+            {
+                "label": label,
+                **{f"{k}_s": v for k, v in took.items()},
+                "speedup": baseline / took["median"],
+                "vs_limit": took["median"] / limit,
+                "sites": sites[label],
+            }
+        )
+    return {
+        "shape": dataclasses.asdict(shape),
+        "size": shape.label,
+        "ratio": ratio,
+        "rate_bits_per_s": rate if math.isfinite(rate) else None,
+        "compute_s": compute_s,
+        "comm_s": comm,
+        "limit_s": limit,
+        "rows": rows,
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# Targets
+
+
+def _rows_by_label(cell: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["label"]: r for r in cell["rows"]}
+
+
+def _where(cell: dict[str, Any]) -> str:
+    return f"{cell['kind']} {cell['size']} ratio {cell['ratio']:g}"
+
+
+def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each reached or not, with the figures that decide it."""
+    cells = results["sites"]
+    n = results["meta"]["world_size"]
+    targets = []
+
+    checked, misses = [], []
+    for cell in (c for c in cells if c["ratio"] == 1.0):
+        rows = _rows_by_label(cell)
+        for label in ("ring", "bidir"):
+            if label not in rows:
+                continue
+            row = rows[label]
+            line = (
+                f"{_where(cell)} {label}: {row['vs_limit']:.2f}x limit, "
+                f"{row['speedup']:.2f}x over baseline (n-block bound "
+                f"{cell['n_block_bound_s'] / cell['limit_s']:.2f}x limit)"
+            )
+            checked.append(line)
+            if row["vs_limit"] > OVERLAP_LIMIT or (n == 2 and row["speedup"] < RING_SPEEDUP):
+                misses.append(line)
+    targets.append(
+        _target(
+            f"ring and bidir at comm/compute = 1: within {OVERLAP_LIMIT}x of max(matmul, comm) "
+            f"and >= {RING_SPEEDUP}x faster than the baseline (n = 2)",
+            checked,
+            misses,
+        )
+    )
+
+    checked, misses = [], []
+    for cell in (c for c in cells if c["ratio"] >= 0.5):
+        rows = _rows_by_label(cell)
+        if "ring" not in rows:
+            continue
+        for rival in ("slicing k=4", "push"):
+            if rival not in rows:
+                continue
+            ring, other = rows["ring"]["median_s"], rows[rival]["median_s"]
+            line = f"{_where(cell)}: ring {ring * 1e3:.1f} ms vs {rival} {other * 1e3:.1f} ms"
+            checked.append(line)
+            if ring >= other:
+                misses.append(line)
+    targets.append(
+        _target(
+            "ring ahead of slicing (k=4) and push wherever comm >= 0.5 x matmul", checked, misses
+        )
+    )
+
+    checked, misses = [], []
+    for cell in cells:
+        rows = _rows_by_label(cell)
+        if "auto" not in rows:
+            continue
+        auto = rows["auto"]
+        best = min((r for r in cell["rows"] if r["label"] != "auto"), key=lambda r: r["median_s"])
+        line = (
+            f"{_where(cell)}: auto ran {auto['ran']} {auto['median_s'] * 1e3:.1f} ms, best "
+            f"{best['label']} {best['median_s'] * 1e3:.1f} ms, "
+            f"baseline {cell['rows'][0]['median_s'] * 1e3:.1f} ms"
+        )
+        checked.append(line)
+        if auto["median_s"] > AUTO_SLACK * best["median_s"] or auto["speedup"] < 1.0:
+            misses.append(line)
+    targets.append(
+        _target(
+            f"auto never more than {AUTO_SLACK - 1:.0%} slower than the best row, never slower "
+            "than the baseline",
+            checked,
+            misses,
+        )
+    )
+
+    block = results.get("block")
+    checked, misses = [], []
+    if block is not None:
+        for row in block["rows"][1:]:
+            line = (
+                f"block {row['label']}: {row['median_s'] * 1e3:.1f} ms vs without the pass "
+                f"{block['rows'][0]['median_s'] * 1e3:.1f} ms ({row['speedup']:.2f}x)"
+            )
+            checked.append(line)
+            if row["label"] == "auto" and row["speedup"] <= 1.0:
+                misses.append(line)
+    targets.append(
+        _target("whole block step with the pass (auto) faster than without", checked, misses)
+    )
+    if not results["meta"]["network"]["throttled"]:
+        for target in targets:
+            target["reached"] = None
+            target["note"] = "not judged: the link was not throttled"
+    return targets
+
+
+def _target(text: str, checked: list[str], misses: list[str]) -> dict[str, Any]:
+    return {
+        "target": text,
+        "reached": (not misses) if checked else None,
+        "figures": checked,
+        "misses": misses,
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# Text
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+def _row_name(row: dict[str, Any]) -> str:
+    if row["label"] == "auto":
+        return f"auto ({row['ran']})"
+    if row["label"] != "baseline" and row["decision"] != "rewritten":
+        return f"{row['label']} (declined)"
+    return row["label"]
+
+
+def format_cell(cell: dict[str, Any]) -> str:
+    """The terminal table of one cell."""
+    rate = cell["rate_bits_per_s"]
+    head = (
+        f"\n{cell['kind']} {cell['size']}  comm/compute {cell['ratio']:g} "
+        f"(measured {cell['measured_ratio']:.2f})  link "
+        + (f"{rate / 1e6:.0f} Mbit/s" if rate else "UNTHROTTLED")
+        + f"\n  matmul alone {_ms(cell['matmul_alone']['median'])} ms, comm alone "
+        f"{_ms(cell['comm_alone']['median'])} ms, n-block bound "
+        f"{cell['n_block_bound_s'] / cell['limit_s']:.2f}x limit"
+    )
+    lines = [
+        head,
+        f"  {'row':<22}{'median ms':>10}{'min':>8}{'max':>8}{'speedup':>9}"
+        f"{'/limit':>8}{'predicted':>11}",
+    ]
+    for row in cell["rows"]:
+        lines.append(
+            f"  {_row_name(row):<22}{_ms(row['median_s']):>10}{_ms(row['min_s']):>8}"
+            f"{_ms(row['max_s']):>8}{row['speedup']:>8.2f}x{row['vs_limit']:>8.2f}"
+            f"{_ms(row['predicted_s']):>11}"
+        )
+    return "\n".join(lines)
+
+
+def format_block(block: dict[str, Any]) -> str:
+    rate = block["rate_bits_per_s"]
+    lines = [
+        f"\nblock step (forward + backward) {block['size']}  link "
+        + (f"{rate / 1e6:.0f} Mbit/s" if rate else "UNTHROTTLED")
+        + f"  compute {_ms(block['compute_s'])} ms, communication {_ms(block['comm_s'])} ms",
+        f"  {'row':<22}{'median ms':>10}{'min':>8}{'max':>8}{'speedup':>9}{'/limit':>8}"
+        f"  sites rewritten",
+    ]
+    for row in block["rows"]:
+        sites = row["sites"]
+        lines.append(
+            f"  {row['label']:<22}{_ms(row['median_s']):>10}{_ms(row['min_s']):>8}"
+            f"{_ms(row['max_s']):>8}{row['speedup']:>8.2f}x{row['vs_limit']:>8.2f}"
+            f"  {sites['rewritten']}/{sites['found']} {','.join(sites['schedules'])}"
+        )
+    return "\n".join(lines)
+
+
+def format_targets(targets: list[dict[str, Any]]) -> str:
+    lines = ["\ntargets:"]
+    for t in targets:
+        mark = {True: "reached", False: "MISSED", None: "not judged"}[t["reached"]]
+        lines.append(f"  [{mark}] {t['target']}")
+        lines += [f"      miss: {m}" for m in t["misses"]]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# Files
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    """results.json, results.md and speedup.svg in ``out``."""
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    (out / "speedup.svg").write_text(speedup_svg(results))
+    (out / "results.md").write_text(markdown(results))
+
+
+def _setting(results: dict[str, Any]) -> list[str]:
+    meta = results["meta"]
+    before, after = meta["machine_before"], meta["machine_after"]
+    network = meta["network"]
+    lines = []
+    if not network["throttled"]:
+        lines += [
+            "> **WARNING: UNTHROTTLED RUN.** " + network["description"] + ". Communication "
+            "costs CPU, not wall time: nothing here says anything about overlap.",
+            "",
+        ]
+    lines += [
+        f"* command: `{meta['command']}` (preset `{meta['preset']}`), {meta['date']}",
+        f"* machine: {before['cpu']}, {before['cores']} cores, Linux {before['kernel']}, "
+        f"Python {before['python']}, torch {before['torch']}",
+        f"* load average (1/5/15 min) before {_loads(before)}, after {_loads(after)} "
+        "(above the rank count: the machine was shared)",
+        f"* network: {network['description']}",
+        f"* {meta['world_size']} gloo ranks, 1 torch thread each; per cell every row runs "
+        f"{meta['warmup']} warm-up + {meta['reps']} timed calls, interleaved; a call's time is "
+        "the slowest rank's (all start on a barrier); median reported, min and max kept",
+        "* speedup = baseline median / row median; / limit = row median / max(matmul alone, "
+        "comm alone), 1.00 = perfect overlap; predicted = the cost model's time for what ran "
+        "(profile: `commfuse calibrate` run on this link, bandwidth scaled to each cell's rate)",
+    ]
+    return lines
+
+
+def _loads(machine: dict[str, Any]) -> str:
+    return "/".join(f"{x:.1f}" for x in machine["load_average"])
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"# commfuse bench ({results['meta']['preset']})", "", *_setting(results), ""]
+    lines += ["![speedup over the baseline against comm/compute](speedup.svg)", ""]
+    lines += ["## Sites (a TP+SP linear)", ""]
+    for kind, title in KIND_TITLES.items():
+        cells = [c for c in results["sites"] if c["kind"] == kind]
+        if not cells:
+            continue
+        lines += [
+            f"### {title}",
+            "",
+            "| size | comm/compute (measured) | link Mbit/s | matmul alone ms | comm alone ms "
+            "| row | median ms | min-max ms | speedup | / limit | predicted ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for cell in cells:
+            rate = cell["rate_bits_per_s"]
+            head = [
+                cell["size"],
+                f"{cell['ratio']:g} ({cell['measured_ratio']:.2f})",
+                f"{rate / 1e6:.0f}" if rate else "unthrottled",
+                _ms(cell["matmul_alone"]["median"]),
+                _ms(cell["comm_alone"]["median"]),
+            ]
+            for i, row in enumerate(cell["rows"]):
+                lines.append(
+                    "| "
+                    + " | ".join(
+                        (head if i == 0 else [""] * len(head))
+                        + [
+                            _row_name(row),
+                            _ms(row["median_s"]),
+                            f"{_ms(row['min_s'])}-{_ms(row['max_s'])}",
+                            f"{row['speedup']:.2f}x",
+                            f"{row['vs_limit']:.2f}",
+                            _ms(row["predicted_s"]),
+                        ]
+                    )
+                    + " |"
+                )
+        lines.append("")
+    lines += _breakdown_table(results)
+    block = results.get("block")
+    if block is not None:
+        lines += _block_table(block)
+    lines += ["## Targets", ""]
+    for t in results["targets"]:
+        mark = {True: "reached", False: "**missed**", None: "not judged"}[t["reached"]]
+        lines.append(f"* {mark}: {t['target']}" + (f" ({t['note']})" if "note" in t else ""))
+        lines += [f"  * {line}" for line in t["figures"]]
+    declined = [
+        f"{c['kind']} {c['size']} ratio {c['ratio']:g} {r['label']}: {r['reason']}"
+        for c in results["sites"]
+        for r in c["rows"]
+        if r["label"] not in ("baseline", "auto") and r["decision"] != "rewritten"
+    ]
+    if declined:
+        lines += ["", "Rows the pass declined (they ran the collective):", ""]
+        lines += [f"* {d}" for d in declined]
+    return "\n".join(lines) + "\n"
+
+
+def _breakdown_table(results: dict[str, Any]) -> list[str]:
+    """Node-by-node time of each row at comm/compute 1 (rank 0): where a call's time goes."""
+    cells = [c for c in results["sites"] if c["ratio"] == 1.0]
+    if not cells:
+        return []
+    lines = [
+        "## Where the time goes (comm/compute 1, rank 0, node by node)",
+        "",
+        "Each row's graph run once more node by node (median of 3 runs): `matmul` = the "
+        "matmuls (in the overlap windows they share 2 cores with the transfers), `comm wait` "
+        "= communication left exposed, `comm issue` = starting transfers and collectives, "
+        "`other` = copies, concatenation, partial-sum adds.",
+        "",
+        "| site | size | row | matmul ms | comm issue ms | comm wait ms | other ms | sum ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        for row in cell["rows"]:
+            parts = row["breakdown_rank0_s"]
+            lines.append(
+                f"| {cell['kind']} | {cell['size']} | {_row_name(row)} | "
+                + " | ".join(_ms(parts[c]) for c in ("matmul", "comm issue", "comm wait", "other"))
+                + f" | {_ms(sum(parts.values()))} |"
+            )
+    return [*lines, ""]
+
+
+def _block_table(block: dict[str, Any]) -> list[str]:
+    rate = block["rate_bits_per_s"]
+    lines = [
+        "## Whole block: training step (forward + backward)",
+        "",
+        f"One Llama-style block ({block['size']}) with final norm and head, TP+SP over the "
+        'ranks (DTensor), `torch.compile(backend="commfuse")` with the eager inner compiler; '
+        'without the pass = the same compile with `schedule="off"`. Link '
+        + (f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled")
+        + f", chosen so that the step's communication is {block['ratio']:g}x its compute: "
+        f"compute (unthrottled step) {_ms(block['compute_s'])} ms, communication "
+        f"(throttled minus unthrottled) {_ms(block['comm_s'])} ms.",
+        "",
+        "| row | median ms | min-max ms | speedup | / limit | sites rewritten (schedules) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in block["rows"]:
+        sites = row["sites"]
+        lines.append(
+            f"| {row['label']} | {_ms(row['median_s'])} | {_ms(row['min_s'])}-"
+            f"{_ms(row['max_s'])} | {row['speedup']:.2f}x | {row['vs_limit']:.2f} | "
+            f"{sites['rewritten']}/{sites['found']} ({', '.join(sites['schedules']) or '-'}) |"
+        )
+    return [*lines, ""]
+
+
+# ----------------------------------------------------------------------------------------
+# Plot
+
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+PANEL_W, PANEL_H, MARGIN_L, MARGIN_B, MARGIN_T, LEGEND_W = 380, 280, 50, 40, 44, 170
+
+
+def _perfect(ratio: float) -> float:
+    """Speedup of perfect overlap: (matmul + comm) / max(matmul, comm)."""
+    return (1 + ratio) / max(1.0, ratio)
+
+
+def _n_block_bound(ratio: float, n: int) -> float:
+    """Speedup of the best schedule with n blocks: one block's matmul cannot overlap."""
+    return (1 + ratio) / (1 / n + max((n - 1) / n, ratio))
+
+
+def speedup_svg(results: dict[str, Any]) -> str:
+    """Speedup over the baseline against comm/compute, one panel per site kind: a line per
+    schedule through the geometric mean over sizes, a dot per size."""
+    kinds = [k for k in KIND_TITLES if any(c["kind"] == k for c in results["sites"])]
+    n = results["meta"]["world_size"]
+    ratios = sorted({c["ratio"] for c in results["sites"]}) or [1.0]
+    labels = [r["label"] for r in results["sites"][0]["rows"][1:]] if results["sites"] else []
+    speedups = [r["speedup"] for c in results["sites"] for r in c["rows"]]
+    y_max = math.ceil(max([2.0, *speedups, *map(_perfect, ratios)]) * 1.1 * 2) / 2
+    lo, hi = math.log2(ratios[0]) - 0.3, math.log2(ratios[-1]) + 0.3
+    width = MARGIN_L + len(kinds) * (PANEL_W + MARGIN_L) + LEGEND_W
+    height = MARGIN_T + PANEL_H + MARGIN_B + 20
+    title = "speedup over collective-then-matmul"
+    if not results["meta"]["network"]["throttled"]:
+        title += " (UNTHROTTLED: not meaningful)"
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="11">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">'
+        f"{html.escape(title)}</text>",
+    ]
+    for p, kind in enumerate(kinds):
+        x0 = MARGIN_L + p * (PANEL_W + MARGIN_L)
+
+        def x_of(ratio: float, x0: int = x0) -> float:
+            return x0 + (math.log2(ratio) - lo) / (hi - lo) * PANEL_W
+
+        def y_of(value: float) -> float:
+            return MARGIN_T + PANEL_H - value / y_max * PANEL_H
+
+        out.append(
+            f'<rect x="{x0}" y="{MARGIN_T}" width="{PANEL_W}" height="{PANEL_H}" '
+            'fill="none" stroke="#444"/>'
+        )
+        out.append(
+            f'<text x="{x0 + PANEL_W / 2}" y="{MARGIN_T - 6}" text-anchor="middle">'
+            f"{html.escape(KIND_TITLES[kind])}</text>"
+        )
+        for tick in [i / 2 for i in range(int(y_max * 2) + 1)]:
+            y = y_of(tick)
+            out.append(
+                f'<line x1="{x0}" x2="{x0 + PANEL_W}" y1="{y:.1f}" y2="{y:.1f}" '
+                f'stroke="#{"999" if tick == 1 else "eee"}"/>'
+            )
+            out.append(f'<text x="{x0 - 5}" y="{y + 4:.1f}" text-anchor="end">{tick:g}</text>')
+        for ratio in ratios:
+            x = x_of(ratio)
+            out.append(
+                f'<text x="{x:.1f}" y="{MARGIN_T + PANEL_H + 15}" '
+                f'text-anchor="middle">{ratio:g}</text>'
+            )
+        out.append(
+            f'<text x="{x0 + PANEL_W / 2}" y="{MARGIN_T + PANEL_H + 32}" text-anchor="middle">'
+            "comm alone / matmul alone</text>"
+        )
+        steps = [2 ** (lo + (hi - lo) * i / 60) for i in range(61)]
+        out.append(_polyline([(x_of(r), y_of(_perfect(r))) for r in steps], "#999", "5,4"))
+        bound = [(x_of(r), y_of(_n_block_bound(r, n))) for r in steps]
+        out.append(_polyline(bound, "#999", "2,3"))
+        cells = [c for c in results["sites"] if c["kind"] == kind]
+        for i, label in enumerate(labels):
+            color = COLORS[i % len(COLORS)]
+            points = []
+            for ratio in ratios:
+                values = [
+                    r["speedup"]
+                    for c in cells
+                    if c["ratio"] == ratio
+                    for r in c["rows"]
+                    if r["label"] == label
+                ]
+                for v in values:
+                    out.append(
+                        f'<circle cx="{x_of(ratio):.1f}" cy="{y_of(v):.1f}" r="2" '
+                        f'fill="{color}" fill-opacity="0.4"/>'
+                    )
+                if values:
+                    points.append((x_of(ratio), y_of(statistics.geometric_mean(values))))
+            out.append(_polyline(points, color))
+            out += [
+                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{color}"/>' for x, y in points
+            ]
+    legend_x = MARGIN_L + len(kinds) * (PANEL_W + MARGIN_L) - 20
+    entries = [(label, COLORS[i % len(COLORS)], "") for i, label in enumerate(labels)]
+    entries += [
+        ("perfect overlap", "#999", "5,4"),
+        (f"best with {n} blocks", "#999", "2,3"),
+        ("baseline", "#999", ""),
+    ]
+    for i, (label, color, dash) in enumerate(entries):
+        y = MARGIN_T + 10 + i * 18
+        out.append(_polyline([(legend_x, y), (legend_x + 22, y)], color, dash))
+        out.append(f'<text x="{legend_x + 28}" y="{y + 4}">{html.escape(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _polyline(points: list[tuple[float, float]], color: str, dash: str = "") -> str:
+    coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
+    style = f' stroke-dasharray="{dash}"' if dash else ""
+    return f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"{style}/>'

@@ -1,0 +1,414 @@
+"""Throttled links for ``commfuse bench``: gloo ranks in network namespaces behind tbf qdiscs.
+
+Over plain loopback, gloo's transfers cost CPU rather than wall time, so there is nothing
+for a matmul to hide. Behind a token-bucket filter (``tc qdisc ... tbf``) a message takes
+``bytes / rate`` of wall time while the CPU is free, as on a real link. Topologies:
+
+* ``veth`` (preferred): one namespace per rank, each with a veth pair to a bridge in a
+  switch namespace, and a tbf on the rank's end: every rank has its own link whose rate
+  limits what it sends, full duplex, like a NIC on a switch (or a ring of links for n=2).
+* ``lo``: one namespace whose loopback is behind one tbf: every message of every rank
+  shares one rate, both directions included. Used when veth pairs cannot be created.
+* ``none``: plain loopback, unthrottled (not root, or namespaces unavailable).
+
+Everything created is named ``cfbench<pid>-...`` and removed on exit, on failure and on
+Ctrl-C / SIGTERM / SIGHUP (a context manager plus signal handlers); namespaces left by a
+process that no longer exists (SIGKILL) are removed when the next network is created.
+Ranks run as ``ip netns exec NAME python -m commfuse_compile.netns ...``
+(:class:`NamespaceRanks`), fed jobs over a socket pair like :class:`~.ranks.RankPool`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+PREFIX = "cfbench"
+TOPOLOGIES = ("veth", "lo", "none")
+SUBNET = "10.213.0"  # rank r is SUBNET.(r+1), inside the benchmark's own namespaces only
+RANK_DEVICE = "link0"  # the rank's end of its veth pair (in the rank's namespace)
+MTU = "9000"  # jumbo frames, as on cluster networks: fewer packets for the CPU to handle
+MASTER_PORT = 29500  # free in a fresh namespace
+QUEUE_LATENCY = "100ms"  # tbf queue length in time: long enough that TCP sees no drops
+MIN_BURST_BYTES = 128 * 1024  # above one 64 KiB GSO packet, or tbf would split them
+
+
+class NetworkError(RuntimeError):
+    """A namespace, link or qdisc could not be created or changed."""
+
+
+def _run(argv: list[str], namespace: str | None = None) -> str:
+    if namespace is not None:
+        argv = ["ip", "netns", "exec", namespace, *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise NetworkError(f"{' '.join(argv)}: {proc.stderr.strip() or proc.returncode}")
+    return proc.stdout
+
+
+def can_throttle() -> str | None:
+    """None when this process can build throttled links, else why not."""
+    if os.geteuid() != 0:
+        return "not root: network namespaces and qdiscs need root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not found (iproute2)"
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_namespaces() -> list[str]:
+    """Delete our namespaces whose creating process is gone; returns their names."""
+    removed = []
+    for line in _run(["ip", "netns", "list"]).splitlines():
+        name = line.split()[0] if line.strip() else ""
+        found = re.fullmatch(rf"{PREFIX}(\d+)-\w+", name)
+        if found and not _pid_alive(int(found.group(1))):
+            with contextlib.suppress(NetworkError):
+                _run(["ip", "netns", "delete", name])
+                removed.append(name)
+    return removed
+
+
+class ThrottledNetwork:
+    """``world_size`` ranks' network, as a context manager; ``set_rate`` sets every link."""
+
+    def __init__(self, world_size: int, topology: str = "veth") -> None:
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {TOPOLOGIES}, got {topology!r}")
+        self.world_size, self.topology = world_size, topology
+        self.prefix = f"{PREFIX}{os.getpid()}"
+        self.namespaces: list[str] = []  # created so far, removed by close()
+        self.rate_bits_per_s: float | None = None  # None: unthrottled
+        self._previous_handlers: dict[int, Any] = {}
+        self._host_port: int | None = None
+
+    # -- what the ranks see
+
+    def namespace(self, rank: int) -> str | None:
+        if self.topology == "veth":
+            return f"{self.prefix}-r{rank}"
+        return f"{self.prefix}-lo" if self.topology == "lo" else None
+
+    def address(self, rank: int) -> str:
+        return f"{SUBNET}.{rank + 1}" if self.topology == "veth" else "127.0.0.1"
+
+    def device(self, rank: int) -> str:
+        return RANK_DEVICE if self.topology == "veth" else "lo"
+
+    @property
+    def master_port(self) -> int:
+        """Rank 0's rendezvous port: fixed in our namespaces, any free one on the host."""
+        if self.topology != "none":
+            return MASTER_PORT
+        if self._host_port is None:
+            from .ranks import free_port
+
+            self._host_port = free_port()
+        return self._host_port
+
+    def describe(self) -> str:
+        return {
+            "veth": f"{self.world_size} namespaces, one veth link per rank to a bridge, "
+            "tbf on each rank's sending side (full duplex, a link per rank)",
+            "lo": "one namespace, tbf on its loopback (every message of every rank shares "
+            "one rate)",
+            "none": "plain loopback, UNTHROTTLED",
+        }[self.topology]
+
+    # -- lifecycle
+
+    def __enter__(self) -> ThrottledNetwork:
+        if self.topology == "none":
+            return self
+        self._catch_signals()
+        try:
+            remove_stale_namespaces()
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Delete every namespace we created (with it go its links and qdiscs)."""
+        for name in reversed(self.namespaces):
+            with contextlib.suppress(NetworkError, subprocess.TimeoutExpired):
+                _run(["ip", "netns", "delete", name])
+        self.namespaces.clear()
+        self._restore_signals()
+
+    def _add_namespace(self, name: str) -> None:
+        _run(["ip", "netns", "add", name])
+        self.namespaces.append(name)
+        _run(["ip", "link", "set", "lo", "up"], name)
+
+    def _create(self) -> None:
+        if self.topology == "lo":
+            self._add_namespace(f"{self.prefix}-lo")
+            return
+        switch = f"{self.prefix}-sw"
+        self._add_namespace(switch)
+        _run(["ip", "link", "add", "br0", "type", "bridge"], switch)
+        _run(["ip", "link", "set", "br0", "up"], switch)
+        for rank in range(self.world_size):
+            ns = self.namespace(rank)
+            assert ns is not None
+            self._add_namespace(ns)
+            port = f"port{rank}"
+            _run(
+                ["ip", "link", "add", RANK_DEVICE, "netns", ns, "type", "veth"]
+                + ["peer", "name", port, "netns", switch]
+            )
+            _run(["ip", "link", "set", port, "mtu", MTU, "master", "br0", "up"], switch)
+            _run(["ip", "addr", "add", f"{self.address(rank)}/24", "dev", RANK_DEVICE], ns)
+            _run(["ip", "link", "set", RANK_DEVICE, "mtu", MTU, "up"], ns)
+
+    def _throttled_devices(self) -> list[tuple[str, str]]:
+        """(namespace, device) of every qdisc the rate applies to."""
+        if self.topology == "lo":
+            return [(f"{self.prefix}-lo", "lo")]
+        return [(f"{self.prefix}-r{r}", RANK_DEVICE) for r in range(self.world_size)]
+
+    def set_rate(self, bits_per_s: float | None) -> None:
+        """Every link to ``bits_per_s`` (a tbf), or unthrottled with None."""
+        if self.topology == "none":
+            return
+        for ns, dev in self._throttled_devices():
+            if bits_per_s is None:
+                with contextlib.suppress(NetworkError):  # no qdisc yet
+                    _run(["tc", "qdisc", "del", "dev", dev, "root"], ns)
+                continue
+            burst = max(MIN_BURST_BYTES, int(bits_per_s / 8 * 1e-3))  # 1 ms of traffic
+            _run(
+                ["tc", "qdisc", "replace", "dev", dev, "root", "tbf"]
+                + ["rate", f"{int(bits_per_s)}bit", "burst", str(burst)]
+                + ["latency", QUEUE_LATENCY],
+                ns,
+            )
+        self.rate_bits_per_s = bits_per_s
+
+    def qdisc_stats(self) -> dict[str, str]:
+        """``tc -s qdisc`` of every throttled device (drops, overlimits), for the record."""
+        if self.topology == "none":
+            return {}
+        return {
+            f"{ns}:{dev}": _run(["tc", "-s", "qdisc", "show", "dev", dev], ns).strip()
+            for ns, dev in self._throttled_devices()
+        }
+
+    # -- signals: turn SIGTERM / SIGHUP into SystemExit so that cleanup runs
+
+    def _catch_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def leave(signum: int, frame: FrameType | None) -> None:
+            raise SystemExit(128 + signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._previous_handlers[sig] = signal.signal(sig, leave)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        self._previous_handlers.clear()
+
+
+def open_network(world_size: int, topology: str | None = None) -> tuple[ThrottledNetwork, str]:
+    """The best network this process can build, entered, and a line saying what it is.
+
+    ``topology`` None: ``veth``, else ``lo``, else unthrottled (said loudly)."""
+    why_not = can_throttle()
+    if why_not is not None and topology != "none":
+        net = ThrottledNetwork(world_size, "none")
+        return net.__enter__(), f"UNTHROTTLED ({why_not}): communication is nearly free"
+    errors = []
+    for choice in [topology] if topology else ["veth", "lo"]:
+        net = ThrottledNetwork(world_size, choice)
+        try:
+            return net.__enter__(), net.describe()
+        except NetworkError as err:
+            errors.append(f"{choice}: {err}")
+    net = ThrottledNetwork(world_size, "none")
+    return net.__enter__(), "UNTHROTTLED (" + "; ".join(errors) + ")"
+
+
+class RankError(RuntimeError):
+    """A job failed or timed out on some rank."""
+
+
+class NamespaceRanks:
+    """``world_size`` gloo ranks, each in its namespace of ``network``; ``run`` feeds them
+    ``fn(rank, world_size, *args)`` jobs (functions importable by name, pickled)."""
+
+    def __init__(self, network: ThrottledNetwork, log_dir: Path, timeout_s: float = 600) -> None:
+        self.world_size, self.timeout_s = network.world_size, timeout_s
+        self._conns: list[Connection] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self.logs = [log_dir / f"rank{r}.log" for r in range(self.world_size)]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        try:
+            for rank in range(self.world_size):
+                parent, child = socket.socketpair()
+                argv = [sys.executable, "-m", "commfuse_compile.netns"]
+                argv += ["--fd", str(child.fileno()), "--rank", str(rank)]
+                argv += ["--world-size", str(self.world_size), "--timeout", str(timeout_s)]
+                argv += ["--master", f"{network.address(0)}:{network.master_port}"]
+                argv += ["--device", network.device(rank)]
+                ns = network.namespace(rank)
+                if ns is not None:
+                    argv = ["ip", "netns", "exec", ns, *argv]
+                with open(self.logs[rank], "wb") as log:
+                    proc = subprocess.Popen(
+                        argv,
+                        pass_fds=(child.fileno(),),
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,  # Ctrl-C reaches the parent, which stops us
+                    )
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(Connection(parent.detach()))
+        except BaseException:
+            self.close(force=True)
+            raise
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank; results in rank order."""
+        for conn in self._conns:
+            conn.send((fn, args))
+        deadline = time.monotonic() + self.timeout_s
+        results: list[Any] = [None] * self.world_size
+        errors = []
+        for rank, conn in enumerate(self._conns):
+            while not conn.poll(1.0):
+                if self._procs[rank].poll() is not None or time.monotonic() > deadline:
+                    tail = self.log_tail(rank)
+                    self.close(force=True)
+                    raise RankError(f"rank {rank} stopped or timed out; its log ends:\n{tail}")
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                tail = self.log_tail(rank)
+                self.close(force=True)
+                raise RankError(f"rank {rank} exited; its log ends:\n{tail}") from None
+            if status == "ok":
+                results[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise RankError("\n".join(errors))
+        return results
+
+    def log_tail(self, rank: int, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.logs[rank].read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def close(self, force: bool = False) -> None:
+        for conn in self._conns:
+            if not force:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+            conn.close()
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=0.1 if force else 30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self._procs.clear()
+        self._conns.clear()
+
+    def __enter__(self) -> NamespaceRanks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(force=exc[0] is not None)
+
+
+@contextlib.contextmanager
+def throttled_ranks(
+    world_size: int, log_dir: Path, topology: str | None = None
+) -> Iterator[tuple[ThrottledNetwork, NamespaceRanks, str]]:
+    """The network (see :func:`open_network`) and its ranks, both removed on exit."""
+    network, description = open_network(world_size, topology)
+    try:
+        with NamespaceRanks(network, log_dir) as ranks:
+            yield network, ranks, description
+    finally:
+        network.close()
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One rank: join the gloo group over the namespace's device, then serve jobs."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = args.device
+    conn = Connection(args.fd)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{args.master}",
+        rank=args.rank,
+        world_size=args.world_size,
+        timeout=timedelta(seconds=args.timeout),
+    )
+    try:
+        while True:
+            try:
+                job = conn.recv()
+                if job is None:
+                    break
+                fn, fn_args = job
+                conn.send(("ok", fn(args.rank, args.world_size, *fn_args)))
+            except EOFError:  # the parent is gone
+                break
+            except BaseException:  # noqa: BLE001 - reported to the parent
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="a benchmark rank (started by NamespaceRanks)")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--master", required=True)
+    parser.add_argument("--device", required=True)
+    parser.add_argument("--timeout", type=float, required=True)
+    _worker(parser.parse_args())

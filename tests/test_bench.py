@@ -1,0 +1,136 @@
+"""`commfuse bench`: runs and writes well-formed results; its namespaces never outlive it.
+
+No timing is asserted: the numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from commfuse_compile.bench import variants
+from commfuse_compile.netns import PREFIX, can_throttle, remove_stale_namespaces
+
+ROOT_ONLY = pytest.mark.skipif(can_throttle() is not None, reason=str(can_throttle()))
+
+
+def _our_namespaces(pid: int) -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if f"{PREFIX}{pid}-" in line]
+
+
+def test_rows_follow_the_schedule_list():
+    labels = [v.label for v in variants(("auto", "ring", "bidir", "push", "slicing", "off"))]
+    assert labels == ["baseline", "slicing k=2", "slicing k=4", "push", "ring", "bidir", "auto"]
+    assert [v.label for v in variants(("auto", "ring", "off", "new"))] == [
+        "baseline",
+        "ring",
+        "auto",
+        "new",
+    ]
+    assert variants(("slicing",))[1].options("p.json") == {
+        "schedule": "slicing",
+        "slices": 4,
+        "profile": "p.json",
+    }
+
+
+@pytest.mark.slow
+def test_bench_quick_writes_well_formed_results(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "commfuse_compile.cli", "bench", "--quick", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stdout, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stdout
+    assert "targets:" in stdout and "[" in stdout  # progress lines and the closing summary
+    if can_throttle() is None:
+        assert _our_namespaces(proc.pid) == []
+
+    results = json.loads((out / "results.json").read_text())
+    meta = results["meta"]
+    assert meta["preset"] == "quick" and meta["world_size"] == 2
+    assert meta["reps"] >= 5 and meta["network"]["throttled"] == (can_throttle() is None)
+    labels = [row["label"] for row in meta["rows"]]
+    assert labels[0] == "baseline" and "ring" in labels and "auto" in labels
+    assert {c["kind"] for c in results["sites"]} == {"ag_mm", "mm_rs"}
+    assert len({c["ratio"] for c in results["sites"]}) >= 2
+    for cell in results["sites"]:
+        assert [r["label"] for r in cell["rows"]] == labels
+        assert cell["matmul_alone"]["median"] > 0 and cell["comm_alone"]["median"] > 0
+        for row in cell["rows"]:
+            assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
+            assert math.isclose(row["vs_limit"], row["median_s"] / cell["limit_s"])
+            assert row["predicted_s"] is None or row["predicted_s"] > 0
+        assert next(r for r in cell["rows"] if r["label"] == "ring")["ran"] == "ring"
+    block = results["block"]
+    assert block["rows"][0]["label"] == "baseline" and len(block["rows"]) >= 2
+    assert all(row["median_s"] > 0 for row in block["rows"])
+    assert block["rows"][0]["sites"]["rewritten"] == 0
+    assert next(r for r in block["rows"] if r["label"] == "ring")["sites"]["rewritten"] > 0
+    assert len(results["targets"]) == 4
+    assert all(t["reached"] in (True, False, None) for t in results["targets"])
+
+    markdown = (out / "results.md").read_text()
+    for heading in ("## Sites", "### all-gather -> matmul", "## Whole block", "## Targets"):
+        assert heading in markdown
+    assert "](speedup.svg)" in markdown
+    svg = ET.fromstring((out / "speedup.svg").read_text())
+    assert svg.tag == "{http://www.w3.org/2000/svg}svg"
+    texts = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")}
+    assert set(labels[1:]) <= texts  # a legend entry per schedule
+    assert len(list(svg.iter("{http://www.w3.org/2000/svg}polyline"))) > len(labels)
+
+
+HOLD_NETWORK = textwrap.dedent(
+    """
+    import sys
+    from commfuse_compile.netns import ThrottledNetwork
+    with ThrottledNetwork(2, "veth") as net:
+        net.set_rate(1e8)
+        print("ready", flush=True)
+        sys.stdin.readline()  # interrupted by the signal, or told to fail
+        raise RuntimeError("boom")
+    """
+)
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("how", ["raise", "SIGINT", "SIGTERM"])
+def test_namespaces_removed_on_failure_and_signals(how):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLD_NETWORK],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline().strip() == "ready"
+    assert len(_our_namespaces(proc.pid)) == 3  # switch + one per rank
+    if how == "raise":
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+    else:
+        os.kill(proc.pid, getattr(signal, how))
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert _our_namespaces(proc.pid) == []
+
+
+@ROOT_ONLY
+def test_stale_namespaces_of_dead_processes_are_removed():
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
+    name = f"{PREFIX}{dead}-r0"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    assert name in remove_stale_namespaces()
+    assert _our_namespaces(int(dead)) == []
