@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 
 from .profiles import Profile
+from .simulator import Work, simulate
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+TINY_SITE = (2, 8, 8)  # shard rows, K, N of the site that measures the fixed costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +53,7 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
     """The profile whose model reproduces the measurements."""
     matmul_latency, s_per_flop = fit_line(m.matmul)
     alpha, s_per_byte = fit_line(m.message)
-    # ring site: n-1 steps of (overhead + one tiny message) and n tiny matmuls;
-    # collective site: one call (its overhead + n-1 tiny hops) and one tiny matmul.
-    step = (m.ring_site_s - (n - 1) * alpha - n * matmul_latency) / (n - 1)
-    collective = m.collective_site_s - (n - 1) * alpha - matmul_latency
-    return Profile(
+    measured = Profile(
         name=name,
         source=source,
         matmul_flops=1 / s_per_flop,
@@ -63,8 +61,17 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         memory_bytes_per_s=m.add_bytes_per_s,
         link_alpha_s=alpha,
         link_bytes_per_s=1 / s_per_byte,
-        step_overhead_s=max(step, 0.0),
-        collective_overhead_s=max(collective, 0.0),
+        step_overhead_s=0.0,
+        collective_overhead_s=0.0,
+    )
+    # The fixed costs are what the simulation of the tiny site lacks without them: the
+    # ring pays the step overhead once per step (n-1), the collective its overhead once.
+    rows, k, cols = TINY_SITE
+    tiny = Work("gather", n, block_flops=2.0 * rows * k * cols, block_bytes=4.0 * rows * k)
+    step = (m.ring_site_s - simulate(tiny, "ring", measured).end_s) / (n - 1)
+    collective = m.collective_site_s - simulate(tiny, "collective", measured).end_s
+    return dataclasses.replace(
+        measured, step_overhead_s=max(step, 0.0), collective_overhead_s=max(collective, 0.0)
     )
 
 
@@ -108,7 +115,8 @@ def _one_way(rank: int, world_size: int, nbytes: int, reps: int) -> float:
 
 
 def _tiny_site_times(n: int, reps: int) -> tuple[float, float]:
-    """A 2x8 shard all-gathered into a matmul: (as a ring, with its collective)."""
+    """A float32 ``TINY_SITE`` shard all-gathered into a matmul: (as a ring, with its
+    collective)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from .api import apply
@@ -119,7 +127,8 @@ def _tiny_site_times(n: int, reps: int) -> tuple[float, float]:
     def site(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)), w)
 
-    x, w = torch.randn(2, 8), torch.randn(8, 8)
+    rows, k, cols = TINY_SITE
+    x, w = torch.randn(rows, k), torch.randn(k, cols)
     ring = apply(make_fx(site, tracing_mode="fake")(x, w), schedule="ring")
     collective = make_fx(site, tracing_mode="fake")(x, w)
     times: dict[str, list[float]] = {"ring": [], "collective": []}

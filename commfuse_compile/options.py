@@ -77,6 +77,10 @@ class Options:
         profile = given.get("profile")
         if profile is None:
             profile = os.environ.get(PROFILE_ENV) or None
+        if profile is not None and not isinstance(profile, (str, os.PathLike)):
+            raise CommfuseOptionError(
+                f"commfuse: option 'profile' must be a profile name or a path, got {profile!r}"
+            )
         if profile is not None:
             from .profiles import ProfileError, load
 

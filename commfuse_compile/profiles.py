@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ class Profile:
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+
+RATES = ("matmul_flops", "memory_bytes_per_s", "link_bytes_per_s")  # divisors: > 0
 
 BUILTIN = {
     "h100-nvlink4": Profile(
@@ -142,9 +145,30 @@ def load(name_or_path: str | os.PathLike[str]) -> Profile:
         )
     try:
         fields = json.loads(path.read_text())
-        return Profile(**fields)
+        profile = Profile(**fields)
     except (ValueError, TypeError) as err:
         raise ProfileError(f"profile file {path} is not a commfuse profile: {err}") from None
+    for field in dataclasses.fields(Profile):
+        problem = _field_problem(field.name, getattr(profile, field.name))
+        if problem:
+            raise ProfileError(f"profile file {path}: {field.name} {problem}")
+    return profile
+
+
+def _field_problem(name: str, value: object) -> str | None:
+    """Why a loaded field cannot feed the model (a string where a rate belongs would
+    only fail later, inside the pass), or None."""
+    if name in ("name", "source"):
+        return None if isinstance(value, str) else f"must be a string, got {value!r}"
+    if name == "duplex_neighbours":
+        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"must be a finite number, got {value!r}"
+    if name in RATES and value <= 0:
+        return f"must be positive, got {value!r}"
+    if value < 0:
+        return f"must not be negative, got {value!r}"
+    return None
 
 
 def save(profile: Profile, path: str | os.PathLike[str]) -> None:

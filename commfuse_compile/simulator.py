@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .profiles import Profile
-from .schedules import by_name, slicing
+from .schedules import Transfer, by_name, slicing
 
 SCHEDULES = ("collective", "ring", "bidir", "push", "slicing")
 
@@ -94,15 +94,25 @@ def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> flo
     return calls * profile.matmul_s(work.block_flops * fraction / calls)
 
 
+def _collective_s(work: Work, p: Profile) -> float:
+    """One all-gather or reduce-scatter call: its overhead, then the faster of a ring and
+    a bidirectional ring of the same messages (and adds). A library picks its algorithm;
+    crediting it with the ring alone would let ``bidir`` beat it on a tiny matmul by
+    running fewer message rounds, with nothing to overlap."""
+    if work.n == 1:
+        return 0.0
+    messages_only = dataclasses.replace(p, matmul_latency_s=0.0, step_overhead_s=0.0)
+    no_matmul = dataclasses.replace(work, block_flops=0.0)
+    rounds = min(simulate(no_matmul, s, messages_only).end_s for s in ("ring", "bidir"))
+    return p.collective_overhead_s + rounds
+
+
 def _collective(work: Work, p: Profile) -> Timeline:
-    """The unfused pair: a ring all-gather (n-1 messages) then one matmul over all
-    blocks, or the matmul then a ring reduce-scatter (n-1 messages and adds)."""
+    """The unfused pair: an all-gather then one matmul over all blocks, or the matmul
+    then a reduce-scatter."""
     n, events = work.n, []
     matmul = work.matmuls_per_block * p.matmul_s(work.block_flops * n / work.matmuls_per_block)
-    per_hop = p.message_s(work.block_bytes)
-    if work.kind == "reduce":
-        per_hop += p.add_s(work.block_bytes)
-    comm = p.collective_overhead_s + (n - 1) * per_hop if n > 1 else 0.0
+    comm = _collective_s(work, p)
     for r in range(n):
         if work.kind == "gather":
             events += [
@@ -121,10 +131,7 @@ def _sliced(work: Work, p: Profile, k: int) -> Timeline:
     """k chunk collectives on the comm lane, k chunk matmuls (n blocks each) on compute."""
     n, events = work.n, []
     chunk_compute = n * _block_compute_s(work, p, 1 / k)
-    per_hop = p.message_s(work.block_bytes / k)
-    if work.kind == "reduce":
-        per_hop += p.add_s(work.block_bytes / k)
-    chunk_comm = p.collective_overhead_s + (n - 1) * per_hop
+    chunk_comm = _collective_s(dataclasses.replace(work, block_bytes=work.block_bytes / k), p)
     gather = work.kind == "gather"
     steps = slicing.gather_steps(k) if gather else slicing.reduce_steps(k)
     for r in range(n):
@@ -157,16 +164,19 @@ def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
         done = list(issue)
         for r in range(n):
             step = plans[r][s]
+            spans = []
             for t in step.sends:
                 dst = (r + t.peer) % n
                 start = max(issue[r], issue[dst])
                 end = start + p.message_s(work.block_bytes, sharing=len(step.sends))
-                events.append(Event(r, "comm", s, f"send {t.block} to {t.peer:+d}", start, end))
+                spans.append((start, end))
                 done[r], done[dst] = max(done[r], end), max(done[dst], end)
-            for i, b in enumerate(step.compute):
-                start = issue[r] + i * c
-                events.append(Event(r, "compute", s, f"matmul block {b}", start, start + c))
-                done[r] = max(done[r], start + c)
+            events += _comm_event(r, s, step.sends, spans)
+            computed = issue[r]
+            for b in step.compute:
+                events.append(Event(r, "compute", s, f"matmul block {b}", computed, computed + c))
+                computed += c
+            done[r] = max(done[r], computed)
         now = done
     return Timeline(schedule, events)
 
@@ -181,10 +191,11 @@ def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
         ready = []
         for r in range(n):
             step = plans[r][s]
-            for i, b in enumerate(step.blocks):
-                start = now[r] + i * c
-                events.append(Event(r, "compute", s, f"matmul block {b}", start, start + c))
-            added = max(now[r] + len(step.blocks) * c, arrivals[r])
+            computed = now[r]
+            for b in step.blocks:
+                events.append(Event(r, "compute", s, f"matmul block {b}", computed, computed + c))
+                computed += c
+            added = max(computed, arrivals[r])
             if step.adds:
                 end = added + len(step.adds) * a
                 events.append(
@@ -195,15 +206,29 @@ def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
         arrivals = list(ready)
         for r in range(n):
             step = plans[r][s]
+            spans = []
             for t in step.sends:
                 dst = (r + t.peer) % n
                 start = max(ready[r], ready[dst])
                 end = start + p.message_s(work.block_bytes, sharing=len(step.sends))
-                events.append(Event(r, "comm", s, f"send {t.block} to {t.peer:+d}", start, end))
+                spans.append((start, end))
                 arrivals[dst] = max(arrivals[dst], end)
                 arrivals[r] = max(arrivals[r], end)  # its buffer is waited too
+            events += _comm_event(r, s, step.sends, spans)
         now = ready
     return Timeline(schedule, events)
+
+
+def _comm_event(
+    rank: int, step: int, sends: tuple[Transfer, ...], spans: list[tuple[float, float]]
+) -> list[Event]:
+    """A step's messages leave together (bidir: one to each neighbour): one comm event
+    from the first start to the last end, so that a lane never holds overlapping events."""
+    if not sends:
+        return []
+    name = "send " + ", ".join(f"{t.block} to {t.peer:+d}" for t in sends)
+    start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    return [Event(rank, "comm", step, name, start, end)]
 
 
 def chrome_trace(timelines: Iterable[tuple[str, Timeline]], path: str | Path) -> None:

@@ -5,12 +5,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from commfuse_compile.schedules import GatherStep, ReduceStep, Transfer, bidir, ring, simulate
+from commfuse_compile.schedules import (
+    GatherStep,
+    ReduceStep,
+    Transfer,
+    bidir,
+    push,
+    ring,
+    simulate,
+    slicing,
+)
 
 SCHEDULES = [pytest.param(ring, id="ring"), pytest.param(bidir, id="bidir")]
+P2P_SCHEDULES = [*SCHEDULES, pytest.param(push, id="push")]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", P2P_SCHEDULES)
 @pytest.mark.parametrize("n", range(1, 9))
 def test_gather_matches_all_gather_then_matmul(schedule, n):
     gen = torch.Generator().manual_seed(n)
@@ -23,7 +33,7 @@ def test_gather_matches_all_gather_then_matmul(schedule, n):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("schedule", P2P_SCHEDULES)
 @pytest.mark.parametrize("n", range(1, 9))
 def test_reduce_matches_matmul_then_reduce_scatter(schedule, n):
     gen = torch.Generator().manual_seed(n)
@@ -90,3 +100,74 @@ def test_simulator_rejects_an_add_before_its_receive():
 
     with pytest.raises(simulate.ScheduleError, match="before receiving it"):
         simulate.reduce(Broken, 2, lambda r, b: 1, lambda x, y: x + y)
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_push_sends_straight_to_the_owner_and_reduces_at_the_end(n):
+    """Push moves only a rank's own shard (gather) or the partial for the destination's
+    own block (reduce), never a relayed one; the n-1 partials are all added in the last
+    step, after the last matmul: the tail that the ring spreads over its steps."""
+    for r in range(n):
+        gather, reduce = push.gather_steps(r, n), push.reduce_steps(r, n)
+        assert all(t.block == r for step in gather for t in step.sends)
+        assert all(t.block == (r + t.peer) % n for step in reduce for t in step.sends)
+        *early, last = reduce
+        assert not any(step.adds for step in early)
+        assert last.blocks == (r,) and not last.sends
+        assert sorted(t.peer for t in last.adds) == list(range(-(n - 1), 0))
+        assert {t.block for t in last.adds} == {r}
+        assert [len(step.adds) for step in ring.reduce_steps(r, n)] == [0] + [1] * (n - 1)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_slicing_orders_are_valid(k):
+    slicing.check(slicing.gather_steps(k), k, gather=True)
+    slicing.check(slicing.reduce_steps(k), k, gather=False)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_slicing_exposes_a_head_for_gather_and_a_tail_for_reduce(k):
+    """The first chunk's all-gather runs with no matmul beside it, and the last chunk's
+    reduce-scatter starts after the last matmul: the latency that CommFuse removes."""
+    gather, reduce = slicing.gather_steps(k), slicing.reduce_steps(k)
+    assert len(gather) == len(reduce) == k + 1
+    assert gather[0].compute is None and gather[0].wait == 0
+    assert reduce[-1].compute is None and reduce[-1].issue == k - 1
+    assert all(step.compute is not None for step in gather[1:] + reduce[:-1])
+
+
+def _steps(*triples):
+    return [slicing.SliceStep(issue, compute, wait) for issue, compute, wait in triples]
+
+
+@pytest.mark.parametrize(
+    ("steps", "gather", "error"),
+    [
+        pytest.param(
+            _steps((0, 0, 0), (1, 1, 1)), True, "chunk 0 used before gathered", id="gather-early"
+        ),
+        pytest.param(
+            _steps((0, None, 0), (1, 0, 1), (None, None, None)),
+            True,
+            r"computed \[0\], expected each of 0..1",
+            id="gather-leaves-a-chunk-out",
+        ),
+        pytest.param(_steps((None, None, 0)), True, "waited before started", id="wait-first"),
+        pytest.param(
+            _steps((0, 0, None), (None, 1, 0), (1, None, 1)),
+            False,
+            "chunk 0 reduced before computed",
+            id="reduce-early",
+        ),
+        pytest.param(
+            _steps((None, 0, None), (0, 0, 0), (None, 1, None), (1, None, 1)),
+            False,
+            r"computed \[0, 0, 1\]",
+            id="reduce-computes-twice",
+        ),
+        pytest.param(slicing.gather_steps(2), False, "reduced before computed", id="swapped"),
+    ],
+)
+def test_slicing_check_rejects_a_broken_order(steps, gather, error):
+    with pytest.raises(simulate.ScheduleError, match=error):
+        slicing.check(steps, 2, gather=gather)

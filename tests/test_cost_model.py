@@ -1,0 +1,437 @@
+"""The cost model: the simulator's timelines, the plan stage's choice, profiles, options and
+the calibration fit. Properties of the model on every built-in profile, no measurement."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch.distributed as dist
+from cases import AgMm, MmRs, trace
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from commfuse_compile import CommfuseOptionError, Options
+from commfuse_compile import calibrate as cal
+from commfuse_compile.options import PROFILE_ENV
+from commfuse_compile.passes import match
+from commfuse_compile.passes.plan import MIN_GAIN, plan, site_work
+from commfuse_compile.profiles import BUILTIN, Profile, ProfileError, load, save
+from commfuse_compile.report import Declined
+from commfuse_compile.simulator import (
+    SCHEDULES,
+    Event,
+    Timeline,
+    Work,
+    chrome_trace,
+    predict,
+    simulate,
+)
+
+PROFILES = [pytest.param(p, id=name) for name, p in BUILTIN.items()]
+KINDS = ("gather", "reduce")
+SIZES = [10.0**e for e in range(14)]  # FLOPs or bytes, 1 to 1e13
+DECOMPOSITIONS = ("ring", "bidir", "push", "slicing")
+
+
+def _ring_terms(work: Work, p: Profile) -> tuple[float, float, float]:
+    """SPEC.md's per-step costs: one block's matmuls c, one message m, one add a."""
+    calls = work.matmuls_per_block
+    c = calls * p.matmul_s(work.block_flops / calls)
+    a = p.add_s(work.block_bytes) if work.kind == "reduce" else 0.0
+    return c, p.message_s(work.block_bytes), a
+
+
+def _balanced(kind: str, n: int, p: Profile, block_bytes: float = 64e6) -> Work:
+    """A site whose n block matmuls take as long as the ring's n-1 messages."""
+    c = (n - 1) * p.message_s(block_bytes) / n
+    return Work(kind, n, (c - p.matmul_latency_s) * p.matmul_flops, block_bytes)
+
+
+def _timeline(end_s: float) -> Timeline:
+    return Timeline("any", [Event(0, "compute", 0, "matmul", 0.0, end_s)])
+
+
+# ----------------------------------------------------------------------------------------
+# the simulator
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_predicted_time_never_drops_when_the_matmul_or_the_message_grows(profile, kind, schedule):
+    for n in (2, 3, 8):
+        for calls in (1, 3):
+            for other in (64.0, 1e7):
+                by_flops = [Work(kind, n, f, other, calls) for f in SIZES]
+                by_bytes = [Work(kind, n, other * 1e3, b, calls) for b in SIZES]
+                for works in (by_flops, by_bytes):
+                    ends = [simulate(w, schedule, profile, slices=3).end_s for w in works]
+                    assert ends == sorted(ends) and ends[-1] > ends[0], (n, calls, other)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_ring_follows_specs_per_step_formula(profile, kind):
+    """c + (n-1)(step overhead + max(c, m) + a): every message but the last block's
+    matmul is hidden or hides it, and nothing else is exposed."""
+    for n in range(1, 9):
+        for flops in (1e3, 1e9, 1e12):
+            for nbytes in (64.0, 1e6, 1e9):
+                work = Work(kind, n, flops, nbytes, matmuls_per_block=2)
+                c, m, a = _ring_terms(work, profile)
+                expected = c + (n - 1) * (profile.step_overhead_s + max(c, m) + a)
+                got = simulate(work, "ring", profile).end_s
+                assert got == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_ring_is_within_one_block_and_the_step_overheads_of_the_lower_bound(profile, kind):
+    """What the model promises for overlap: never faster than its matmuls alone or its
+    messages alone, never slower than the longer of the two by more than the one block
+    matmul that nothing can hide (the first for gather, the last for reduce) plus each
+    step's fixed overhead and add. Not "by the step overheads alone": that extra block
+    is SPEC.md's "one step that cannot overlap"."""
+    o = profile.step_overhead_s
+    for n in range(2, 9):
+        for flops in SIZES:
+            for nbytes in (64.0, 1e5, 1e7, 1e9):
+                work = Work(kind, n, flops, nbytes)
+                c, m, a = _ring_terms(work, profile)
+                matmuls_alone, messages_alone = n * c, (n - 1) * (m + a)
+                ring = simulate(work, "ring", profile).end_s
+                assert ring >= max(matmuls_alone, messages_alone) * (1 - 1e-12)
+                slack = c + (n - 1) * (o + a)
+                assert ring <= (max(matmuls_alone, messages_alone) + slack) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bidir_is_never_slower_than_ring_on_duplex_links(kind):
+    profile = BUILTIN["ascend-910b-hccs"]
+    assert profile.duplex_neighbours
+    for n in range(2, 9):
+        for flops in SIZES:
+            for nbytes in (64.0, 1e5, 1e7, 1e9):
+                work = Work(kind, n, flops, nbytes)
+                bidir = simulate(work, "bidir", profile).end_s
+                assert bidir <= simulate(work, "ring", profile).end_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bidir_behind_a_switch_saves_only_the_fixed_costs_of_the_rounds_it_skips(kind):
+    """Both neighbours' messages leave through one port: on a link-bound site bidir moves
+    the ring's bytes in fewer, longer rounds, and gains at most one step overhead and one
+    message latency per round saved (less up to two tiny block matmuls: a step of two
+    blocks exposes one more at the start or at the end)."""
+    profile = BUILTIN["h100-nvlink4"]
+    assert not profile.duplex_neighbours
+    for n in range(2, 9):
+        work = Work(kind, n, block_flops=1e3, block_bytes=1e9)
+        saved = simulate(work, "ring", profile).end_s - simulate(work, "bidir", profile).end_s
+        most = ((n - 1) - n // 2) * (profile.step_overhead_s + profile.link_alpha_s)
+        assert most - 2 * profile.matmul_s(1e3) <= saved <= most + 1e-12, n
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_slicing_exposes_a_head_or_a_tail_that_ring_does_not(profile, kind):
+    n, k = 4, 2
+    work = _balanced(kind, n, profile)
+    sliced = simulate(work, "slicing", profile, slices=k).on_rank(0)
+    ring = simulate(work, "ring", profile).on_rank(0)
+    for events, exposed in ((sliced, True), (ring, False)):
+        compute = [e for e in events if e.lane == "compute"]
+        comm = [e for e in events if e.lane == "comm"]
+        if kind == "gather":  # head: nothing to multiply until a first transfer lands
+            first_matmul = min(e.start_s for e in compute)
+            head = min(e.end_s for e in comm) if exposed else profile.step_overhead_s
+            assert first_matmul == pytest.approx(head)
+        else:  # tail: a transfer still running after the last matmul and add
+            last_compute = max(e.end_s for e in compute)
+            assert (max(e.end_s for e in comm) > last_compute) is exposed
+
+
+@pytest.mark.parametrize("profile", [p for p in PROFILES if not p.values[0].duplex_neighbours])
+@pytest.mark.parametrize("kind", KINDS)
+def test_slicing_is_no_faster_than_ring_when_comm_matches_compute(profile, kind):
+    """With k <= n/2 chunks, slicing's exposed chunk transfer is at least twice the
+    ring's exposed block matmul. Not on duplex links: there the collectives of the
+    slices use both directions and can beat the one-directional ring."""
+    for n in (4, 8):
+        work = _balanced(kind, n, profile)
+        ring = simulate(work, "ring", profile).end_s
+        for k in range(2, n // 2 + 1):
+            assert simulate(work, "slicing", profile, slices=k).end_s >= ring, (n, k)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_lane_runs_one_thing_at_a_time(profile, schedule):
+    for kind in KINDS:
+        for n in (2, 3, 4, 5, 8):
+            for work in (Work(kind, n, 1e6, 1e4, 2), _balanced(kind, n, profile, 1e6)):
+                timeline = simulate(work, schedule, profile, slices=3)
+                for r in range(n):
+                    for lane in ("compute", "comm"):
+                        events = sorted(
+                            (e for e in timeline.on_rank(r) if e.lane == lane),
+                            key=lambda e: e.start_s,
+                        )
+                        assert all(0 <= e.start_s <= e.end_s for e in events)
+                        for before, after in zip(events, events[1:], strict=False):
+                            assert after.start_s >= before.end_s, (kind, n, r, lane)
+
+
+def test_timeline_as_json_is_one_ranks_events_in_microseconds():
+    timeline = simulate(Work("reduce", 3, 1e9, 1e6), "ring", BUILTIN["h100-nvlink4"])
+    for rank in range(3):
+        rows = timeline.as_json(rank)
+        events = timeline.on_rank(rank)
+        assert len(rows) == len(events) > 0
+        for row, event in zip(rows, events, strict=True):
+            assert list(row) == ["lane", "step", "name", "start_us", "end_us"]
+            assert (row["lane"], row["step"], row["name"]) == (event.lane, event.step, event.name)
+            assert row["start_us"] == pytest.approx(event.start_s * 1e6, abs=1e-3)
+            assert row["end_us"] == pytest.approx(event.end_s * 1e6, abs=1e-3)
+        assert json.loads(json.dumps(rows)) == rows
+    assert {row["lane"] for row in timeline.as_json(0)} == {"compute", "comm"}
+
+
+def test_chrome_trace_is_trace_event_json(tmp_path):
+    profile = BUILTIN["gloo-loopback"]
+    work = Work("gather", 3, 1e8, 1e5)
+    timelines = [(s, simulate(work, s, profile)) for s in ("collective", "bidir")]
+    path = tmp_path / "trace.json"
+    chrome_trace(timelines, path)
+    trace_events = json.loads(path.read_text())["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace_events if e["ph"] == "M"}
+    slices = [e for e in trace_events if e["ph"] == "X"]
+    assert len(slices) == sum(len(t.events) for _, t in timelines)
+    for e in slices:
+        assert isinstance(e["name"], str) and isinstance(e["pid"], int)
+        assert e["ts"] >= 0 and e["dur"] >= 0 and isinstance(e["args"]["step"], int)
+        assert names[e["pid"], e["tid"]] in ("compute", "comm")  # a named thread per lane
+        assert names[e["pid"], None].endswith(f"rank {e['pid'] % 1000}")
+    assert {"collective rank 0", "bidir rank 2"} <= set(names.values())
+
+
+# ----------------------------------------------------------------------------------------
+# the choice
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_the_collective_is_kept_for_a_tiny_matmul(profile, kind, n):
+    """A 2x8 @ 8x8 float32 block: nothing to hide a message behind, so every extra step
+    only adds its overhead (bidir's fewer rounds are no gain either: the collective is
+    credited with the same bidirectional algorithm)."""
+    work = Work(kind, n, block_flops=2 * 2 * 8 * 8, block_bytes=2 * 8 * 4)
+    with pytest.raises(Declined, match="^not profitable: "):
+        plan(predict(work, profile), Options())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_decomposition_is_chosen_for_a_llama3_8b_mlp_on_8_h100(kind):
+    """Llama-3 8B's MLP at 8192 tokens, tensor parallel over 8 GPUs, bf16: gate+up
+    (all-gather -> [8192, 4096] @ [4096, 2 x 14336 / 8]) and down ([8192, 14336 / 8] @
+    [14336 / 8, 4096] -> reduce-scatter). Each block's matmul (~50 us) outweighs its
+    message (~33 us) and the 10 us step overhead, so hiding the messages pays."""
+    tokens, hidden, ffn, n = 8192, 4096, 14336, 8
+    if kind == "gather":
+        flops, nbytes = 2 * tokens * hidden * (2 * ffn // n), tokens // n * hidden * 2
+    else:
+        flops, nbytes = 2 * tokens * (ffn // n) * hidden, tokens // n * hidden * 2
+    profile = BUILTIN["h100-nvlink4"]
+    predicted = predict(Work(kind, n, flops / n, nbytes), profile)
+    chosen = plan(predicted, Options())
+    times = {s: t.end_s for s, t in predicted.items()}
+    assert chosen.schedule == min(times, key=times.__getitem__) != "collective"
+    assert times[chosen.schedule] * 1.2 < times["collective"]
+    assert chosen.why.startswith(f"{chosen.schedule} predicted")
+    # ... and it is the overlap that pays: more of the ring's time is spent computing
+    collective, ring = predicted["collective"], predicted["ring"]
+    assert ring.exposed_comm_s() < collective.exposed_comm_s() / 2
+
+
+def test_auto_keeps_the_collective_unless_the_gain_is_worth_the_risk():
+    options = Options()
+    near = {"collective": _timeline(1.0), "ring": _timeline(1.0 / MIN_GAIN * 1.001)}
+    with pytest.raises(Declined, match="must gain 5%"):
+        plan(near, options)
+    clear = {"collective": _timeline(1.0), "ring": _timeline(0.5), "bidir": _timeline(0.6)}
+    assert plan(clear, options).schedule == "ring"
+    assert plan(clear, options).why == "ring predicted 2.00x faster"
+
+
+def test_auto_skips_disabled_schedules_and_a_requested_schedule_is_taken_as_is():
+    predicted = {"collective": _timeline(1.0), "ring": _timeline(0.5), "bidir": _timeline(0.6)}
+    assert plan(predicted, Options(disable=frozenset({"ring"}))).schedule == "bidir"
+    with pytest.raises(Declined, match="every schedule is disabled"):
+        plan(
+            {"collective": _timeline(1.0), "ring": _timeline(0.5)},
+            Options(disable=frozenset({"ring"})),
+        )
+    assert plan(predicted, Options(schedule="bidir")).schedule == "bidir"  # slower, asked for
+    with pytest.raises(Declined, match="schedule 'ring' is disabled"):
+        plan(predicted, Options(schedule="ring", disable=frozenset({"ring"})))
+    with pytest.raises(Declined, match="schedule 'off'"):
+        plan(predicted, Options(schedule="off"))
+
+
+@pytest.fixture
+def fake_world_of_4():
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_site_work_counts_a_sites_flops_bytes_and_matmul_calls(fake_world_of_4):
+    """Two matmuls reading one gathered [16, 8] float32 tensor; a [16, 8] @ [8, 6]
+    product reduce-scattered over 4 ranks."""
+    gather = AgMm(shard=(4, 8), dim=0, n_out=6, consumers=2, bias=False)
+    (site,) = match.find_sites(trace(gather, 4, gather.inputs(1, seed=0, n=4)).graph)
+    assert site_work(site, 4) == Work("gather", 4, (2 * 16 * 8 * (6 + 7)) / 4, 4 * 8 * 4, 2)
+    reduce = MmRs(lead=(2, 8), k=8, n_out=6, dim=1, bias=False)
+    (site,) = match.find_sites(trace(reduce, 4, reduce.inputs(1, seed=0)).graph)
+    assert site_work(site, 4) == Work("reduce", 4, (2 * 16 * 6 * 8) / 4, 16 * 6 * 4 / 4, 1)
+
+
+# ----------------------------------------------------------------------------------------
+# profiles and options
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_profiles_round_trip_through_a_file(profile, tmp_path):
+    path = tmp_path / "p.json"
+    save(profile, path)
+    assert load(path) == profile == load(profile.name)
+    duplex = dataclasses.replace(profile, name="mine", duplex_neighbours=True)
+    save(duplex, path)
+    assert load(str(path)) == duplex
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_option_profile_takes_a_builtin_name(name):
+    assert Options.from_mapping({"profile": name}).profile == name
+
+
+def test_option_profile_takes_a_file(tmp_path):
+    path = tmp_path / "calibrated.json"
+    save(dataclasses.replace(BUILTIN["gloo-loopback"], name="calibrated"), path)
+    assert Options.from_mapping({"profile": path}).profile == str(path)
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+BAD_PROFILES = [
+    pytest.param(lambda tmp: tmp / "missing.json", "neither a built-in", id="missing"),
+    pytest.param(lambda tmp: tmp, "neither a built-in", id="directory"),
+    pytest.param(lambda tmp: _write(tmp / "p.json", "{not json"), "not a commfuse", id="garbage"),
+    pytest.param(lambda tmp: _write(tmp / "p.json", "[1, 2]"), "not a commfuse", id="list"),
+    pytest.param(
+        lambda tmp: _write(tmp / "p.json", '{"name": "x"}'), "not a commfuse", id="missing-fields"
+    ),
+    pytest.param(
+        lambda tmp: _write(
+            tmp / "p.json",
+            json.dumps(BUILTIN["gloo-loopback"].as_json() | {"link_bytes_per_s": "fast"}),
+        ),
+        "link_bytes_per_s must be a finite number",
+        id="string-rate",
+    ),
+    pytest.param(
+        lambda tmp: _write(
+            tmp / "p.json",
+            json.dumps(BUILTIN["gloo-loopback"].as_json() | {"matmul_flops": 0}),
+        ),
+        "matmul_flops must be positive",
+        id="zero-rate",
+    ),
+    pytest.param(
+        lambda tmp: _write(
+            tmp / "p.json",
+            json.dumps(BUILTIN["gloo-loopback"].as_json() | {"step_overhead_s": -1e-3}),
+        ),
+        "step_overhead_s must not be negative",
+        id="negative-overhead",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "error"), BAD_PROFILES)
+def test_option_profile_rejects_what_is_not_a_profile(make, error, tmp_path):
+    path = make(tmp_path)
+    with pytest.raises(ProfileError, match=error):
+        load(path)
+    with pytest.raises(CommfuseOptionError, match=f"option 'profile': .*{error}"):
+        Options.from_mapping({"profile": str(path)})
+
+
+def test_option_profile_rejects_a_value_that_is_no_path():
+    with pytest.raises(CommfuseOptionError, match="option 'profile' must be"):
+        Options.from_mapping({"profile": 3})
+
+
+def test_option_profile_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(PROFILE_ENV, "a100-nvlink3")
+    assert Options.from_mapping({}).profile == "a100-nvlink3"
+    assert Options.from_mapping({"profile": "h100-nvlink4"}).profile == "h100-nvlink4"
+    monkeypatch.setenv(PROFILE_ENV, str(tmp_path / "missing.json"))
+    with pytest.raises(CommfuseOptionError, match="option 'profile'"):
+        Options.from_mapping({})
+
+
+@pytest.mark.parametrize("slices", [2, 7, 64])
+def test_option_slices_accepts_a_chunk_count(slices):
+    assert Options.from_mapping({"slices": slices}).slices == slices
+
+
+@pytest.mark.parametrize("slices", [1, 0, -2, 65, "2", 2.0, True, None])
+def test_option_slices_rejects_anything_else(slices):
+    with pytest.raises(CommfuseOptionError, match="option 'slices' must be an integer in 2..64"):
+        Options.from_mapping({"slices": slices})
+
+
+# ----------------------------------------------------------------------------------------
+# calibration
+
+
+def test_fit_line_recovers_a_line_and_keeps_both_terms_non_negative():
+    a, b = cal.fit_line([(x, 3e-5 + x * 2e-9) for x in (1e3, 1e5, 1e6, 1e8)])
+    assert (a, b) == (pytest.approx(3e-5, rel=1e-9), pytest.approx(2e-9, rel=1e-9))
+    a, _ = cal.fit_line([(x, -1e-3 + x * 1e-6) for x in (1e4, 1e5, 1e6)])
+    assert a == 0.0
+    _, b = cal.fit_line([(x, 1e-3 - x * 1e-9) for x in (1e3, 1e4, 1e5)])
+    assert 0 < b < 1e-20
+
+
+def _measurements_of(p: Profile, n: int) -> cal.Measurements:
+    """What ``calibrate.measure`` would return on a machine that is exactly ``p``."""
+    rows, k, cols = cal.TINY_SITE
+    tiny = Work("gather", n, 2.0 * rows * k * cols, 4.0 * rows * k)
+    return cal.Measurements(
+        matmul=[(2.0 * a * b * c, p.matmul_s(2.0 * a * b * c)) for a, b, c in cal.MATMUL_SHAPES],
+        message=[(float(size), p.message_s(size)) for size in cal.MESSAGE_BYTES],
+        add_bytes_per_s=p.memory_bytes_per_s,
+        ring_site_s=simulate(tiny, "ring", p).end_s,
+        collective_site_s=simulate(tiny, "collective", p).end_s,
+    )
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_profile_from_reproduces_the_constants_it_was_measured_on(profile, n):
+    """Duplex links are not measured (two ranks cannot tell): a duplex profile comes back
+    as a switched one, with the same constants."""
+    profile = dataclasses.replace(profile, duplex_neighbours=False)
+    fitted = cal.profile_from(_measurements_of(profile, n), n, "fitted", "synthetic")
+    assert (fitted.name, fitted.source, fitted.duplex_neighbours) == ("fitted", "synthetic", False)
+    for field in dataclasses.fields(Profile):
+        value = getattr(profile, field.name)
+        if isinstance(value, float):
+            assert getattr(fitted, field.name) == pytest.approx(value, rel=1e-6), field.name
