@@ -22,7 +22,7 @@ from ..options import Options
 from ..report import REPORT, Declined, SiteRecord, decline, dump_code
 from ..schedules import by_name
 from . import match, order, verify
-from .lower import Rewrite, lower, start
+from .lower import Rewrite, lower, site_nodes, start
 from .plan import plan, predict
 
 _site_ids = itertools.count()
@@ -118,7 +118,7 @@ def _rewrite_sites(
             lower(rewrite, group, schedule, options.slices)
             verify.check_emitted(rewrite)
             verify.check_exchange(rewrite, group, schedule, options.slices)
-            rewrite.commit(_site_nodes(site))
+            rewrite.commit(site_nodes(site))
             verify.check_committed(rewrite, gm.graph)
         except Exception as err:  # noqa: BLE001 - declines and internal errors alike
             if rewrite is not None and rewrite.committing:
@@ -166,12 +166,6 @@ def _apply_disable(site: match.Site, disabled: frozenset[str]) -> None:
         site.uses = [u for u in site.uses if u.role not in disabled]
         if not site.uses:
             raise decline("; ".join(site.unmatched))
-
-
-def _site_nodes(site: match.Site) -> list:
-    if isinstance(site, match.AgMmSite):
-        return [*site.gathers, *site.waits, *site.chain, *(u.mm.node for u in site.uses)]
-    return [site.reduce_scatter, site.wait, *site.chain, *(t.node for t in site.terms)]
 
 
 def _sites_or_none(gm: GraphModule) -> list[match.Site]:

@@ -4,6 +4,10 @@ A chain of view/reshape ops between a tensor and a 2-D matmul operand is one res
 so only the two shapes matter. ``row_split`` finds how the tensor's dims fold into
 the operand's rows and columns; a collective dim among the row dims means every block
 of it is an independent set of rows of the product.
+
+Sizes are ints or, under dynamic shapes, SymInts. Every comparison of sizes here is
+decided from what the ShapeEnv already knows (``statically_known_true``): the pass never
+adds a guard, so a fact it cannot prove counts as false and the site is declined.
 """
 
 from __future__ import annotations
@@ -12,26 +16,58 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import optimization_hint, statically_known_true
 
-from ..report import decline
-
-
-def concrete(shape: Sequence[object], what: str) -> tuple[int, ...]:
-    """The sizes as ints; declines symbolic (dynamic-shape) sizes it cannot reason about."""
-    out = []
-    for size in shape:
-        if isinstance(size, torch.SymInt):
-            hint = size.node.maybe_as_int()
-            if hint is None:
-                raise decline(f"{what} has a symbolic size ({size}); dynamic shapes not supported")
-            size = hint
-        out.append(int(size))  # type: ignore[call-overload]
-    return tuple(out)
+Size = int | torch.SymInt
 
 
-def row_split(shape: Sequence[int], rows: int, cols: int) -> int | None:
+def sizes(shape: Sequence[Size]) -> tuple[Size, ...]:
+    """The sizes, SymInts kept only where the size is not a known constant."""
+    return tuple(_plain(size) for size in shape)
+
+
+def _plain(size: Size) -> Size:
+    if isinstance(size, torch.SymInt):
+        value = size.node.maybe_as_int()
+        return size if value is None else value
+    return int(size)
+
+
+def is_symbolic(shape: Sequence[Size]) -> bool:
+    return any(isinstance(_plain(size), torch.SymInt) for size in shape)
+
+
+def equal(a: Size, b: Size) -> bool:
+    """``a == b``, proven without a guard (a symbolic equality not provable is False)."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return statically_known_true(a == b)
+    return a == b
+
+
+def same_shape(a: Sequence[Size], b: Sequence[Size]) -> bool:
+    return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def divisible(size: Size, n: int) -> bool:
+    """Is ``size`` a multiple of ``n``, for every value its symbols can take?"""
+    if isinstance(size, torch.SymInt):
+        return statically_known_true(size % n == 0)
+    return size % n == 0
+
+
+def hint(size: Size) -> int:
+    """An int for the cost model: the size itself, or the hint of a symbolic size."""
+    return optimization_hint(size) if isinstance(size, torch.SymInt) else int(size)
+
+
+def as_json(shape: Sequence[Size]) -> list[int | str]:
+    """The shape for the report: ints, and symbolic sizes as their expressions."""
+    return [str(size) if isinstance(size, torch.SymInt) else size for size in sizes(shape)]
+
+
+def row_split(shape: Sequence[Size], rows: Size, cols: Size) -> int | None:
     """Largest j such that shape[:j] folds into ``rows`` and shape[j:] into ``cols``."""
     for j in range(len(shape), -1, -1):
-        if math.prod(shape[:j]) == rows and math.prod(shape[j:]) == cols:
+        if equal(math.prod(shape[:j]), rows) and equal(math.prod(shape[j:]), cols):
             return j
     return None

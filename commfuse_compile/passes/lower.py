@@ -7,11 +7,16 @@ undone by ``Rewrite.discard``, which leaves the graph as it was.
 Every new node gets ``meta["val"]`` (computed on fake tensors) and
 ``meta["commfuse"] = {"site", "step", "lane"}``; ``Rewrite.steps`` records, per step,
 which P2P op must start before which matmuls and which waits must follow them.
+
+Under dynamic shapes a size may be a SymInt, which an FX argument cannot hold: it is
+computed in the graph from the symbols' sources (SymInt inputs, sizes of tensor inputs)
+with ``sym_size``/``operator`` nodes, and a view with one symbolic size takes -1.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import operator
@@ -19,17 +24,29 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
+from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
+from torch.utils._sympy.functions import FloorDiv
 
 from .. import p2p as _p2p  # noqa: F401  (registers commfuse::p2p)
 from ..groups import Group
 from ..report import decline
 from ..schedules import Transfer, slicing
 from . import dims
-from .match import AgMmSite, Matmul, MmRsSite, Site, is_transpose_2d, val
+from .match import (
+    SIZE_READERS,
+    AgMmSite,
+    Matmul,
+    MmRsSite,
+    Site,
+    data_users,
+    is_transpose_2d,
+    val,
+)
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -61,6 +78,11 @@ class Rewrite:
     matmuls: dict[int, list[Node]] = dataclasses.field(default_factory=dict)  # by step
     p2p_ops: int = 0
     committing: bool = False  # past this point the graph cannot be restored site by site
+    # size computations of the old graph that only fed the site's erased nodes
+    erased_sizes: list[Node] = dataclasses.field(default_factory=list)
+    # size readers of erased nodes, recomputed before their own place (not at ``before``)
+    moved_sizes: list[Node] = dataclasses.field(default_factory=list)
+    _size_nodes: dict[tuple[Any, Node], int | Node] = dataclasses.field(default_factory=dict)
 
     def emit(
         self,
@@ -70,15 +92,55 @@ class Rewrite:
         *,
         step: int,
         lane: str,
+        before: Node | None = None,
     ) -> Node:
-        with self.graph.inserting_before(self.before):
+        with self.graph.inserting_before(before or self.before):
             node = self.graph.call_function(target, args, kwargs or {})
         self.created.append(node)
+        if before is not None and before is not self.before:
+            self.moved_sizes.append(node)
         node.meta["val"] = _fake_eval(self.fake_mode, target, args, kwargs or {})
         node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
         if target in (aten.mm.default, aten.addmm.default):
             self.matmuls.setdefault(step, []).append(node)
         return node
+
+    def size(self, size: dims.Size, step: int, before: Node | None = None) -> int | Node:
+        """``size`` as an FX argument: the int, or a node computing the symbolic size."""
+        if not isinstance(size, torch.SymInt) or size.node.maybe_as_int() is not None:
+            return int(size)
+        return self._expr(size.node.expr, step, before or self.before)
+
+    def shape(self, shape: Sequence[dims.Size], step: int) -> list[int | Node]:
+        """A view's shape argument: -1 stands for the one symbolic size, if only one is."""
+        sizes = dims.sizes(shape)
+        if [isinstance(s, torch.SymInt) for s in sizes].count(True) == 1:
+            return [s if isinstance(s, int) else -1 for s in sizes]
+        return [self.size(s, step) for s in sizes]
+
+    def _expr(self, expr: sympy.Expr, step: int, before: Node) -> int | Node:
+        if expr.is_Integer:
+            return int(expr)
+        key = (expr, before)
+        if key not in self._size_nodes:
+            self._size_nodes[key] = self._expr_node(expr, step, before)
+        return self._size_nodes[key]
+
+    def _expr_node(self, expr: sympy.Expr, step: int, before: Node) -> int | Node:
+        def emit(op: Callable[..., Any], *args: Any) -> Node:
+            return self.emit(op, args, step=step, lane="compute", before=before)
+
+        if expr.is_Symbol:
+            node, dim = _symbol_source(self.graph, expr)
+            return node if dim is None else emit(aten.sym_size.int, node, dim)
+        ops = {sympy.Mul: operator.mul, sympy.Add: operator.add, FloorDiv: operator.floordiv}
+        op, terms = ops.get(type(expr)), expr.args
+        if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and expr.exp > 0:
+            op, terms = operator.mul, [expr.base] * int(expr.exp)
+        if op is None:
+            raise decline(f"cannot compute the symbolic size {expr} in the graph")
+        args = [self._expr(term, step, before) for term in terms]
+        return functools.reduce(lambda x, y: emit(op, x, y), args)
 
     def discard(self) -> None:
         for node in reversed(self.created):
@@ -87,13 +149,15 @@ class Rewrite:
 
     def commit(self, dead: Sequence[Node]) -> None:
         """Swap the results in, erase what became dead, keep the replaced nodes' names."""
-        first, moves = _inputs_to_hoist(self.graph, self.created)
+        at_site = [node for node in self.created if node not in self.moved_sizes]
+        first, moves = _inputs_to_hoist(self.graph, at_site)
         self.committing = True
         for node in moves:
             first.prepend(node)
         for old, new in self.replace.items():
             old.replace_all_uses_with(new)
-        for node in reversed(_in_graph_order(self.graph, dead)):
+        erased = [*dead, *self.erased_sizes, *self.replace]
+        for node in reversed(_in_graph_order(self.graph, erased)):
             if not node.users:
                 self.graph.erase_node(node)
         for old, new in self.replace.items():
@@ -121,6 +185,48 @@ def lower(rw: Rewrite, group: Group, schedule: ModuleType, slices: int = 2) -> N
         (_lower_gather_sliced if sliced else _lower_gather)(rw, rw.site, group, schedule, slices)
     else:
         (_lower_reduce_sliced if sliced else _lower_reduce)(rw, rw.site, group, schedule, slices)
+    _keep_size_readers(rw, site_nodes(rw.site))
+
+
+def site_nodes(site: Site) -> list[Node]:
+    """The nodes a rewrite of ``site`` replaces: erased at commit once nothing reads them."""
+    if isinstance(site, AgMmSite):
+        return [*site.gathers, *site.waits, *site.chain, *(u.mm.node for u in site.uses)]
+    return [site.reduce_scatter, site.wait, *site.chain, *(t.node for t in site.terms)]
+
+
+def _keep_size_readers(rw: Rewrite, nodes: Sequence[Node]) -> None:
+    """Dynamic-shape graphs read sizes of the nodes the commit erases (``sym_size``): a
+    size computation that only feeds erased nodes goes with them; a size reader that
+    something else uses is recomputed from the graph's inputs, where it stands."""
+    erased: set[Node] = set()
+    for node in reversed(_in_graph_order(rw.graph, nodes)):
+        if node in rw.replace or all(u in erased or _is_size(u) for u in node.users):
+            erased.add(node)
+    replaced = set(rw.replace)  # their readers follow the replacement, of the same shape
+    for node in reversed(list(rw.graph.nodes)):
+        if node in erased or not _is_size(node) or node.op != "call_function":
+            continue
+        reads = set(node.all_input_nodes) & erased
+        if all(u in erased for u in node.users) and (node.users or reads):
+            erased.add(node)
+            rw.erased_sizes.append(node)
+        elif reads - replaced:
+            if node.target not in SIZE_READERS:
+                raise decline(f"size {node.name} is computed from a replaced tensor")
+            value = node.meta["val"]
+            if not isinstance(value, torch.SymInt):
+                raise decline(f"size {node.name} of a replaced tensor is not a SymInt")
+            new = rw.size(value, step=0, before=node)
+            if not isinstance(new, Node):
+                raise decline(f"size {node.name} of a replaced tensor is a constant")
+            rw.replace[node] = new
+
+
+def _is_size(node: Node) -> bool:
+    """Does ``node`` compute a size (an int or SymInt), not a tensor?"""
+    value = node.meta.get("val")
+    return isinstance(value, int | torch.SymInt | torch.SymBool) and not node.is_impure()
 
 
 # ----------------------------------------------------------------------------------------
@@ -139,18 +245,19 @@ class _GatherProducts:
         self.sums: list[Node | None] = [None for _ in site.uses]
         self.others: dict[int, Node] = {}  # contract: the other operand viewed like G
 
-    def add(self, piece: Node, index: int, shape: Sequence[int], s: int) -> None:
+    def add(self, piece: Node, index: int, shape: Sequence[dims.Size], s: int) -> None:
         rw, site = self.rw, self.site
         width = shape[site.gather_dim]
-        views: dict[tuple[int, int], Node] = {}  # one 2-D view of the piece per shape
+        views: dict[tuple[int | str, ...], Node] = {}  # one 2-D view of the piece per shape
         for i, use in enumerate(site.uses):
             mm, lead = use.mm, shape[: use.row_dims]
             shape2d = (math.prod(lead), math.prod(shape[use.row_dims :]))
-            if shape2d not in views:
-                views[shape2d] = rw.emit(
-                    aten.view.default, (piece, list(shape2d)), step=s, lane="compute"
+            key = tuple(dims.as_json(shape2d))
+            if key not in views:
+                views[key] = rw.emit(
+                    aten.view.default, (piece, rw.shape(shape2d, s)), step=s, lane="compute"
                 )
-            g2d = views[shape2d]
+            g2d = views[key]
             if use.role == "rows":
                 part = _matmul(rw, mm, g2d, mm.b, mm.bias, s)
                 self.blocks[i][index] = _viewed(rw, part, [*lead, val(part).shape[1]], s)
@@ -185,7 +292,7 @@ def _lower_gather(
     rw: Rewrite, site: AgMmSite, group: Group, schedule: ModuleType, slices: int
 ) -> None:
     n, tag = group.size, next(_tags)
-    shard_shape = dims.concrete(val(site.shard).shape, "shard")
+    shard_shape = dims.sizes(val(site.shard).shape)
     held: dict[int, Node] = {group.rank: site.shard}
     products = _GatherProducts(rw, site)
     for s, step in enumerate(schedule.gather_steps(group.rank, n)):
@@ -207,7 +314,7 @@ def _lower_gather_sliced(
     """k all-gathers of shard chunks along the gathered dim, chunk i-1's matmuls under
     chunk i's all-gather; piece (b, i) is block b*k + i of the gathered dim."""
     n, dim = group.size, site.gather_dim
-    shard_shape = dims.concrete(val(site.shard).shape, "shard")
+    shard_shape = dims.sizes(val(site.shard).shape)
     width = _chunk_width(shard_shape[dim], k, f"the shard's dim {dim}")
     chunk_shape = [*shard_shape[:dim], width, *shard_shape[dim + 1 :]]
     gathering: dict[int, Node] = {}
@@ -253,20 +360,24 @@ def _rebuild_gathered(rw: Rewrite, site: AgMmSite, shards: list[Node], step: int
             rw.replace[wait] = rebuilt
 
 
-def _chunk_width(width: int, k: int, what: str) -> int:
-    if width % k:
-        raise decline(f"slicing: {k} chunks do not divide {what} of size {width}")
+def _chunk_width(width: dims.Size, k: int, what: str) -> dims.Size:
+    if not dims.divisible(width, k):
+        provably = " provably" if dims.is_symbolic([width]) else ""
+        raise decline(f"slicing: {k} chunks do not{provably} divide {what} of size {width}")
     return width // k
 
 
-def _slice(rw: Rewrite, node: Node, dim: int, index: int, width: int, step: int, lane: str) -> Node:
-    return rw.emit(
-        aten.slice.Tensor, (node, dim, index * width, (index + 1) * width), step=step, lane=lane
-    )
+def _slice(
+    rw: Rewrite, node: Node, dim: int, index: int, width: dims.Size, step: int, lane: str
+) -> Node:
+    bounds = (rw.size(index * width, step), rw.size((index + 1) * width, step))
+    return rw.emit(aten.slice.Tensor, (node, dim, *bounds), step=step, lane=lane)
 
 
 def _contiguous(rw: Rewrite, node: Node, step: int) -> Node:
-    if val(node).is_contiguous():
+    value = val(node)
+    symbolic = dims.is_symbolic([*value.shape, *value.stride()])
+    if is_contiguous_or_false(value) if symbolic else value.is_contiguous():
         return node
     return rw.emit(
         aten.clone.default,
@@ -282,9 +393,9 @@ def _transposed(rw: Rewrite, node: Node, step: int) -> Node:
     return rw.emit(aten.permute.default, (node, [1, 0]), step=step, lane="compute")
 
 
-def _column_block(rw: Rewrite, node: Node, b: int, width: int, step: int) -> Node:
+def _column_block(rw: Rewrite, node: Node, b: int, width: dims.Size, step: int) -> Node:
     """Columns [b*width, (b+1)*width) of ``node`` (kept whole if broadcast along them)."""
-    if val(node).dim() == 0 or val(node).shape[-1] == 1:
+    if val(node).dim() == 0 or dims.equal(val(node).shape[-1], 1):
         return node
     return _slice(rw, node, -1, b, width, step, "compute")
 
@@ -313,13 +424,13 @@ def _finish_sum(rw: Rewrite, total: Node, like: Node, step: int) -> Node:
     )
 
 
-def _viewed(rw: Rewrite, node: Node, shape: list[int], step: int) -> Node:
-    if list(val(node).shape) == shape:
+def _viewed(rw: Rewrite, node: Node, shape: Sequence[dims.Size], step: int) -> Node:
+    if dims.same_shape(val(node).shape, shape):
         return node
-    return rw.emit(aten.view.default, (node, shape), step=step, lane="compute")
+    return rw.emit(aten.view.default, (node, rw.shape(shape, step)), step=step, lane="compute")
 
 
-def _rows_of_block(rw: Rewrite, x: Node, dim: int, b: int, width: int, step: int) -> Node:
+def _rows_of_block(rw: Rewrite, x: Node, dim: int, b: int, width: dims.Size, step: int) -> Node:
     """Block ``b`` along ``dim`` of ``x`` (shaped lead + [K]), as contiguous 2-D rows."""
     rows = _contiguous(rw, _slice(rw, x, dim, b, width, step, "compute"), step)
     k = val(rows).shape[-1]
@@ -329,7 +440,8 @@ def _rows_of_block(rw: Rewrite, x: Node, dim: int, b: int, width: int, step: int
 def _gathered_outlives(site: AgMmSite) -> bool:
     """Is the gathered value read by anything other than the rewritten matmuls?"""
     inside = set(site.chain) | {u.mm.node for u in site.uses}
-    return any(user not in inside for node in (*site.waits, *site.chain) for user in node.users)
+    nodes = (*site.waits, *site.chain)
+    return any(user not in inside for node in nodes for user in data_users(node))
 
 
 # ----------------------------------------------------------------------------------------
@@ -359,7 +471,7 @@ def _lower_reduce(
         like = next(iter(parts.values()))
         pending = _issue(rw, group, tag, s, step.sends, step.recvs, sums, recv_like=like)
     assert not pending[1] and not received
-    out_shape = list(val(site.wait).shape)
+    out_shape = rw.shape(val(site.wait).shape, n)
     rw.replace[site.wait] = rw.emit(
         aten.view.default, (sums[group.rank], out_shape), step=n, lane="compute"
     )
@@ -407,10 +519,10 @@ def _lower_reduce_sliced(
         shape = [*site.product_shape[:dim], width, *site.product_shape[dim + 1 :]]
         chunks, cat_dim = [_viewed(rw, own[i], shape, last) for i in range(k)], dim
     block = rw.emit(aten.cat.default, (chunks, cat_dim), step=last, lane="compute")
-    rw.replace[site.wait] = _viewed(rw, block, list(val(site.wait).shape), last)
+    rw.replace[site.wait] = _viewed(rw, block, val(site.wait).shape, last)
 
 
-def _reduce_part(rw: Rewrite, site: MmRsSite, b: int, width: int, step: int) -> Node:
+def _reduce_part(rw: Rewrite, site: MmRsSite, b: int, width: dims.Size, step: int) -> Node:
     """This rank's partial of block ``b`` of the product: the sum over the site's terms."""
     part = None
     for term in site.terms:
@@ -424,7 +536,9 @@ def _reduce_part(rw: Rewrite, site: MmRsSite, b: int, width: int, step: int) -> 
     return part
 
 
-def _reduce_block(rw: Rewrite, site: MmRsSite, mm: Matmul, b: int, width: int, step: int) -> Node:
+def _reduce_block(
+    rw: Rewrite, site: MmRsSite, mm: Matmul, b: int, width: dims.Size, step: int
+) -> Node:
     """This rank's partial of block ``b`` of the product ``mm``."""
     if site.columns:
         w = _column_block(rw, mm.b, b, width, step)
@@ -586,6 +700,19 @@ def _inputs_to_hoist(graph: Graph, created: list[Node]) -> tuple[Node, list[Node
 def _in_graph_order(graph: Graph, nodes: Sequence[Node]) -> list[Node]:
     wanted = set(nodes)
     return [node for node in graph.nodes if node in wanted]
+
+
+def _symbol_source(graph: Graph, symbol: sympy.Symbol) -> tuple[Node, int | None]:
+    """A graph input that holds ``symbol``: a SymInt input, or (tensor input, its dim)."""
+    for node in graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt) and value.node.expr == symbol:
+            return node, None
+        if isinstance(value, torch.Tensor):
+            for dim, size in enumerate(value.shape):
+                if isinstance(size, torch.SymInt) and size.node.expr == symbol:
+                    return node, dim
+    raise decline(f"no graph input holds the symbolic size {symbol}")
 
 
 def _fake_eval(

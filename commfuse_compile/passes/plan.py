@@ -13,12 +13,14 @@ import dataclasses
 import math
 
 import torch
+from torch.fx import Node
 
 from ..options import Options
 from ..profiles import Profile, for_device, load
 from ..report import decline
 from ..simulator import Timeline, Work
 from ..simulator import predict as simulate_all
+from . import dims
 from .match import AgMmSite, MmRsSite, Site, val
 
 # ``auto`` decomposes only for a predicted gain of at least 5%: within the model's
@@ -58,15 +60,22 @@ def plan(predicted: dict[str, Timeline], options: Options) -> Plan:
 
 
 def site_work(site: Site, n: int) -> Work:
-    """Per-block matmul FLOPs and message bytes of a matched site."""
+    """Per-block matmul FLOPs and message bytes of a matched site; symbolic sizes are
+    evaluated at their hints (the sizes of the example inputs the graph was traced with)."""
     if isinstance(site, AgMmSite):
         shard = val(site.shard)
-        flops = sum(2 * math.prod(val(u.mm.node).shape) * val(u.mm.a).shape[1] for u in site.uses)
-        return Work("gather", n, flops / n, shard.numel() * shard.element_size(), len(site.uses))
+        flops = sum(2 * _numel(u.mm.node) * dims.hint(val(u.mm.a).shape[1]) for u in site.uses)
+        shard_bytes = _numel(site.shard) * shard.element_size()
+        return Work("gather", n, flops / n, shard_bytes, len(site.uses))
     assert isinstance(site, MmRsSite)
-    out = val(site.terms[0].node)
-    flops = sum(2 * out.numel() * val(t.a).shape[1] for t in site.terms)
-    return Work("reduce", n, flops / n, out.numel() * out.element_size() / n, len(site.terms))
+    out = site.terms[0].node
+    flops = sum(2 * _numel(out) * dims.hint(val(t.a).shape[1]) for t in site.terms)
+    out_bytes = _numel(out) * val(out).element_size()
+    return Work("reduce", n, flops / n, out_bytes / n, len(site.terms))
+
+
+def _numel(node: Node) -> int:
+    return math.prod(dims.hint(size) for size in val(node).shape)
 
 
 def predict(site: Site, n: int, options: Options) -> dict[str, Timeline]:

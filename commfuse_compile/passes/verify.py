@@ -12,6 +12,7 @@ from torch.fx import Graph
 from ..groups import Group
 from ..report import decline
 from ..schedules import simulate, slicing
+from . import dims
 from .lower import P2P, Rewrite
 from .match import AgMmSite, val
 
@@ -41,13 +42,21 @@ def check_emitted(rw: Rewrite) -> None:
         if node.target in COLLECTIVES and waited.get(node) != 1:
             raise decline(f"internal: {node.name} is not waited exactly once")
     for old, new in rw.replace.items():
-        a, b = old.meta.get("val"), new.meta.get("val")
-        if (
-            not isinstance(a, torch.Tensor)
-            or not isinstance(b, torch.Tensor)
-            or (a.shape != b.shape or a.dtype != b.dtype or a.device != b.device)
-        ):
+        if not _same_value(old.meta.get("val"), new.meta.get("val")):
             raise decline(f"internal: replacement of {old.name} changes its value's shape/dtype")
+
+
+def _same_value(a: object, b: object) -> bool:
+    """Same shape, dtype and device (tensors), or the same size (a recomputed SymInt)."""
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return dims.equal(a, b)
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and dims.same_shape(a.shape, b.shape)
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
 
 
 def check_committed(rw: Rewrite, graph: Graph) -> None:
@@ -86,7 +95,8 @@ def check_exchange(rw: Rewrite, group: Group, schedule: ModuleType, slices: int 
     if emitted != expected:
         raise decline(f"internal: P2P peers {emitted} are not the schedule's {expected}")
     for node in p2p:
-        shapes = {tuple(val(t).shape) for t in (*node.args[0], *node.args[2])}  # type: ignore[misc]
+        buffers = (*node.args[0], *node.args[2])  # type: ignore[misc]
+        shapes = {tuple(dims.as_json(val(t).shape)) for t in buffers}
         if len(shapes) != 1:
             raise decline(f"internal: {node.name} sends and receives different shapes {shapes}")
     _check_schedule_all_ranks(schedule, n, gather)
