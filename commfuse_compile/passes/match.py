@@ -321,6 +321,8 @@ def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
     problem = None
     if not mm.node.users:
         problem = "its product is never read"
+    elif _has_zero_size_dim(mm):
+        problem = "a zero-size dim: nothing to overlap"
     elif j is None or site.gather_dim >= j:
         problem = (
             f"gathered dim {site.gather_dim} of {list(site.gathered_shape)} does not fold "
@@ -367,8 +369,9 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
     scattered, g, chain = _scattered(inp, int(n))
     product = _through_views(scattered, chain)
     terms, between = _sum_of_matmuls(product)
+    rewritten = "commfuse" in product.meta  # a matmul an all-gather site already rewrote
     from_matmul = _comes_from_matmul(inp) or any(is_matmul(a) for a in _view_sources(product))
-    if not terms and not from_matmul:
+    if not terms and not from_matmul and not rewritten:
         return None
     site = MmRsSite(
         reduce_scatter=rs,
@@ -386,7 +389,7 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
             raise decline(f"{rs.name} is used without exactly one wait_tensor")
         if not wait.users:
             raise decline(f"the result of {rs.name} is never read")
-        if "commfuse" in product.meta:
+        if rewritten:
             site_id = product.meta["commfuse"]["site"]
             raise decline(f"its matmul was rewritten by all-gather site {site_id}")
         if not terms:
@@ -406,6 +409,8 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
             if len(term.node.users) != 1:
                 raise decline(f"product {term.node.name} is also used outside the reduce-scatter")
             _check_tensor(term.node, "matmul output")
+            if _has_zero_size_dim(term):
+                raise decline(f"{term.node.name} has a zero-size dim: nothing to overlap")
             if term.out_shape != (rows, cols):
                 raise decline(f"the summed matmuls have different shapes ({term.node.name})")
             if term.bias is not None and not _bias_is_row_broadcast(term.bias):
@@ -517,6 +522,13 @@ def _view_sources(node: Node) -> Iterable[Node]:
 def _bias_is_row_broadcast(bias: Node) -> bool:
     shape = val(bias).shape
     return len(shape) < 2 or shape[0] == 1
+
+
+def _has_zero_size_dim(mm: Matmul) -> bool:
+    """An empty operand or product: no work to hide a transfer behind (and no blocks).
+    Symbolic sizes are never 0 (torch specializes sizes 0 and 1)."""
+    shapes = (val(node).shape for node in (mm.node, mm.a, mm.b))
+    return any(isinstance(size, int) and size == 0 for shape in shapes for size in shape)
 
 
 def _check_tensor(node: Node, what: str) -> None:
