@@ -1,0 +1,97 @@
+"""A peer that dies or stalls in the middle of a rewritten site, on real gloo ranks.
+
+Every rank rewrites and runs a gather -> matmul site once (the ring works), then one rank
+dies (exits) or stalls (sleeps) instead of running it again. The surviving ranks must
+raise ``P2PError`` naming the site and the ring step within the process group's timeout
+(``init_process_group(timeout=...)``), never hang.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from cases import AgMm, trace
+
+import commfuse_compile
+from commfuse_compile import report
+from commfuse_compile.p2p import P2PError
+from commfuse_compile.ranks import free_port
+
+TIMEOUT_S = 5.0  # the process group's timeout
+FAULTY = 1  # the rank that dies or stalls
+STEP_LABEL = re.compile(r"site \d+ step \d+ \(ag_mm\)")
+P2P = torch.ops.commfuse.p2p.default
+
+
+def label_missing_steps(gm: torch.fx.GraphModule) -> None:
+    """Give every P2P node that has no label one, as the lowering is to emit it:
+    ``"site <id> step <s> (<kind>)"`` from the node's ``meta["commfuse"]``."""
+    kinds = {record.site: record.kind for record in report.REPORT.sites}
+    for node in gm.graph.find_nodes(op="call_function", target=P2P):
+        if len(node.args) < 7 and "label" not in node.kwargs:
+            where = node.meta["commfuse"]
+            label = f"site {where['site']} step {where['step']} ({kinds[where['site']]})"
+            node.args = (*node.args, label)
+    gm.recompile()
+
+
+def _rank(rank: int, world_size: int, port: int, fault: str, conn) -> None:
+    """One rank: a good run, then the fault (on ``FAULTY``) or a run that must fail."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=TIMEOUT_S),
+    )
+    case = AgMm(shard=(2, 4), dim=0, consumers=1, bias=False)
+    inputs = case.inputs(rank, seed=0, n=world_size)
+    gm = commfuse_compile.apply(trace(case, world_size, inputs), schedule="ring", inner="eager")
+    label_missing_steps(gm)
+    gm(*inputs)
+    if rank == FAULTY:
+        if fault == "dies":
+            os._exit(1)
+        time.sleep(10 * TIMEOUT_S)  # stalls: the test kills it first
+    start = time.monotonic()
+    try:
+        gm(*inputs)
+        outcome = "no error"
+    except P2PError as err:
+        outcome = str(err)
+    conn.send((outcome, time.monotonic() - start))
+    os._exit(0)  # no teardown handshake with a dead peer
+
+
+@pytest.mark.parametrize(("fault", "world_size"), [("dies", 3), ("stalls", 2)])
+def test_surviving_ranks_raise_naming_site_and_step_within_the_timeout(fault, world_size):
+    ctx = mp.get_context("spawn")
+    port, procs, conns = free_port(), [], {}
+    for rank in range(world_size):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_rank, args=(rank, world_size, port, fault, child))
+        proc.start()
+        procs.append(proc)
+        conns[rank] = parent
+    try:
+        for rank, conn in conns.items():
+            if rank == FAULTY:
+                continue
+            assert conn.poll(120), f"rank {rank} hangs after its peer {fault}"
+            outcome, elapsed = conn.recv()
+            assert STEP_LABEL.search(outcome), outcome
+            assert f"[{FAULTY}]" in outcome  # every ring step of 2 or 3 ranks involves it
+            assert "init_process_group(timeout=...)" in outcome
+            assert elapsed < TIMEOUT_S + 3, (rank, elapsed)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.join()
