@@ -25,6 +25,15 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+# read a tensor's metadata, not its data (dynamic-shape graphs take sizes with these)
+SIZE_READERS = frozenset(
+    {
+        aten.sym_size.int,
+        aten.sym_stride.int,
+        aten.sym_numel.default,
+        aten.sym_storage_offset.default,
+    }
+)
 TRANSPOSES = frozenset({aten.t.default, aten.permute.default, aten.transpose.int})
 PASS_THROUGH = (
     VIEWS
@@ -73,8 +82,8 @@ class Matmul:
         return Matmul(node, _arg(node, form.a, "mat1"), _arg(node, form.b, "mat2"), bias)
 
     @property
-    def out_shape(self) -> tuple[int, ...]:
-        return dims.concrete(val(self.node).shape, f"output of {self.node.name}")
+    def out_shape(self) -> tuple[dims.Size, ...]:
+        return dims.sizes(val(self.node).shape)
 
 
 def val(node: Node) -> torch.Tensor:
@@ -86,6 +95,11 @@ def val(node: Node) -> torch.Tensor:
 
 def is_matmul(node: Node) -> bool:
     return node.op == "call_function" and (node.target in MATMULS or node.target in OTHER_MATMULS)
+
+
+def data_users(node: Node) -> list[Node]:
+    """The users that read ``node``'s values, not only its sizes."""
+    return [user for user in node.users if user.target not in SIZE_READERS]
 
 
 @dataclasses.dataclass
@@ -113,7 +127,7 @@ class AgMmSite:
     group_name: str
     group_size: int
     gather_dim: int  # dim of the logical gathered tensor the shards are concatenated on
-    gathered_shape: tuple[int, ...]
+    gathered_shape: tuple[dims.Size, ...]
     uses: list[GatherUse]
     chain: list[Node]  # nodes between the waits and the matmuls
     unmatched: list[str]  # matmul users left on the gathered tensor, and why
@@ -129,7 +143,7 @@ class AgMmSite:
             "group": self.group_name,
             "group_size": self.group_size,
             "gather_dim": self.gather_dim,
-            "gathered_shape": list(self.gathered_shape),
+            "gathered_shape": dims.as_json(self.gathered_shape),
             "matmuls": [u.mm.node.name for u in self.uses],
             "roles": {u.mm.node.name: u.role for u in self.uses},
             "unmatched": list(self.unmatched),
@@ -148,7 +162,7 @@ class MmRsSite:
     group_name: str
     group_size: int
     scatter_dim: int  # dim of the product's (viewed) shape that is scattered
-    product_shape: tuple[int, ...]  # the product as the reduce-scatter sees it
+    product_shape: tuple[dims.Size, ...]  # the product as the reduce-scatter sees it
     columns: bool  # scatter dim is the product's last (N) dim
     chain: list[Node]
     declined: str | None = None
@@ -163,7 +177,7 @@ class MmRsSite:
             "group": self.group_name,
             "group_size": self.group_size,
             "scatter_dim": self.scatter_dim,
-            "product_shape": list(self.product_shape),
+            "product_shape": dims.as_json(self.product_shape),
             "matmuls": [t.node.name for t in self.terms],
             "blocks": "columns" if self.columns else "rows",
         }
@@ -241,7 +255,7 @@ def _match_gather(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite |
         _check_tensor(shard, "gathered shard")
         if n < 2:
             raise decline("group of size 1: nothing to communicate")
-        site.gathered_shape = dims.concrete(val(gathered[0][0]).shape, "gathered tensor")
+        site.gathered_shape = dims.sizes(val(gathered[0][0]).shape)
         for node, _, chain in gathered:
             site.chain += chain
             _collect_uses(site, node)
@@ -258,13 +272,13 @@ def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
     all_gather_into_tensor concatenates on dim 0; DTensor gathers any other dim g by
     ``cat(split(out, s0), dim=g)``. Longest form first; otherwise the gather dim is 0.
     """
-    users = list(wait.users)
+    users = data_users(wait)
     if len(users) == 1 and users[0].target is aten.split.Tensor:
         split = users[0]
         parts = _ordered_getitems(split, n)
         dim = _arg(split, 2, "dim", 0)
         if parts is not None and dim == 0:
-            cats = {u for p in parts for u in p.users}
+            cats = {u for p in parts for u in data_users(p)}
             if len(cats) == 1:
                 cat = cats.pop()
                 if cat.target is aten.cat.default and list(_arg(cat, 0, "tensors")) == parts:
@@ -276,7 +290,7 @@ def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
 def _ordered_getitems(split: Node, n: int) -> list[Node] | None:
     parts: dict[int, Node] = {}
     for u in split.users:
-        if u.target is not operator.getitem or len(u.users) != 1:
+        if u.target is not operator.getitem or len(data_users(u)) != 1:
             return None
         parts[_arg(u, 1, "index")] = u
     if sorted(parts) != list(range(n)):
@@ -315,9 +329,9 @@ def _collect_uses(site: AgMmSite, gathered: Node) -> None:
 
 def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
     """Record ``mm`` as a use if the gathered dim lands in the rows of ``g2d``."""
-    rows, cols = dims.concrete(val(g2d).shape, f"operand of {mm.node.name}")
+    rows, cols = dims.sizes(val(g2d).shape)
     j = dims.row_split(site.gathered_shape, rows, cols)
-    contiguous = math.prod(site.gathered_shape[: site.gather_dim]) == 1
+    contiguous = dims.equal(math.prod(site.gathered_shape[: site.gather_dim]), 1)
     problem = None
     if not mm.node.users:
         problem = "its product is never read"
@@ -334,7 +348,7 @@ def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
         problem = "a bias on a contracted product"
     elif role == "rows" and mm.bias is not None and not _bias_is_row_broadcast(mm.bias):
         problem = "bias has a row dim"
-    elif role == "contract" and tuple(val(mm.b).shape)[:1] != (rows,):
+    elif role == "contract" and not dims.equal(val(mm.b).shape[0], rows):
         problem = f"its other operand does not have {rows} rows"
     if problem:
         site.unmatched.append(f"{mm.node.name} ({role}): {problem}")
@@ -401,22 +415,28 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
             raise decline(f"reduce op {reduce_op!r} is not 'sum'")
         if site.group_size < 2:
             raise decline("group of size 1: nothing to communicate")
-        shape = site.product_shape = dims.concrete(val(scattered).shape, "reduce-scatter input")
-        if shape[g] % site.group_size:
+        shape = site.product_shape = dims.sizes(val(scattered).shape)
+        if not dims.divisible(shape[g], site.group_size):
+            if dims.is_symbolic(shape[g : g + 1]):
+                raise decline(
+                    f"scattered dim {g} of symbolic size {shape[g]} is not provably "
+                    f"divisible by {n} (no guard is added)"
+                )
             raise decline(f"scattered dim {g} of size {shape[g]} is not divisible by {n}")
         rows, cols = terms[0].out_shape
         for term in terms:
-            if len(term.node.users) != 1:
+            if len(data_users(term.node)) != 1:
                 raise decline(f"product {term.node.name} is also used outside the reduce-scatter")
             _check_tensor(term.node, "matmul output")
             if _has_zero_size_dim(term):
                 raise decline(f"{term.node.name} has a zero-size dim: nothing to overlap")
-            if term.out_shape != (rows, cols):
+            if not dims.same_shape(term.out_shape, (rows, cols)):
                 raise decline(f"the summed matmuls have different shapes ({term.node.name})")
             if term.bias is not None and not _bias_is_row_broadcast(term.bias):
                 raise decline(f"bias of {term.node.name} has a row dim")
-        site.columns = g == len(shape) - 1 and shape[-1] == cols
-        if not site.columns and (shape[-1] != cols or math.prod(shape[:-1]) != rows):
+        site.columns = g == len(shape) - 1 and dims.equal(shape[-1], cols)
+        rows_match = dims.equal(shape[-1], cols) and dims.equal(math.prod(shape[:-1]), rows)
+        if not site.columns and not rows_match:
             raise decline(
                 f"scattered dim {g} of {list(shape)} is neither a row block nor the column "
                 f"dim of the [{rows}, {cols}] product"
@@ -429,12 +449,12 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
 def _through_views(node: Node, chain: list[Node]) -> Node:
     """The producer of ``node`` behind single-user views and transposes that cancel in
     pairs (AOTAutograd writes a weight gradient as ``t(t(mm(...)))``), added to ``chain``."""
-    while len(node.users) == 1:
+    while len(data_users(node)) == 1:
         source = _arg(node, 0, "self")
         if node.target in VIEWS:
             chain.append(node)
             node = source
-        elif is_transpose_2d(node) and is_transpose_2d(source) and len(source.users) == 1:
+        elif is_transpose_2d(node) and is_transpose_2d(source) and len(data_users(source)) == 1:
             chain += [node, source]
             node = _arg(source, 0, "self")
         else:
@@ -453,7 +473,8 @@ def _sum_of_matmuls(node: Node) -> tuple[list[Matmul], list[Node]]:
     terms, between = [], [node]
     for arg in node.args[:2]:
         source = _through_views(arg, between)  # type: ignore[arg-type]
-        sub_terms, sub_between = _sum_of_matmuls(source) if len(source.users) == 1 else ([], [])
+        single = len(data_users(source)) == 1
+        sub_terms, sub_between = _sum_of_matmuls(source) if single else ([], [])
         if not sub_terms:
             return [], []
         terms += sub_terms
@@ -521,7 +542,7 @@ def _view_sources(node: Node) -> Iterable[Node]:
 
 def _bias_is_row_broadcast(bias: Node) -> bool:
     shape = val(bias).shape
-    return len(shape) < 2 or shape[0] == 1
+    return len(shape) < 2 or dims.equal(shape[0], 1)
 
 
 def _has_zero_size_dim(mm: Matmul) -> bool:
@@ -535,7 +556,6 @@ def _check_tensor(node: Node, what: str) -> None:
     value = val(node)
     if value.dtype not in FLOAT_DTYPES:
         raise decline(f"{what} has dtype {value.dtype}; only floating point is decomposed")
-    dims.concrete(value.shape, what)
 
 
 def _is_mutating(node: Node) -> bool:
