@@ -164,11 +164,13 @@ def test_p2p_peers_are_ring_neighbours(case, send_peer, recv_peer):
     gm = build(case)
     rewrite_one(gm)
     tags = set()
-    for node in calls(gm, P2P):
-        sends, send_peers, recv_like, recv_peers, tag, group_name = node.args
+    (record,) = report.REPORT.sites[-1:]
+    for step, node in enumerate(calls(gm, P2P)):
+        sends, send_peers, recv_like, recv_peers, tag, group_name, label = node.args
         assert (len(sends), len(recv_like)) == (1, 1)
         assert (send_peers, recv_peers) == ([send_peer], [recv_peer])
         assert group_name == dist.group.WORLD.group_name
+        assert label == f"site {record.site} step {step} ({record.kind})"  # named in errors
         tags.add(tag)
     assert len(tags) == 1  # one tag per site: the ring's messages cannot mix with another's
 

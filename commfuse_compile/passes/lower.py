@@ -584,6 +584,7 @@ def _issue(
             [group.peer(t.peer) for t in recvs],
             tag,
             group.name,
+            f"site {rw.site_id} step {step} ({rw.site.kind})",
         ),
         step=step,
         lane="comm",
