@@ -118,6 +118,7 @@ class Preset:
     block_schedules: tuple[str, ...] | None  # rows of the block (None: every row)
     block_reps: int
     calibrate_reps: int
+    rate_reps: int = 3  # calls per try while choosing a link rate
 
 
 QUICK = Preset(
@@ -156,9 +157,9 @@ class _Site:
     graph: torch.fx.GraphModule  # the site as DTensor writes it, traced to aten
     inputs: list[torch.Tensor]
     matmul: Callable[[], object]  # the site's matmul alone, unsplit
-    comm: Callable[[], object]  # the site's collective alone
+    collective: Callable[[], object]  # the site's collective alone (gloo's own algorithm)
+    message: torch.Tensor  # the bytes the collective must send per rank, as one tensor
     flops: float  # of this rank's matmul
-    sent_bytes: int  # what this rank sends in the collective (ring algorithm)
 
 
 def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
@@ -167,6 +168,8 @@ def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
     group = dist.group.WORLD.group_name  # type: ignore[union-attr]
     s, d, f = shape.seq, shape.dim, shape.ffn
     gen = torch.Generator().manual_seed(1000 + rank)
+    block = (s // n) * d  # elements of one rank's block (a shard, or a partial sum)
+    message = torch.randn((n - 1) * block, generator=gen)  # n-1 blocks leave each rank
     if kind == "ag_mm":
         x, w = torch.randn(1, s // n, d, generator=gen), torch.randn(d, f // n, generator=gen)
         gathered = torch.randn(s, d, generator=gen)
@@ -180,9 +183,9 @@ def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
             graph=make_fx(gather_program, tracing_mode="fake")(x, w),
             inputs=[x, w],
             matmul=lambda: torch.mm(gathered, w),
-            comm=lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)),
+            collective=lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)),
+            message=message,
             flops=2.0 * s * d * (f // n),
-            sent_bytes=x.numel() * x.element_size() * (n - 1),
         )
     a, w = torch.randn(s, f // n, generator=gen), torch.randn(f // n, d, generator=gen)
     product = torch.randn(n, s // n, d, generator=gen)
@@ -196,10 +199,35 @@ def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
         graph=make_fx(scatter_program, tracing_mode="fake")(a, w),
         inputs=[a, w],
         matmul=lambda: torch.mm(a, w),
-        comm=lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(product, "sum", n, group)),
+        collective=lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(product, "sum", n, group)),
+        message=message,
         flops=2.0 * s * (f // n) * d,
-        sent_bytes=product.numel() * product.element_size() * (n - 1) // n,
     )
+
+
+def _comm(site: _Site, overlap: Callable[[], object] | None = None) -> None:
+    """The site's communication as the link sees it at best: the n-1 blocks each rank
+    must send (an all-gather's or a reduce-scatter's ring traffic), sent to the next rank
+    in one batch, nothing computed. With ``overlap``: that runs while the bytes travel
+    (the machine's own overlap, no schedule; the result is not the site's).
+
+    The receive is posted first: gloo sends a message only once the peer has announced
+    its receive, and an announcement queued behind this rank's own outgoing megabytes
+    (a send started before the receive was posted) serializes the two directions
+    (measured: a 4 MiB exchange at 1 Gbit/s takes 34 ms receive-first, 66 ms send-first).
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    received = torch.empty_like(site.message)
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.irecv, received, (rank - 1) % n),
+            dist.P2POp(dist.isend, site.message, (rank + 1) % n),
+        ]
+    )
+    if overlap is not None:
+        overlap()
+    for work in works:
+        work.wait()
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -235,14 +263,9 @@ def _site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
 def site_alone(rank: int, n: int, kind: str, shape: SiteShape, reps: int) -> dict[str, Any]:
     """Job: the matmul alone and the collective alone (to choose the link rate)."""
     site = _site(kind, shape, n, rank)
-    times = _interleaved({"matmul": site.matmul, "comm": site.comm}, 1, reps)
-    return {"times": times, "flops": site.flops, "sent_bytes": site.sent_bytes}
-
-
-def comm_alone(rank: int, n: int, kind: str, shape: SiteShape, reps: int) -> dict[str, Any]:
-    """Job: the collective alone."""
-    site = _site(kind, shape, n, rank)
-    return _interleaved({"comm": site.comm}, 1, reps)
+    times = _interleaved({"matmul": site.matmul, "comm": lambda: _comm(site)}, 1, reps)
+    sent = site.message.numel() * site.message.element_size()
+    return {"times": times, "flops": site.flops, "sent_bytes": sent}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,6 +279,7 @@ class SiteJob:
     breakdown_reps: int = 3
 
 
+OVERLAP_PROBE = "both at once"  # the machine's own overlap: see ``_comm``
 NODE_CATEGORIES = ("matmul", "comm issue", "comm wait", "other")
 
 
@@ -291,7 +315,12 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
     from .api import apply
 
     site = _site(job.kind, job.shape, n, rank)
-    fns: dict[str, Callable[[], object]] = {"matmul alone": site.matmul, "comm alone": site.comm}
+    fns: dict[str, Callable[[], object]] = {
+        "matmul alone": site.matmul,
+        "comm alone": lambda: _comm(site),
+        "collective alone": site.collective,
+        OVERLAP_PROBE: lambda: _comm(site, overlap=site.matmul),
+    }
     rows: dict[str, dict[str, Any]] = {}
     graphs: dict[str, torch.fx.GraphModule] = {}
     for row in job.rows:
@@ -545,10 +574,10 @@ def run(
             rate, tries = math.inf, []
             if throttled:
                 progress.stage(f"{kind} {shape.label} ratio {ratio:g}: choosing the link rate")
-                rate, tries = _choose_rate(network, ranks, kind, shape, ratio, preset.reps)
+                rate, tries = _choose_rate(network, ranks, kind, shape, ratio, preset.rate_reps)
             profile = _profile_file(base, rate, out / "profiles" / f"cell{index:02d}.json")
             progress.stage(
-                f"{kind} {shape.label} ratio {ratio:g}: {len(rows) + 2} rows x "
+                f"{kind} {shape.label} ratio {ratio:g}: {len(rows) + 3} rows x "
                 f"{preset.warmup}+{preset.reps} at {rate / 1e6:.0f} Mbit/s"
             )
             job = SiteJob(kind, shape, tuple(rows), profile, preset.warmup, preset.reps)
@@ -594,23 +623,25 @@ def _run_block(
     sites = ranks.run(block_compile, BlockJob(shape, (baseline,), None))[0]
     label = baseline.label
 
-    def step_s(reps: int) -> float:
-        per_rank = ranks.run(block_times, [label], 1, reps)
-        return statistics.median(slowest(per_rank)[label])
+    def step_s(rate: float | None) -> float:
+        network.set_rate(rate)
+        return slowest(ranks.run(block_times, [label], 0, 1))[label][0]
 
-    compute_s = step_s(preset.block_reps)
-    rate, comm_s = math.inf, 0.0
+    rate = math.inf
+    compute_s = statistics.median(step_s(None) for _ in range(3))
     if network.topology != "none":
-        # The step's communication at some rate, then the rate that makes it the target.
-        target = preset.block_ratio * compute_s
+        # The step's communication = throttled minus unthrottled step, alternated so that
+        # both see the same machine; then the rate that makes it the target.
         rate = REFERENCE_RATE
         for _ in range(MAX_RATE_TRIES):
             progress.stage(f"block: communication at {rate / 1e6:.0f} Mbit/s")
-            network.set_rate(rate)
-            comm_s = max(step_s(3) - compute_s, 1e-4)
-            if abs(comm_s / target - 1) <= RATE_TOLERANCE * 2:
+            pairs = [(step_s(None), step_s(rate)) for _ in range(3)]
+            compute_s = statistics.median(free for free, _ in pairs)
+            comm_s = statistics.median(slow - free for free, slow in pairs)
+            target = preset.block_ratio * compute_s
+            if abs(comm_s / target - 1) <= 2 * RATE_TOLERANCE:
                 break
-            rate *= comm_s / target
+            rate *= min(max(comm_s / target, 1 / 8), 8)
         network.set_rate(rate)
     profile = _profile_file(base, rate, out / "profiles" / "block.json")
     progress.stage(f"block: compiling {', '.join(v.label for v in others)}")

@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .bench import BlockShape, SiteShape, Variant, slowest, summary
+from .bench import OVERLAP_PROBE, BlockShape, SiteShape, Variant, slowest, summary
 
 KIND_TITLES = {"ag_mm": "all-gather -> matmul", "mm_rs": "matmul -> reduce-scatter"}
 OVERLAP_LIMIT = 1.15  # targets of the issue
@@ -37,6 +37,7 @@ def site_cell(
     """One (site, size, ratio) cell from every rank's ``measure_site`` result."""
     times = slowest([r["times"] for r in per_rank])
     matmul, comm = summary(times["matmul alone"]), summary(times["comm alone"])
+    collective = summary(times["collective alone"])
     limit = max(matmul["median"], comm["median"])
     baseline = statistics.median(times[rows[0].label])
     out_rows = []
@@ -60,6 +61,7 @@ def site_cell(
             }
         )
     t_mm, t_comm = matmul["median"], comm["median"]
+    probe = summary(times[OVERLAP_PROBE])
     return {
         "kind": kind,
         "shape": dataclasses.asdict(shape),
@@ -70,7 +72,9 @@ def site_cell(
         "rate_tries": rate_tries,  # how the rate was found: matmul and comm alone per try
         "matmul_alone": matmul,
         "comm_alone": comm,
+        "collective_alone": collective,
         "limit_s": limit,
+        "overlap_probe": {**probe, "vs_limit": probe["median"] / limit},
         # The best any schedule with n blocks can do: one block's matmul cannot overlap.
         "n_block_bound_s": t_mm / n + max(t_mm * (n - 1) / n, t_comm),
         "rows": out_rows,
@@ -132,29 +136,42 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     n = results["meta"]["world_size"]
     targets = []
 
-    checked, misses = [], []
-    for cell in (c for c in cells if c["ratio"] == 1.0):
-        rows = _rows_by_label(cell)
-        for label in ("ring", "bidir"):
-            if label not in rows:
-                continue
-            row = rows[label]
-            line = (
-                f"{_where(cell)} {label}: {row['vs_limit']:.2f}x limit, "
-                f"{row['speedup']:.2f}x over baseline (n-block bound "
-                f"{cell['n_block_bound_s'] / cell['limit_s']:.2f}x limit)"
+    # "comm/compute = 1" read two ways: the site's communication alone takes as long as its
+    # matmul alone (then no schedule of n blocks beats 1 + 1/n times the limit: the last
+    # block's matmul has nothing left to hide), or, as in SPEC.md's cost model, one
+    # block's message takes one block's matmul (m = c): the communication alone is then
+    # (n-1)/n of the matmul alone, and the ring can overlap perfectly.
+    for reading, ratio in (
+        ("comm alone = matmul alone", 1.0),
+        (
+            f"per ring step m = c (SPEC.md), i.e. comm alone / matmul alone = {(n - 1) / n:g}",
+            (n - 1) / n,
+        ),
+    ):
+        checked, misses = [], []
+        for cell in (c for c in cells if math.isclose(c["ratio"], ratio)):
+            rows = _rows_by_label(cell)
+            for label in ("ring", "bidir"):
+                if label not in rows:
+                    continue
+                row = rows[label]
+                line = (
+                    f"{_where(cell)} {label}: {row['vs_limit']:.2f}x limit, "
+                    f"{row['speedup']:.2f}x over baseline (best with n blocks "
+                    f"{cell['n_block_bound_s'] / cell['limit_s']:.2f}x limit, both at once "
+                    f"{cell['overlap_probe']['vs_limit']:.2f}x limit)"
+                )
+                checked.append(line)
+                if row["vs_limit"] > OVERLAP_LIMIT or (n == 2 and row["speedup"] < RING_SPEEDUP):
+                    misses.append(line)
+        targets.append(
+            _target(
+                f"ring and bidir at comm/compute = 1 ({reading}): within {OVERLAP_LIMIT}x of "
+                f"max(matmul, comm) and >= {RING_SPEEDUP}x faster than the baseline (n = 2)",
+                checked,
+                misses,
             )
-            checked.append(line)
-            if row["vs_limit"] > OVERLAP_LIMIT or (n == 2 and row["speedup"] < RING_SPEEDUP):
-                misses.append(line)
-    targets.append(
-        _target(
-            f"ring and bidir at comm/compute = 1: within {OVERLAP_LIMIT}x of max(matmul, comm) "
-            f"and >= {RING_SPEEDUP}x faster than the baseline (n = 2)",
-            checked,
-            misses,
         )
-    )
 
     checked, misses = [], []
     for cell in (c for c in cells if c["ratio"] >= 0.5):
@@ -253,7 +270,9 @@ def format_cell(cell: dict[str, Any]) -> str:
         f"(measured {cell['measured_ratio']:.2f})  link "
         + (f"{rate / 1e6:.0f} Mbit/s" if rate else "UNTHROTTLED")
         + f"\n  matmul alone {_ms(cell['matmul_alone']['median'])} ms, comm alone "
-        f"{_ms(cell['comm_alone']['median'])} ms, n-block bound "
+        f"{_ms(cell['comm_alone']['median'])} ms (gloo's collective "
+        f"{_ms(cell['collective_alone']['median'])} ms); both at once "
+        f"{cell['overlap_probe']['vs_limit']:.2f}x limit, best with n blocks "
         f"{cell['n_block_bound_s'] / cell['limit_s']:.2f}x limit"
     )
     lines = [
@@ -330,9 +349,16 @@ def _setting(results: dict[str, Any]) -> list[str]:
         f"* {meta['world_size']} gloo ranks, 1 torch thread each; per cell every row runs "
         f"{meta['warmup']} warm-up + {meta['reps']} timed calls, interleaved; a call's time is "
         "the slowest rank's (all start on a barrier); median reported, min and max kept",
+        "* comm alone = the bytes the collective must move (n-1 blocks per rank, the ring "
+        "algorithm's traffic) sent as P2P in one batch, nothing computed: the link time of "
+        "the site; collective alone = gloo's collective alone (its reduce-scatter sends "
+        "every rank the whole product, twice a ring's bytes for n = 2); comm/compute = comm "
+        "alone / matmul alone, set by the link rate",
         "* speedup = baseline median / row median; / limit = row median / max(matmul alone, "
-        "comm alone), 1.00 = perfect overlap; predicted = the cost model's time for what ran "
-        "(profile: `commfuse calibrate` run on this link, bandwidth scaled to each cell's rate)",
+        "comm alone), 1.00 = perfect overlap; both at once = comm alone started, the whole "
+        "matmul run, then waited (no schedule: how much this machine overlaps at all); "
+        "predicted = the cost model's time for what ran (profile: `commfuse calibrate` run "
+        "on this link, bandwidth scaled to each cell's rate)",
     ]
     return lines
 
@@ -353,8 +379,9 @@ def markdown(results: dict[str, Any]) -> str:
             f"### {title}",
             "",
             "| size | comm/compute (measured) | link Mbit/s | matmul alone ms | comm alone ms "
-            "| row | median ms | min-max ms | speedup | / limit | predicted ms |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| collective alone ms | both at once / limit | row | median ms | min-max ms "
+            "| speedup | / limit | predicted ms |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for cell in cells:
             rate = cell["rate_bits_per_s"]
@@ -364,6 +391,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{rate / 1e6:.0f}" if rate else "unthrottled",
                 _ms(cell["matmul_alone"]["median"]),
                 _ms(cell["comm_alone"]["median"]),
+                _ms(cell["collective_alone"]["median"]),
+                f"{cell['overlap_probe']['vs_limit']:.2f}",
             ]
             for i, row in enumerate(cell["rows"]):
                 lines.append(

@@ -75,7 +75,7 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     assert all(row["median_s"] > 0 for row in block["rows"])
     assert block["rows"][0]["sites"]["rewritten"] == 0
     assert next(r for r in block["rows"] if r["label"] == "ring")["sites"]["rewritten"] > 0
-    assert len(results["targets"]) == 4
+    assert len(results["targets"]) == 5
     assert all(t["reached"] in (True, False, None) for t in results["targets"])
 
     markdown = (out / "results.md").read_text()
