@@ -135,14 +135,17 @@ class MmRs:
         return program
 
 
-def trace(case, n: int, inputs: list[torch.Tensor]) -> torch.fx.GraphModule:
-    return make_fx(case.fn(n), tracing_mode="fake")(*inputs)
+def trace(
+    case, n: int, inputs: list[torch.Tensor], tracing_mode: str = "fake"
+) -> torch.fx.GraphModule:
+    """``tracing_mode="symbolic"``: every size a symbol, as under dynamic shapes."""
+    return make_fx(case.fn(n), tracing_mode=tracing_mode)(*inputs)
 
 
-def run_case(rank: int, n: int, case, seed: int, options: dict) -> dict:
+def run_case(rank: int, n: int, case, seed: int, options: dict, tracing_mode: str = "fake") -> dict:
     """On one gloo rank: original vs rewritten graph outputs and the pass's records."""
     inputs = case.inputs(rank, seed, n) if isinstance(case, AgMm) else case.inputs(rank, seed)
-    gm = trace(case, n, inputs)
+    gm = trace(case, n, inputs, tracing_mode)
     expected = gm(*inputs)
     rewritten = commfuse_compile.apply(copy.deepcopy(gm), **options)
     actual = rewritten(*inputs)

@@ -1,8 +1,9 @@
 """The rewritten graph computes the numbers of the original, on real gloo ranks.
 
 Property tests: hypothesis draws shapes, dtypes, collective dims, bias, consumers, world
-sizes and the schedule (ring, bidirectional ring, push, or slicing into 2 or 3 chunks);
-every rank traces the same program,
+sizes, the schedule (ring, bidirectional ring, push, or slicing into 2 or 3 chunks) and,
+for all-gathers, static or symbolic sizes (dynamic shapes); every rank traces the same
+program,
 runs the original (real collective) and the rewritten graph (P2P steps) on the same
 inputs, and compares.
 Splitting a matmul into row or column blocks keeps each output element's dot product,
@@ -32,9 +33,9 @@ SCHEDULES = [*STEPS_WITH_P2P, "slicing"]
 SUM_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
 
-def _run(pool, case, seed, schedule="ring", slices=2):
+def _run(pool, case, seed, schedule="ring", slices=2, tracing_mode="fake"):
     options = {"schedule": schedule} | ({"slices": slices} if schedule == "slicing" else {})
-    results = pool.run(run_case, case, seed, options)
+    results = pool.run(run_case, case, seed, options, tracing_mode)
     for out in results:
         if schedule == "slicing":  # one collective per chunk, no P2P
             assert (out["collectives_left"], out["p2p"]) == (slices, 0)
@@ -70,7 +71,10 @@ def gather_cases(draw):
         extra_user=draw(st.booleans()),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
     )
-    return n, case, draw(st.integers(0, 10_000)), schedule, k
+    # symbolic: every size a symbol (dynamic shapes); slicing's chunks of a symbolic shard
+    # are not provably equal, so it declines there (tests/test_dynamic.py)
+    symbolic = draw(st.booleans()) and schedule != "slicing"
+    return n, case, draw(st.integers(0, 10_000)), schedule, k, symbolic
 
 
 @st.composite
@@ -102,11 +106,12 @@ def scatter_cases(draw):
 def test_all_gather_matmul_matches(ranks, example):
     """Every matmul output matches up to summation order; the rebuilt gathered tensor
     (the extra user) is bit-exact: it is the same bytes, moved by P2P instead."""
-    n, case, seed, schedule, k = example
+    n, case, seed, schedule, k, symbolic = example
     if case.consumers + case.contract + case.columns + case.left == 0:
         case = dataclasses.replace(case, consumers=1)
     rtol, atol = SUM_TOLERANCE[case.dtype]
-    for out in _run(ranks(n), case, seed, schedule, k):
+    mode = "symbolic" if symbolic else "fake"
+    for out in _run(ranks(n), case, seed, schedule, k, mode):
         assert len(out["actual"]) == len(out["expected"])
         pairs = list(zip(out["actual"], out["expected"], strict=True))
         if case.extra_user:
