@@ -24,9 +24,9 @@ For schedules ring and bidir:
    claim, and every P2P output is unpacked by one getitem that one ``wait_tensor`` reads;
 5. the rewritten graph runs on fake tensors (``FakeTensorProp``) to the original outputs'
    shapes and dtypes, and every node's ``meta["val"]`` agrees with what it computes;
-6. every collective next to a mm/addmm through view/transpose/copy/cast/reassembly ops
-   (an all-gather's value flowing into one, or a reduce-scatter's input flowing out of
-   one) is in exactly one record: no silent misses;
+6. every collective next to a mm/addmm through view/transpose/copy/cast/reassembly/
+   slice/pad ops (an all-gather's value flowing into one, or a reduce-scatter's input
+   flowing out of one) is in exactly one record: no silent misses;
 7. on real gloo ranks (a sample: world sizes 2-4, programs the pass rewrites something
    in and that gloo can run), the rewritten graph computes the original's values up to
    summation order.
@@ -74,7 +74,7 @@ WAIT = c10d.wait_tensor.default
 ALL_GATHER = c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
 MATMULS = frozenset({aten.mm.default, aten.addmm.default})
-# op kinds a collective reaches a matmul through (property 6): layout, copy, cast, reassembly
+# what a collective reaches a matmul through (property 6): layout, copy, cast, reassembly, pad
 NEXT_TO = frozenset(
     {
         aten.view.default,
@@ -89,6 +89,8 @@ NEXT_TO = frozenset(
         aten.split.Tensor,
         aten.cat.default,
         operator.getitem,
+        aten.slice.Tensor,  # DTensor's unpadding of uneven shards
+        aten.constant_pad_nd.default,  # and its padding
     }
 )
 
@@ -753,8 +755,11 @@ def test_random_programs_compute_the_same_values_on_gloo(ranks, recipe, schedule
     with fake_world(recipe.world, recipe.rank):
         _, traced = build(recipe)
         assume(runs_on_gloo(recipe, traced))
-        records = rewrite_graph(traced, "forward", Options(schedule=schedule, inner="eager"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            records = rewrite_graph(traced, "forward", Options(schedule=schedule, inner="eager"))
         report.reset()
+    assert internal_errors(caught, records) == []
     assume(any(r.decision == "rewritten" for r in records))  # the graph fuzz covers the rest
     results = ranks(recipe.world).run(run_recipe_on_rank, recipe, schedule, data_seed)
     assume(all(result is not None for result in results))

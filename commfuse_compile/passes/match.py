@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
+from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
 
 from ..report import Declined, decline
@@ -45,6 +46,8 @@ PASS_THROUGH = (
         aten.clone.default,
         aten._to_copy.default,
         aten.contiguous.default,
+        aten.slice.Tensor,  # DTensor unpads an uneven gather with a slice ...
+        aten.constant_pad_nd.default,  # ... and pads an uneven reduce-scatter
     }
 )
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
@@ -259,6 +262,7 @@ def _match_gather(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite |
         for node, _, chain in gathered:
             site.chain += chain
             _collect_uses(site, node)
+        _drop_matmuls_reading_it_twice(site)
         if not site.uses:
             raise decline("; ".join(site.unmatched) or "no matmul consumes the gathered rows")
     except Declined as why:
@@ -327,6 +331,23 @@ def _collect_uses(site: AgMmSite, gathered: Node) -> None:
                 site.unmatched.append(_between(user))
 
 
+def _drop_matmuls_reading_it_twice(site: AgMmSite) -> None:
+    """``G @ G^T`` (the gathered tensor as both operands) is not a sum or a concatenation
+    of products of one operand's blocks: such a matmul keeps reading G."""
+    own = {*site.waits, *site.chain}
+    twice = {u.mm.node for u in site.uses if _other_operand(u) in own}
+    site.unmatched += [
+        f"{node.name}: reads the gathered tensor as both operands"
+        for node in dict.fromkeys(u.mm.node for u in site.uses if u.mm.node in twice)
+    ]
+    site.uses = [u for u in site.uses if u.mm.node not in twice]
+
+
+def _other_operand(use: GatherUse) -> Node:
+    """The matmul operand that is not (a view or transpose of) the gathered tensor."""
+    return use.mm.b if use.role in ("rows", "contract") else use.mm.a
+
+
 def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
     """Record ``mm`` as a use if the gathered dim lands in the rows of ``g2d``."""
     rows, cols = dims.sizes(val(g2d).shape)
@@ -342,6 +363,11 @@ def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
             f"gathered dim {site.gather_dim} of {list(site.gathered_shape)} does not fold "
             f"into the rows of [{rows}, {cols}]"
         )
+    elif not _shard_views_as_rows(site, j):
+        problem = (
+            f"the local shard (strides {list(val(site.shard).stride())}) cannot be viewed as "
+            "2-D blocks without a copy"
+        )
     elif role in ("columns", "contract_left") and not contiguous:
         problem = f"gathered dim {site.gather_dim} is not the outermost: blocks not contiguous"
     elif role in ("contract", "contract_left") and mm.bias is not None:
@@ -356,6 +382,14 @@ def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
     _check_tensor(mm.node, "matmul output")
     assert j is not None
     site.uses.append(GatherUse(mm=mm, row_dims=j, role=role))
+
+
+def _shard_views_as_rows(site: AgMmSite, row_dims: int) -> bool:
+    """The lowering views each block (the local shard too) as 2-D rows x columns: a
+    non-contiguous shard can be only if it has that shape already."""
+    shard = val(site.shard)
+    shape2d = (math.prod(shard.shape[:row_dims]), math.prod(shard.shape[row_dims:]))
+    return is_contiguous_or_false(shard) or dims.same_shape(shard.shape, shape2d)
 
 
 def is_transpose_2d(node: Node) -> bool:
@@ -406,6 +440,8 @@ def _match_reduce_scatter(rs: Node) -> MmRsSite | None:
         if rewritten:
             site_id = product.meta["commfuse"]["site"]
             raise decline(f"its matmul was rewritten by all-gather site {site_id}")
+        if any(a.target is aten.constant_pad_nd.default for a in (inp, *inp.all_input_nodes)):
+            raise decline("uneven shards: the product is padded to a multiple of the group size")
         if not terms:
             raise decline(
                 f"reduce-scatter input is {product.name} ({_op_name(product)}) of a matmul, "
