@@ -52,13 +52,7 @@ class Options:
             )
         _check_choice("schedule", given.get("schedule", "auto"), SCHEDULES)
         _check_choice("inner", given.get("inner", "inductor"), INNER_COMPILERS)
-        debug_dir = given.get("debug_dir")
-        if debug_dir is None:
-            debug_dir = os.environ.get(DEBUG_DIR_ENV) or None
-        if debug_dir is not None and not isinstance(debug_dir, (str, os.PathLike)):
-            raise CommfuseOptionError(
-                f"commfuse: option 'debug_dir' must be a path, got {debug_dir!r}"
-            )
+        debug_dir = _path_or_env(given, "debug_dir", DEBUG_DIR_ENV, "a path")
         given["debug_dir"] = os.fspath(debug_dir) if debug_dir is not None else None
         disable = given.get("disable")
         if disable is None:
@@ -74,13 +68,7 @@ class Options:
                 f"names are {list(DISABLEABLE)}"
             )
         given["disable"] = names
-        profile = given.get("profile")
-        if profile is None:
-            profile = os.environ.get(PROFILE_ENV) or None
-        if profile is not None and not isinstance(profile, (str, os.PathLike)):
-            raise CommfuseOptionError(
-                f"commfuse: option 'profile' must be a profile name or a path, got {profile!r}"
-            )
+        profile = _path_or_env(given, "profile", PROFILE_ENV, "a profile name or a path")
         if profile is not None:
             from .profiles import ProfileError, load
 
@@ -95,6 +83,16 @@ class Options:
                 f"commfuse: option 'slices' must be an integer in 2..{MAX_SLICES}, got {slices!r}"
             )
         return cls(**given)
+
+
+def _path_or_env(given: Mapping[str, Any], name: str, env: str, what: str) -> Any:
+    """The option's value, else the environment variable's; must be ``what`` (a path)."""
+    value = given.get(name)
+    if value is None:
+        value = os.environ.get(env) or None
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise CommfuseOptionError(f"commfuse: option {name!r} must be {what}, got {value!r}")
+    return value
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

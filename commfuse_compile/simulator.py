@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from .profiles import Profile
@@ -110,7 +110,7 @@ def _collective_s(work: Work, p: Profile) -> float:
 def _collective(work: Work, p: Profile) -> Timeline:
     """The unfused pair: an all-gather then one matmul over all blocks, or the matmul
     then a reduce-scatter."""
-    n, events = work.n, []
+    n, events = work.n, list[Event]()
     matmul = work.matmuls_per_block * p.matmul_s(work.block_flops * n / work.matmuls_per_block)
     comm = _collective_s(work, p)
     for r in range(n):
@@ -129,7 +129,7 @@ def _collective(work: Work, p: Profile) -> Timeline:
 
 def _sliced(work: Work, p: Profile, k: int) -> Timeline:
     """k chunk collectives on the comm lane, k chunk matmuls (n blocks each) on compute."""
-    n, events = work.n, []
+    n, events = work.n, list[Event]()
     chunk_compute = n * _block_compute_s(work, p, 1 / k)
     chunk_comm = _collective_s(dataclasses.replace(work, block_bytes=work.block_bytes / k), p)
     gather = work.kind == "gather"
@@ -154,8 +154,30 @@ def _sliced(work: Work, p: Profile, k: int) -> Timeline:
     return Timeline("slicing", events)
 
 
+def _send(
+    work: Work,
+    p: Profile,
+    rank: int,
+    step: int,
+    sends: Sequence[Transfer],
+    ready: list[float],
+    events: list[Event],
+) -> list[tuple[int, float]]:
+    """``rank``'s messages of ``step``, each starting once both ends are ready; adds the
+    step's comm event and returns (destination, arrival) per message."""
+    spans, arrivals = [], []
+    for t in sends:
+        dst = (rank + t.peer) % work.n
+        start = max(ready[rank], ready[dst])
+        end = start + p.message_s(work.block_bytes, sharing=len(sends))
+        spans.append((start, end))
+        arrivals.append((dst, end))
+    events += _comm_event(rank, step, sends, spans)
+    return arrivals
+
+
 def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
-    n, events = work.n, []
+    n, events = work.n, list[Event]()
     plans = [by_name(schedule).gather_steps(r, n) for r in range(n)]
     c = _block_compute_s(work, p)
     now = [0.0] * n
@@ -164,14 +186,8 @@ def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
         done = list(issue)
         for r in range(n):
             step = plans[r][s]
-            spans = []
-            for t in step.sends:
-                dst = (r + t.peer) % n
-                start = max(issue[r], issue[dst])
-                end = start + p.message_s(work.block_bytes, sharing=len(step.sends))
-                spans.append((start, end))
+            for dst, end in _send(work, p, r, s, step.sends, issue, events):
                 done[r], done[dst] = max(done[r], end), max(done[dst], end)
-            events += _comm_event(r, s, step.sends, spans)
             computed = issue[r]
             for b in step.compute:
                 events.append(Event(r, "compute", s, f"matmul block {b}", computed, computed + c))
@@ -182,7 +198,7 @@ def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
 
 
 def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
-    n, events = work.n, []
+    n, events = work.n, list[Event]()
     plans = [by_name(schedule).reduce_steps(r, n) for r in range(n)]
     c, a = _block_compute_s(work, p), p.add_s(work.block_bytes)
     now = [0.0] * n
@@ -206,21 +222,15 @@ def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
         arrivals = list(ready)
         for r in range(n):
             step = plans[r][s]
-            spans = []
-            for t in step.sends:
-                dst = (r + t.peer) % n
-                start = max(ready[r], ready[dst])
-                end = start + p.message_s(work.block_bytes, sharing=len(step.sends))
-                spans.append((start, end))
+            for dst, end in _send(work, p, r, s, step.sends, ready, events):
                 arrivals[dst] = max(arrivals[dst], end)
                 arrivals[r] = max(arrivals[r], end)  # its buffer is waited too
-            events += _comm_event(r, s, step.sends, spans)
         now = ready
     return Timeline(schedule, events)
 
 
 def _comm_event(
-    rank: int, step: int, sends: tuple[Transfer, ...], spans: list[tuple[float, float]]
+    rank: int, step: int, sends: Sequence[Transfer], spans: list[tuple[float, float]]
 ) -> list[Event]:
     """A step's messages leave together (bidir: one to each neighbour): one comm event
     from the first start to the last end, so that a lane never holds overlapping events."""
