@@ -14,9 +14,9 @@ from typing import Any
 
 import torch._logging
 
-# TORCH_LOGS="+commfuse_compile" shows every decision through torch's logging (a short
-# registered name cannot work: torch validates TORCH_LOGS when it is imported, before us).
-log = logging.getLogger("commfuse_compile")
+# TORCH_LOGS="+commfuse" shows every decision through torch's logging (the top-level
+# ``commfuse`` module makes the name acceptable to torch; see its docstring).
+log = logging.getLogger("commfuse")
 
 
 class Declined(Exception):

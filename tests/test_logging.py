@@ -1,0 +1,41 @@
+"""What users see without a debug dir: ``TORCH_LOGS="+commfuse"`` prints every decision,
+and ``TORCH_TRACE`` (what tlparse reads) holds each graph's code before and after."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+PROGRAM = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "tests")
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from cases import AgMm, MmRs, trace
+    from commfuse_compile import Options
+    from commfuse_compile.passes import rewrite_graph
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    for case in (AgMm(), MmRs(op="avg")):
+        rewrite_graph(trace(case, 2, case.inputs(0, 0, 2) if isinstance(case, AgMm)
+                            else case.inputs(0, 0)), "forward",
+                      Options(schedule="ring", inner="eager"))
+    """
+)
+
+
+def test_torch_logs_and_structured_trace(tmp_path):
+    env = dict(os.environ, TORCH_LOGS="+commfuse", TORCH_TRACE=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "commfuse: ag_mm site" in proc.stderr and "rewritten (ring)" in proc.stderr
+    assert "declined: reduce op 'avg' is not 'sum'" in proc.stderr
+    trace = "".join(path.read_text() for path in tmp_path.iterdir())
+    for stage in ("before", "after"):
+        assert f"commfuse_graph000_forward_{stage}" in trace
+    assert "torch.ops.commfuse.p2p.default" in trace  # the rewritten code itself
