@@ -646,7 +646,7 @@ def check_rewrite(gm: GraphModule, schedule: str) -> list[SiteRecord]:
 def quiet_pass_log():
     """Thousands of sites: keep the per-site log lines out of the captured output."""
     assert not dist.is_initialized(), "the fuzzer initializes a fake process group per example"
-    logger = logging.getLogger("commfuse_compile")
+    logger = logging.getLogger("commfuse")
     level = logger.level
     logger.setLevel(logging.ERROR)
     yield
@@ -706,7 +706,7 @@ def run_recipe_on_rank(
 ) -> dict | None:
     """On one gloo rank: the program and its rewrite on the same random inputs (None if
     the program overflows them). ``eps``: of the least precise float dtype in the graph."""
-    logging.getLogger("commfuse_compile").setLevel(logging.ERROR)
+    logging.getLogger("commfuse").setLevel(logging.ERROR)
     recipe = dataclasses.replace(recipe, rank=rank)
     meta = Builder(recipe, lambda shape, dtype: torch.empty(shape, dtype=dtype, device="meta"))
     meta.run()
