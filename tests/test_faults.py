@@ -20,26 +20,12 @@ import torch.multiprocessing as mp
 from cases import AgMm, trace
 
 import commfuse_compile
-from commfuse_compile import report
 from commfuse_compile.p2p import P2PError
 from commfuse_compile.ranks import free_port
 
 TIMEOUT_S = 5.0  # the process group's timeout
 FAULTY = 1  # the rank that dies or stalls
-STEP_LABEL = re.compile(r"site \d+ step \d+ \(ag_mm\)")
-P2P = torch.ops.commfuse.p2p.default
-
-
-def label_missing_steps(gm: torch.fx.GraphModule) -> None:
-    """Give every P2P node that has no label one, as the lowering is to emit it:
-    ``"site <id> step <s> (<kind>)"`` from the node's ``meta["commfuse"]``."""
-    kinds = {record.site: record.kind for record in report.REPORT.sites}
-    for node in gm.graph.find_nodes(op="call_function", target=P2P):
-        if len(node.args) < 7 and "label" not in node.kwargs:
-            where = node.meta["commfuse"]
-            label = f"site {where['site']} step {where['step']} ({kinds[where['site']]})"
-            node.args = (*node.args, label)
-    gm.recompile()
+STEP_LABEL = re.compile(r"site \d+ step \d+ \(ag_mm\)")  # each P2P op's label
 
 
 def _rank(rank: int, world_size: int, port: int, fault: str, conn) -> None:
@@ -55,7 +41,6 @@ def _rank(rank: int, world_size: int, port: int, fault: str, conn) -> None:
     case = AgMm(shard=(2, 4), dim=0, consumers=1, bias=False)
     inputs = case.inputs(rank, seed=0, n=world_size)
     gm = commfuse_compile.apply(trace(case, world_size, inputs), schedule="ring", inner="eager")
-    label_missing_steps(gm)
     gm(*inputs)
     if rank == FAULTY:
         if fault == "dies":
