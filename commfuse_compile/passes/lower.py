@@ -52,7 +52,10 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 P2P = torch.ops.commfuse.p2p.default
-_tags = itertools.count(1)  # distinct per site, same sequence on every rank (SPMD compile)
+# One tag per site, the same sequence on every rank (SPMD compile), counted from high up
+# so that a user's own send/recv on the same group (small tags) never matches ours.
+TAG_BASE = 0x43460000
+_tags = itertools.count(TAG_BASE)
 
 
 @dataclasses.dataclass
