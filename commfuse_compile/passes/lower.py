@@ -296,7 +296,7 @@ def _lower_gather(
 ) -> None:
     n, tag = group.size, next(_tags)
     shard_shape = dims.sizes(val(site.shard).shape)
-    held: dict[int, Node] = {group.rank: site.shard}
+    held: dict[int, Node] = {group.rank: _local_shard(rw, site)}
     products = _GatherProducts(rw, site)
     for s, step in enumerate(schedule.gather_steps(group.rank, n)):
         issue, recvs, sent = _issue(
@@ -353,6 +353,15 @@ def _lower_gather_sliced(
             for b in range(n)
         ]
         _rebuild_gathered(rw, site, shards, last)
+
+
+def _local_shard(rw: Rewrite, site: AgMmSite) -> Node:
+    """The shard as every block is viewed (2-D rows): copied once if it is neither
+    contiguous nor 2-D already (received blocks always are contiguous)."""
+    shard = val(site.shard)
+    if shard.dim() == 2 or is_contiguous_or_false(shard):
+        return site.shard
+    return _contiguous(rw, site.shard, 0)
 
 
 def _rebuild_gathered(rw: Rewrite, site: AgMmSite, shards: list[Node], step: int) -> None:

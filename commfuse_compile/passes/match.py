@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
-from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
 
 from ..report import Declined, decline
@@ -363,11 +362,6 @@ def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
             f"gathered dim {site.gather_dim} of {list(site.gathered_shape)} does not fold "
             f"into the rows of [{rows}, {cols}]"
         )
-    elif not _shard_views_as_rows(site, j):
-        problem = (
-            f"the local shard (strides {list(val(site.shard).stride())}) cannot be viewed as "
-            "2-D blocks without a copy"
-        )
     elif role in ("columns", "contract_left") and not contiguous:
         problem = f"gathered dim {site.gather_dim} is not the outermost: blocks not contiguous"
     elif role in ("contract", "contract_left") and mm.bias is not None:
@@ -382,14 +376,6 @@ def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
     _check_tensor(mm.node, "matmul output")
     assert j is not None
     site.uses.append(GatherUse(mm=mm, row_dims=j, role=role))
-
-
-def _shard_views_as_rows(site: AgMmSite, row_dims: int) -> bool:
-    """The lowering views each block (the local shard too) as 2-D rows x columns: a
-    non-contiguous shard can be only if it has that shape already."""
-    shard = val(site.shard)
-    shape2d = (math.prod(shard.shape[:row_dims]), math.prod(shard.shape[row_dims:]))
-    return is_contiguous_or_false(shard) or dims.same_shape(shard.shape, shape2d)
 
 
 def is_transpose_2d(node: Node) -> bool:
