@@ -122,7 +122,7 @@ class Preset:
     block_schedules: tuple[str, ...] | None  # rows of the block (None: every row)
     block_reps: int
     calibrate_reps: int
-    rate_reps: int = 3  # calls per try while choosing a link rate
+    rate_reps: int = 5  # calls per try while choosing a link rate
 
 
 QUICK = Preset(
