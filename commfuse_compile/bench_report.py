@@ -344,7 +344,8 @@ def _setting(results: dict[str, Any]) -> list[str]:
         f"* machine: {before['cpu']}, {before['cores']} cores, Linux {before['kernel']}, "
         f"Python {before['python']}, torch {before['torch']}",
         f"* load average (1/5/15 min) before {_loads(before)}, after {_loads(after)} "
-        "(above the rank count: the machine was shared)",
+        f"(the benchmark's own ranks make {meta['world_size']}; more means other work shared "
+        "the machine)",
         f"* network: {network['description']}",
         f"* {meta['world_size']} gloo ranks, 1 torch thread each; per cell every row runs "
         f"{meta['warmup']} warm-up + {meta['reps']} timed calls, interleaved; a call's time is "
@@ -492,25 +493,36 @@ COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e3
 PANEL_W, PANEL_H, MARGIN_L, MARGIN_B, MARGIN_T, LEGEND_W = 380, 280, 50, 40, 44, 170
 
 
-def _perfect(ratio: float) -> float:
-    """Speedup of perfect overlap: (matmul + comm) / max(matmul, comm)."""
-    return (1 + ratio) / max(1.0, ratio)
+def _reference(cell: dict[str, Any], what: str) -> float:
+    """The speedup over this cell's measured baseline of perfect overlap (time = limit)
+    or of the best schedule with n blocks (one block's matmul cannot overlap)."""
+    baseline = cell["rows"][0]["median_s"]
+    return baseline / (cell["limit_s"] if what == "perfect" else cell["n_block_bound_s"])
 
 
-def _n_block_bound(ratio: float, n: int) -> float:
-    """Speedup of the best schedule with n blocks: one block's matmul cannot overlap."""
-    return (1 + ratio) / (1 / n + max((n - 1) / n, ratio))
+def _by_ratio(
+    cells: list[dict[str, Any]], ratios: list[float], value: Any
+) -> list[tuple[float, float, list[float]]]:
+    """Per ratio: (ratio, geometric mean over sizes, the values) of ``value(cell)``."""
+    out = []
+    for ratio in ratios:
+        values = [value(c) for c in cells if c["ratio"] == ratio]
+        if values:
+            out.append((ratio, statistics.geometric_mean(values), values))
+    return out
 
 
 def speedup_svg(results: dict[str, Any]) -> str:
     """Speedup over the baseline against comm/compute, one panel per site kind: a line per
-    schedule through the geometric mean over sizes, a dot per size."""
+    schedule through the geometric mean over sizes, a dot per size; gray: what perfect
+    overlap and the best schedule of n blocks would gain over the same measured baseline."""
     kinds = [k for k in KIND_TITLES if any(c["kind"] == k for c in results["sites"])]
     n = results["meta"]["world_size"]
     ratios = sorted({c["ratio"] for c in results["sites"]}) or [1.0]
     labels = [r["label"] for r in results["sites"][0]["rows"][1:]] if results["sites"] else []
     speedups = [r["speedup"] for c in results["sites"] for r in c["rows"]]
-    y_max = math.ceil(max([2.0, *speedups, *map(_perfect, ratios)]) * 1.1 * 2) / 2
+    perfect = [_reference(c, "perfect") for c in results["sites"]]
+    y_max = math.ceil(max([2.0, *speedups, *perfect]) * 1.1 * 2) / 2
     lo, hi = math.log2(ratios[0]) - 0.3, math.log2(ratios[-1]) + 0.3
     width = MARGIN_L + len(kinds) * (PANEL_W + MARGIN_L) + LEGEND_W
     height = MARGIN_T + PANEL_H + MARGIN_B + 20
@@ -558,32 +570,27 @@ def speedup_svg(results: dict[str, Any]) -> str:
             f'<text x="{x0 + PANEL_W / 2}" y="{MARGIN_T + PANEL_H + 32}" text-anchor="middle">'
             "comm alone / matmul alone</text>"
         )
-        steps = [2 ** (lo + (hi - lo) * i / 60) for i in range(61)]
-        out.append(_polyline([(x_of(r), y_of(_perfect(r))) for r in steps], "#999", "5,4"))
-        bound = [(x_of(r), y_of(_n_block_bound(r, n))) for r in steps]
-        out.append(_polyline(bound, "#999", "2,3"))
         cells = [c for c in results["sites"] if c["kind"] == kind]
+        for what, dash in (("perfect", "5,4"), ("bound", "2,3")):
+            line = _by_ratio(cells, ratios, lambda c, what=what: _reference(c, what))
+            out.append(_polyline([(x_of(r), y_of(m)) for r, m, _ in line], "#999", dash))
         for i, label in enumerate(labels):
             color = COLORS[i % len(COLORS)]
-            points = []
-            for ratio in ratios:
-                values = [
-                    r["speedup"]
-                    for c in cells
-                    if c["ratio"] == ratio
-                    for r in c["rows"]
-                    if r["label"] == label
+
+            def speedup(cell: dict[str, Any], label: str = label) -> float:
+                return next(r["speedup"] for r in cell["rows"] if r["label"] == label)
+
+            line = _by_ratio(cells, ratios, speedup)
+            for ratio, _, values in line:
+                out += [
+                    f'<circle cx="{x_of(ratio):.1f}" cy="{y_of(v):.1f}" r="2" '
+                    f'fill="{color}" fill-opacity="0.4"/>'
+                    for v in values
                 ]
-                for v in values:
-                    out.append(
-                        f'<circle cx="{x_of(ratio):.1f}" cy="{y_of(v):.1f}" r="2" '
-                        f'fill="{color}" fill-opacity="0.4"/>'
-                    )
-                if values:
-                    points.append((x_of(ratio), y_of(statistics.geometric_mean(values))))
-            out.append(_polyline(points, color))
+            out.append(_polyline([(x_of(r), y_of(m)) for r, m, _ in line], color))
             out += [
-                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.5" fill="{color}"/>' for x, y in points
+                f'<circle cx="{x_of(r):.1f}" cy="{y_of(m):.1f}" r="3.5" fill="{color}"/>'
+                for r, m, _ in line
             ]
     legend_x = MARGIN_L + len(kinds) * (PANEL_W + MARGIN_L) - 20
     entries = [(label, COLORS[i % len(COLORS)], "") for i, label in enumerate(labels)]
