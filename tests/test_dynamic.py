@@ -27,6 +27,7 @@ N, RANK = 4, 1
 K, H = 8, 6  # feature dims: static, like parameter shapes under torch.compile
 
 c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
 P2P = torch.ops.commfuse.p2p.default
 COLLECTIVES = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
 
@@ -279,3 +280,41 @@ def test_compile_dynamic_sequence_length(ranks, dim):
             ("inference", "mm_rs", "rewritten", "schedule 'ring' requested"),
         ]
         assert (res["graphs"], res["frames_compiled"], res["recompiles"]) == (1, 1, 0)
+
+
+def test_full_slice_after_the_gather_is_seen_through():
+    """DTensor unpads a gather it cannot prove even with ``slice(x, 1, 0, size)``; when
+    that is the whole dim (Dynamo's automatic dynamic shapes on a TP block) it is a view.
+    make_fx drops such a slice, so it is put back into the traced graph by hand."""
+
+    def gather_view_mm(x, w):
+        g = gathered(x, N, 0)
+        return g.view(1, g.shape[0], K).reshape(-1, K) @ w
+
+    def with_full_slice() -> GraphModule:
+        gm = symbolic(gather_view_mm, *inputs)
+        view = next(n for n in gm.graph.nodes if n.target is aten.view.default)
+        with gm.graph.inserting_after(view):
+            size = gm.graph.call_function(aten.sym_size.int, (view, 1))
+        with gm.graph.inserting_after(size):
+            whole = gm.graph.call_function(aten.slice.Tensor, (view, 1, 0, size))
+        view.replace_all_uses_with(whole, delete_user_cb=lambda user: user not in (size, whole))
+        size.meta["val"] = view.meta["val"].shape[1]
+        whole.meta["val"] = view.meta["val"]
+        gm.recompile()
+        return gm
+
+    inputs = (torch.randn(3, K), torch.randn(K, 6))
+    traced, gm = with_full_slice(), with_full_slice()
+    records = rewrite(gm)
+    assert_rewritten(gm, records, traced, (torch.randn(5, K), torch.randn(K, 6)))
+
+
+def test_partial_slice_after_the_gather_is_declined():
+    def sliced(x, w):
+        g = gathered(x, N, 0)
+        return g[1:] @ w
+
+    _, _, (record,) = traced_and_rewritten(sliced, "ring", torch.randn(3, K), torch.randn(K, 6))
+    assert record.decision == "declined"
+    assert "(slice.Tensor) sits between the gathered tensor and a matmul" in record.reason

@@ -226,14 +226,14 @@ def _match_gather(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite |
     gathered: list[tuple[Node, int, list[Node]]] = []
     problem = None
     for ag in gathers:
-        users = list(ag.users)
+        users = data_users(ag)
         if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
             problem = f"{ag.name} is used without exactly one wait_tensor"
             continue
         waits.append(users[0])
         gathered.append(_reassembled(users[0], n))
     if not any(_reaches_matmul(g) for g, _, _ in gathered) and not any(
-        _reaches_matmul(w) for w in waits
+        _reaches_matmul(user) for ag in gathers for user in ag.users
     ):
         return None
     g_dims = {g for _, g, _ in gathered}
@@ -310,7 +310,7 @@ def _collect_uses(site: AgMmSite, gathered: Node) -> None:
             if user.op == "call_function" and _is_mutating(user):
                 raise decline(f"gathered tensor is mutated in place by {user.name}")
             mm = Matmul.of(user)
-            if user.target in VIEWS and user.args[0] is node:
+            if (user.target in VIEWS or is_full_slice(user)) and user.args[0] is node:
                 site.chain.append(user)
                 frontier.append(user)
             elif mm is not None:
@@ -376,6 +376,26 @@ def _add_use(site: AgMmSite, g2d: Node, mm: Matmul, role: str) -> None:
     _check_tensor(mm.node, "matmul output")
     assert j is not None
     site.uses.append(GatherUse(mm=mm, row_dims=j, role=role))
+
+
+def is_full_slice(node: Node) -> bool:
+    """``x[:, 0:size]``, the whole of a dim: DTensor's unpadding of a gather whose size
+    it cannot prove even (dynamic shapes) when the size is, after all, the whole dim."""
+    if node.target is not aten.slice.Tensor or not isinstance(node.args[0], Node):
+        return False
+    dim, start, end, step = (_arg(node, i, name, d) for i, name, d in SLICE_ARGS)
+    if start not in (None, 0) or step != 1:
+        return False
+    size = val(node.args[0]).shape[dim]
+    end_value = end.meta.get("val") if isinstance(end, Node) else end
+    return (
+        end_value is None
+        or dims.equal(end_value, size)
+        or (isinstance(end_value, int) and isinstance(size, int) and end_value >= size)
+    )
+
+
+SLICE_ARGS = ((1, "dim", 0), (2, "start", None), (3, "end", None), (4, "step", 1))
 
 
 def is_transpose_2d(node: Node) -> bool:
