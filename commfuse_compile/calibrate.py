@@ -106,7 +106,8 @@ def _one_way(rank: int, world_size: int, nbytes: int, reps: int) -> float:
     peers = ((rank + 1) % world_size, (rank - 1) % world_size)
 
     def exchange() -> None:
-        ops = [dist.P2POp(dist.isend, send, peers[0]), dist.P2POp(dist.irecv, recv, peers[1])]
+        # receive first, as commfuse::p2p does (see there why)
+        ops = [dist.P2POp(dist.irecv, recv, peers[1]), dist.P2POp(dist.isend, send, peers[0])]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 

@@ -67,13 +67,17 @@ def p2p(
     )
     group = dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
     recvs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in recv_like]
+    # Receives first: gloo sends once the receiver has announced its receive, and an
+    # announcement queued behind this rank's own outgoing megabytes serializes the two
+    # directions of an exchange (measured: 4 MiB at 1 Gbit/s, 66 ms send-first, 34 ms
+    # receive-first, 33 ms one way).
     ops = [
-        dist.P2POp(dist.isend, t.contiguous(), peer, group, tag)
-        for t, peer in zip(sends, send_peers, strict=True)
-    ]
-    ops += [
         dist.P2POp(dist.irecv, t, peer, group, tag)
         for t, peer in zip(recvs, recv_peers, strict=True)
+    ]
+    ops += [
+        dist.P2POp(dist.isend, t.contiguous(), peer, group, tag)
+        for t, peer in zip(sends, send_peers, strict=True)
     ]
     try:
         works = dist.batch_isend_irecv(ops)
@@ -81,7 +85,10 @@ def p2p(
         raise P2PError(f"{what}: {err}") from err
     handles = [torch.empty(0, dtype=t.dtype, device=t.device) for t in sends]
     outputs = handles + recvs
-    per_output = works if len(works) == len(outputs) else [works[-1]] * len(outputs)
+    if len(works) == len(ops):  # one work per op, in the ops' order: receives, sends
+        per_output = works[len(recvs) :] + works[: len(recvs)]
+    else:  # one work for the coalesced batch (NCCL)
+        per_output = [works[-1]] * len(outputs)
     for tensor, work in zip(outputs, per_output, strict=True):
         _register_work(tensor, _LabelledWork(work, what))
     return outputs
