@@ -30,14 +30,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
-import traceback
-from collections.abc import Callable, Iterator
-from datetime import timedelta
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 from typing import Any
+
+from .ranks import Ranks, free_port, join_gloo, serve
 
 PREFIX = "cfbench"
 TOPOLOGIES = ("veth", "lo", "none")
@@ -127,8 +126,6 @@ class ThrottledNetwork:
         if self.topology != "none":
             return MASTER_PORT
         if self._host_port is None:
-            from .ranks import free_port
-
             self._host_port = free_port()
         return self._host_port
 
@@ -262,18 +259,12 @@ def open_network(world_size: int, topology: str | None = None) -> tuple[Throttle
     return net.__enter__(), "UNTHROTTLED (" + "; ".join(errors) + ")"
 
 
-class RankError(RuntimeError):
-    """A job failed or timed out on some rank."""
-
-
-class NamespaceRanks:
+class NamespaceRanks(Ranks):
     """``world_size`` gloo ranks, each in its namespace of ``network``; ``run`` feeds them
     ``fn(rank, world_size, *args)`` jobs (functions importable by name, pickled)."""
 
     def __init__(self, network: ThrottledNetwork, log_dir: Path, timeout_s: float = 600) -> None:
-        self.world_size, self.timeout_s = network.world_size, timeout_s
-        self._conns: list[Connection] = []
-        self._procs: list[subprocess.Popen[bytes]] = []
+        super().__init__(network.world_size, timeout_s)
         self.logs = [log_dir / f"rank{r}.log" for r in range(self.world_size)]
         log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -305,58 +296,23 @@ class NamespaceRanks:
             self.close(force=True)
             raise
 
-    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """Run ``fn(rank, world_size, *args)`` on every rank; results in rank order."""
-        for conn in self._conns:
-            conn.send((fn, args))
-        deadline = time.monotonic() + self.timeout_s
-        results: list[Any] = [None] * self.world_size
-        errors = []
-        for rank, conn in enumerate(self._conns):
-            while not conn.poll(1.0):
-                if self._procs[rank].poll() is not None or time.monotonic() > deadline:
-                    tail = self.log_tail(rank)
-                    self.close(force=True)
-                    raise RankError(f"rank {rank} stopped or timed out; its log ends:\n{tail}")
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                tail = self.log_tail(rank)
-                self.close(force=True)
-                raise RankError(f"rank {rank} exited; its log ends:\n{tail}") from None
-            if status == "ok":
-                results[rank] = value
-            else:
-                errors.append(f"rank {rank}:\n{value}")
-        if errors:
-            raise RankError("\n".join(errors))
-        return results
-
     def log_tail(self, rank: int, lines: int = 30) -> str:
         with contextlib.suppress(OSError):
             return "\n".join(self.logs[rank].read_text(errors="replace").splitlines()[-lines:])
         return ""
 
-    def close(self, force: bool = False) -> None:
-        for conn in self._conns:
-            if not force:
-                with contextlib.suppress(OSError):
-                    conn.send(None)
-            conn.close()
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=0.1 if force else 30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self._procs.clear()
-        self._conns.clear()
+    def _alive(self, rank: int) -> bool:
+        return self._procs[rank].poll() is None
 
-    def __enter__(self) -> NamespaceRanks:
-        return self
+    def _stop(self, proc: Any, wait_s: float) -> None:
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
-    def __exit__(self, *exc: object) -> None:
-        self.close(force=exc[0] is not None)
+    def _detail(self, rank: int) -> str:
+        return f"; its log ends:\n{self.log_tail(rank)}"
 
 
 @contextlib.contextmanager
@@ -374,33 +330,9 @@ def throttled_ranks(
 
 def _worker(args: argparse.Namespace) -> None:
     """One rank: join the gloo group over the namespace's device, then serve jobs."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = args.device
     conn = Connection(args.fd)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://{args.master}",
-        rank=args.rank,
-        world_size=args.world_size,
-        timeout=timedelta(seconds=args.timeout),
-    )
-    try:
-        while True:
-            try:
-                job = conn.recv()
-                if job is None:
-                    break
-                fn, fn_args = job
-                conn.send(("ok", fn(args.rank, args.world_size, *fn_args)))
-            except EOFError:  # the parent is gone
-                break
-            except BaseException:  # noqa: BLE001 - reported to the parent
-                conn.send(("error", traceback.format_exc()))
-    finally:
-        dist.destroy_process_group()
+    join_gloo(args.rank, args.world_size, f"tcp://{args.master}", args.timeout, args.device)
+    serve(args.rank, args.world_size, conn)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import torch.multiprocessing as mp
+
+R = TypeVar("R", bound="Ranks")
 
 
 class RankError(RuntimeError):
@@ -29,22 +31,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _worker(rank: int, world_size: int, port: int, conn: Any, timeout_s: float) -> None:
+def join_gloo(
+    rank: int, world_size: int, init_method: str, timeout_s: float, device: str | None = None
+) -> None:
+    """This process as ``rank`` of a gloo group: one torch thread, sockets on ``device``
+    (default: loopback, unless GLOO_SOCKET_IFNAME says otherwise)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if device is None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    else:
+        os.environ["GLOO_SOCKET_IFNAME"] = device
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=init_method,
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+
+
+def serve(rank: int, world_size: int, conn: Any) -> None:
+    """Answer ``(fn, args)`` jobs with ``fn(rank, world_size, *args)`` (or the traceback)
+    until ``None`` comes or the parent is gone; then leave the group."""
+    import torch.distributed as dist
+
     try:
         while True:
-            job = conn.recv()
+            try:
+                job = conn.recv()
+            except EOFError:  # the parent is gone
+                break
             if job is None:
                 break
             fn, args = job
@@ -56,23 +75,18 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, timeout_s: float) 
         dist.destroy_process_group()
 
 
-class RankPool:
-    """``world_size`` gloo ranks on loopback, alive until ``close``."""
+def _worker(rank: int, world_size: int, port: int, conn: Any, timeout_s: float) -> None:
+    join_gloo(rank, world_size, f"tcp://127.0.0.1:{port}", timeout_s)
+    serve(rank, world_size, conn)
 
-    def __init__(self, world_size: int, timeout_s: float = 300.0) -> None:
+
+class Ranks:
+    """Rank processes that ``serve`` jobs over connections; subclasses start them."""
+
+    def __init__(self, world_size: int, timeout_s: float) -> None:
         self.world_size, self.timeout_s = world_size, timeout_s
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        self._conns = []
-        self._procs = []
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker, args=(rank, world_size, port, child, timeout_s), daemon=True
-            )
-            proc.start()
-            self._conns.append(parent)
-            self._procs.append(proc)
+        self._conns: list[Any] = []
+        self._procs: list[Any] = []
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(rank, world_size, *args)`` on every rank; results in rank order."""
@@ -82,10 +96,15 @@ class RankPool:
         results: list[Any] = [None] * self.world_size
         errors = []
         for rank, conn in enumerate(self._conns):
-            if not conn.poll(max(0.0, deadline - time.monotonic())):
-                self.close(force=True)
-                raise RankError(f"rank {rank} did not answer within {self.timeout_s:.0f}s")
-            status, value = conn.recv()
+            while not conn.poll(1.0):
+                if not self._alive(rank):
+                    self._fail(rank, "exited")
+                if time.monotonic() > deadline:
+                    self._fail(rank, f"did not answer within {self.timeout_s:.0f}s")
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                self._fail(rank, "exited")
             if status == "ok":
                 results[rank] = value
             else:
@@ -95,20 +114,59 @@ class RankPool:
         return results
 
     def close(self, force: bool = False) -> None:
-        for conn, proc in zip(self._conns, self._procs, strict=True):
-            if not force and proc.is_alive():
-                with contextlib.suppress(OSError):  # a dead rank's pipe is closed
+        for conn in self._conns:
+            if not force:
+                with contextlib.suppress(OSError):  # a dead rank's connection is closed
                     conn.send(None)
+            conn.close()
         for proc in self._procs:
-            proc.join(timeout=0 if force else 30)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            self._stop(proc, wait_s=0.1 if force else 30)
         self._procs.clear()
         self._conns.clear()
 
-    def __enter__(self) -> RankPool:
+    def _fail(self, rank: int, what: str) -> NoReturn:
+        detail = self._detail(rank)
+        self.close(force=True)
+        raise RankError(f"rank {rank} {what}{detail}")
+
+    def _alive(self, rank: int) -> bool:
+        raise NotImplementedError
+
+    def _stop(self, proc: Any, wait_s: float) -> None:
+        raise NotImplementedError
+
+    def _detail(self, rank: int) -> str:
+        """What to add to a failure's message (a log, where there is one)."""
+        return ""
+
+    def __enter__(self: R) -> R:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(force=exc[0] is not None)
+
+
+class RankPool(Ranks):
+    """``world_size`` gloo ranks on loopback, alive until ``close``."""
+
+    def __init__(self, world_size: int, timeout_s: float = 300.0) -> None:
+        super().__init__(world_size, timeout_s)
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker, args=(rank, world_size, port, child, timeout_s), daemon=True
+            )
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    def _alive(self, rank: int) -> bool:
+        return bool(self._procs[rank].is_alive())
+
+    def _stop(self, proc: Any, wait_s: float) -> None:
+        proc.join(timeout=wait_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

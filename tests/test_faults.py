@@ -11,17 +11,14 @@ from __future__ import annotations
 import os
 import re
 import time
-from datetime import timedelta
 
 import pytest
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from cases import AgMm, trace
 
 import commfuse_compile
 from commfuse_compile.p2p import P2PError
-from commfuse_compile.ranks import free_port
+from commfuse_compile.ranks import free_port, join_gloo
 
 TIMEOUT_S = 5.0  # the process group's timeout
 FAULTY = 1  # the rank that dies or stalls
@@ -30,14 +27,7 @@ STEP_LABEL = re.compile(r"site \d+ step \d+ \(ag_mm\)")  # each P2P op's label
 
 def _rank(rank: int, world_size: int, port: int, fault: str, conn) -> None:
     """One rank: a good run, then the fault (on ``FAULTY``) or a run that must fail."""
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=TIMEOUT_S),
-    )
+    join_gloo(rank, world_size, f"tcp://127.0.0.1:{port}", TIMEOUT_S)
     case = AgMm(shard=(2, 4), dim=0, consumers=1, bias=False)
     inputs = case.inputs(rank, seed=0, n=world_size)
     gm = commfuse_compile.apply(trace(case, world_size, inputs), schedule="ring", inner="eager")
