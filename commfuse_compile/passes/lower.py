@@ -16,7 +16,6 @@ with ``sym_size``/``operator`` nodes, and a view with one symbolic size takes -1
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import operator
@@ -30,7 +29,9 @@ import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
-from torch.utils._sympy.functions import FloorDiv
+from torch.fx.proxy import GraphAppendingTracer, Proxy
+from torch.utils._sympy.interp import sympy_interp
+from torch.utils._sympy.reference import PythonReferenceAnalysis
 
 from .. import p2p as _p2p  # noqa: F401  (registers commfuse::p2p)
 from ..groups import Group
@@ -99,14 +100,18 @@ class Rewrite:
     ) -> Node:
         with self.graph.inserting_before(before or self.before):
             node = self.graph.call_function(target, args, kwargs or {})
+        self._adopt(node, step, lane, before)
+        return node
+
+    def _adopt(self, node: Node, step: int, lane: str, before: Node | None) -> None:
+        """A new node of this rewrite: its fake value, its site/step/lane, undo record."""
         self.created.append(node)
         if before is not None and before is not self.before:
             self.moved_sizes.append(node)
-        node.meta["val"] = _fake_eval(self.fake_mode, target, args, kwargs or {})
+        node.meta["val"] = _fake_eval(self.fake_mode, node.target, node.args, node.kwargs)  # type: ignore[arg-type]
         node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
-        if target in (aten.mm.default, aten.addmm.default):
+        if node.target in (aten.mm.default, aten.addmm.default):
             self.matmuls.setdefault(step, []).append(node)
-        return node
 
     def size(self, size: dims.Size, step: int, before: Node | None = None) -> int | Node:
         """``size`` as an FX argument: the int, or a node computing the symbolic size."""
@@ -130,20 +135,27 @@ class Rewrite:
         return self._size_nodes[key]
 
     def _expr_node(self, expr: sympy.Expr, step: int, before: Node) -> int | Node:
-        def emit(op: Callable[..., Any], *args: Any) -> Node:
-            return self.emit(op, args, step=step, lane="compute", before=before)
-
-        if expr.is_Symbol:
-            node, dim = _symbol_source(self.graph, expr)
-            return node if dim is None else emit(aten.sym_size.int, node, dim)
-        ops = {sympy.Mul: operator.mul, sympy.Add: operator.add, FloorDiv: operator.floordiv}
-        op, terms = ops.get(type(expr)), expr.args
-        if isinstance(expr, sympy.Pow) and expr.exp.is_Integer and expr.exp > 0:
-            op, terms = operator.mul, [expr.base] * int(expr.exp)
-        if op is None:
-            raise decline(f"cannot compute the symbolic size {expr} in the graph")
-        args = [self._expr(term, step, before) for term in terms]
-        return functools.reduce(lambda x, y: emit(op, x, y), args)
+        """Nodes computing ``expr`` from the graph's inputs, built by torch's own sympy
+        interpreter on FX proxies, then adopted like emitted nodes."""
+        tracer = GraphAppendingTracer(self.graph)
+        existing = set(self.graph.nodes)
+        with self.graph.inserting_before(before):
+            env = {}
+            for symbol in expr.free_symbols:
+                node, dim = _symbol_source(self.graph, symbol)
+                if dim is not None:
+                    node = self.graph.call_function(aten.sym_size.int, (node, dim))
+                env[symbol] = Proxy(node, tracer)
+            try:
+                result = sympy_interp(PythonReferenceAnalysis, env, expr)
+            except Exception as err:  # noqa: BLE001 - any expression it cannot build
+                new = [node for node in self.graph.nodes if node not in existing]
+                for node in reversed(new):
+                    self.graph.erase_node(node)
+                raise decline(f"cannot compute the symbolic size {expr} in the graph") from err
+        for node in [node for node in self.graph.nodes if node not in existing]:
+            self._adopt(node, step, "compute", before)
+        return result.node if isinstance(result, Proxy) else int(result)
 
     def discard(self) -> None:
         for node in reversed(self.created):
