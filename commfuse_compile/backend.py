@@ -37,7 +37,11 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> 
     def inner_compile(graph: GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         kind = _graph_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False))
         return rewrite_and_compile(
-            graph, kind, opts, lambda gm: compile_fx_inner(gm, inputs, **kwargs)
+            graph,
+            kind,
+            opts,
+            lambda gm: compile_fx_inner(gm, inputs, **kwargs),
+            program_of=lambda compiled: getattr(compiled, "source_code", None),
         )
 
     # The AOTAutograd cache key does not see a custom inner compiler: a hit would skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,17 +84,19 @@ def rank_dir(debug_dir: str) -> Path:
     return path
 
 
-def dump_code(debug_dir: str | None, graph_index: int, graph: str, stage: str, code: str) -> None:
+def dump_code(
+    debug_dir: str | None, graph_index: int, graph: str, stage: str, code: Callable[[], str]
+) -> None:
     """The graph's code to the debug dump, and as an artifact to torch's structured trace
-    (what tlparse shows)."""
+    (what tlparse shows); ``code`` is only called when one of them is on."""
     name = f"graph{graph_index:03d}_{graph}_{stage}"
     torch._logging.trace_structured(
         "artifact",
         metadata_fn=lambda: {"name": f"commfuse_{name}", "encoding": "string"},
-        payload_fn=lambda: code,
+        payload_fn=code,
     )
     if debug_dir:
-        (rank_dir(debug_dir) / f"{name}.py").write_text(code)
+        (rank_dir(debug_dir) / f"{name}.py").write_text(code())
 
 
 def reset() -> None:

@@ -21,7 +21,8 @@ For schedules ring and bidir:
 3. declined sites keep their collectives (and, if nothing is rewritten, ``gm.code`` is
    byte-identical) and record no nodes;
 4. a rewritten site's collectives are gone, the graph has exactly the P2P ops its records
-   claim, and every P2P output is unpacked by one getitem that one ``wait_tensor`` reads;
+   claim, every received tensor is unpacked by one getitem that one ``wait_tensor`` reads,
+   and every sent buffer is waited after its P2P op;
 5. the rewritten graph runs on fake tensors (``FakeTensorProp``) to the original outputs'
    shapes and dtypes, and every node's ``meta["val"]`` agrees with what it computes;
 6. every collective next to a mm/addmm through view/transpose/copy/cast/reassembly/
@@ -611,19 +612,23 @@ def check_rewrite(gm: GraphModule, schedule: str) -> list[SiteRecord]:
     if not rewritten:
         assert gm.code == before
 
-    # 4. rewritten sites: collectives gone, every P2P output waited once
+    # 4. rewritten sites: collectives gone, every transfer waited
     for record in rewritten:
         assert not left & set(record.details["collectives"]), record
     p2ps = calls(gm, P2P)
     assert len(p2ps) == sum(r.details["p2p_ops"] for r in rewritten)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in p2ps:
         sends, _, recv_like, *_ = node.args
         outs = list(node.users)
         assert all(o.target is operator.getitem for o in outs), node.format_node()
         indices = sorted(int(o.args[1]) for o in outs)  # type: ignore[arg-type]
-        assert indices == list(range(len(sends) + len(recv_like))), node.format_node()  # type: ignore[arg-type]
+        assert indices == list(range(len(recv_like))), node.format_node()  # type: ignore[arg-type]
         for out in outs:
             assert [u.target for u in out.users] == [WAIT], out.format_node()
+        for sent in sends:  # type: ignore[union-attr]
+            waits = [u for u in sent.users if u.target is WAIT and order[u] > order[node]]
+            assert waits, f"{sent.name}, sent by {node.name}, is not waited after it"
 
     # 5. runs on fake tensors, to the original outputs and the recorded values (if rewritten:
     # else it is the traced graph, as 3 checked)

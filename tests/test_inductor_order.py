@@ -1,9 +1,11 @@
-"""The overlap order (start transfer -> partial matmul -> wait) survives Inductor, for
-every matmul role and reduce-scatter form, and Inductor's code computes the same numbers.
+"""The program Inductor generates from a rewritten graph, read back (``passes/program.py``).
 
-Inductor's scheduler hoists a wait right after its collective unless told otherwise;
-this checks the generated code itself: between every P2P start (or, under slicing, every
-chunk collective after the first) and the next wait there must be a matmul to overlap with.
+On real gloo ranks, for every matmul role and reduce-scatter form and every schedule:
+no transfer's buffer is reused, freed, written (or, received, read) before its wait;
+the overlap order (start transfer -> partial matmul -> wait) survives Inductor's
+scheduler, which would otherwise hoist a wait right after its transfer; and Inductor's
+code computes the same numbers. Then the checker itself, on small programs written the
+way Inductor writes them, each breaking one rule.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 from cases import AgMm, MmRs
+
+from commfuse_compile.passes import program
 
 
 def compiled_code(rank, n, case, schedule="ring"):
@@ -23,38 +27,6 @@ def compiled_code(rank, n, case, schedule="ring"):
     expected = case.fn(n)(*inputs)  # eager: the real collectives
     error = max((a - e).abs().max().item() for a, e in zip(outputs, expected, strict=True))
     return codes, error
-
-
-TRANSFER_STARTS = (
-    "torch.ops.commfuse.p2p.default(",
-    "torch.ops._c10d_functional.all_gather_into_tensor.default(",
-    "torch.ops._c10d_functional.reduce_scatter_tensor.default(",
-)
-
-
-def overlap_violations(code: str, exposed: int = 0) -> list[str]:
-    """Transfers waited on before any matmul ran while they were in flight; ``exposed``
-    first ones are allowed. A wait counts for the transfer whose output it waits on
-    (Inductor may start a later, independent transfer before an earlier one's wait)."""
-    body = code[code.index("def call(") :].splitlines()
-    problems = []
-    open_transfers: dict[str, tuple[int, int]] = {}  # output buffer -> (line, matmuls seen)
-    for number, line in enumerate(body):
-        text = line.strip()
-        name = text.split(" = ")[0] if " = " in text else None
-        if name and any(start in text for start in TRANSFER_STARTS):
-            open_transfers[name] = (number, 0)
-        elif name and text.endswith("]") and text.split(" = ")[1].split("[")[0] in open_transfers:
-            open_transfers[name] = open_transfers[text.split(" = ")[1].split("[")[0]]
-        elif "extern_kernels.mm(" in text or "extern_kernels.addmm(" in text:
-            open_transfers = {k: (start, seen + 1) for k, (start, seen) in open_transfers.items()}
-        elif "wait_tensor" in text:
-            waited = text[text.index("(") + 1 : text.rindex(")")]
-            if waited in open_transfers:
-                start, seen = open_transfers.pop(waited)
-                if seen == 0:
-                    problems.append(f"line {number}: wait right after the transfer of line {start}")
-    return problems[exposed:]
 
 
 @pytest.mark.parametrize(
@@ -74,7 +46,8 @@ def test_waits_follow_the_overlapped_matmul(ranks, case, schedule):
         assert error < 1e-4  # and Inductor computes the same numbers
         assert any("commfuse.p2p" in c for c in codes)
         for code in codes:
-            assert overlap_violations(code) == []
+            result = program.check(code)
+            assert result.violations == [] and result.exposed == []
 
 
 @pytest.mark.parametrize(
@@ -84,21 +57,102 @@ def test_waits_follow_the_overlapped_matmul(ranks, case, schedule):
 )
 def test_slicing_overlaps_all_but_its_head_or_tail(ranks, case):
     """Two chunks: the first all-gather (head) or the last reduce-scatter (tail) has no
-    matmul to hide behind; the other chunk's collective must keep its matmuls."""
+    matmul to hide behind; the other chunk's collective must keep its matmuls, and the
+    chunks' inputs stay untouched until their collective is waited."""
     for codes, error in ranks(3).run(compiled_code, case, "slicing"):
         assert error < 1e-4
         code = next(c for c in codes if "_c10d_functional" in c)
-        assert sum(code.count(f"= {start}") for start in TRANSFER_STARTS[1:]) == 2
-        assert len(overlap_violations(code)) == 1  # the head or the tail
-        assert overlap_violations(code, exposed=1) == []
+        result = program.check(code)
+        assert result.transfers == 2 and result.violations == []
+        assert len(result.exposed) == 1  # the head or the tail
 
 
-def test_checker_sees_a_hoisted_wait():
-    """The checker itself: the order Inductor produces without the pass's dependencies."""
-    code = """def call(args):
-        buf0 = torch.ops.commfuse.p2p.default([arg0_1], [1], [arg0_1], [1], 1, '0')
-        buf1 = buf0[1]
-        torch.ops._c10d_functional.wait_tensor.default(buf1)
-        extern_kernels.addmm(arg1_1, arg0_1, arg2_1, out=buf7)
-    """
-    assert len(overlap_violations(code)) == 1
+# ----------------------------------------------------------------------------------------
+# the checker, on programs written the way Inductor writes them
+
+HEADER = """
+cpp_fused_0 = async_compile.cpp_pybinding(['const float*', 'float*'], r'''...''')
+cpp_fused_1 = async_compile.cpp_pybinding(['float*', 'const float*'], r'''...''')
+def call(args):
+    arg0_1, arg1_1 = args
+    args.clear()
+"""
+LABEL = "'site 3 step 0 (mm_rs)'"
+P2P_STEP = f"""
+    buf0 = torch.ops.commfuse.p2p.default([arg0_1], [1], [arg0_1], [2], 7, '0', {LABEL})
+    buf1 = buf0[0]
+    del buf0
+    buf2 = empty_strided_cpu((4, 8), (8, 1), torch.float32)
+    extern_kernels.mm(arg0_1, arg1_1, out=buf2)
+"""
+WAITS = """
+    torch.ops._c10d_functional.wait_tensor.default(buf1)
+    torch.ops._c10d_functional.wait_tensor.default(arg0_1)
+"""
+
+
+def checked(body: str):
+    return program.check(HEADER + body)
+
+
+def test_checker_passes_a_step_that_waits_before_touching_its_buffers():
+    result = checked(P2P_STEP + WAITS + "    cpp_fused_0(buf1, arg0_1)\n    return (buf2, )\n")
+    assert (result.violations, result.exposed, result.transfers) == ([], [], 1)
+
+
+@pytest.mark.parametrize(
+    ("between", "problem"),
+    [
+        # the bug Inductor's memory planning produced: the sent buffer reused for a new value
+        ("    buf3 = arg0_1; del arg0_1  # reuse\n", "arg0_1 is reused for buf3 while send 0"),
+        ("    cpp_fused_0(buf2, arg0_1)\n", "cpp_fused_0 writes arg0_1 while send 0"),
+        ("    cpp_fused_1(arg0_1, buf2)\n", "cpp_fused_1 writes arg0_1 while send 0"),
+        ("    cpp_fused_0(buf1, buf2)\n", "cpp_fused_0 reads buf1 before receive 0"),
+        ("    extern_kernels.mm(arg1_1, arg1_1, out=buf1)\n", "writes buf1 while receive 0"),
+        ("    del buf1\n", "buf1 is freed while receive 0"),
+        (
+            "    buf4 = reinterpret_tensor(arg0_1, (2, 8), (8, 1), 8)  # alias\n"
+            "    cpp_fused_0(buf2, buf4)\n",
+            "cpp_fused_0 writes buf4 while send 0",
+        ),
+    ],
+    ids=["reused", "written", "in_out", "read_early", "out_written", "freed", "alias"],
+)
+def test_checker_finds_a_transfer_buffer_touched_before_its_wait(between, problem):
+    result = checked(P2P_STEP + between + WAITS)
+    assert any(problem in v for v in result.violations), result.violations
+
+
+def test_checker_allows_a_disjoint_part_of_a_sent_storage_to_be_written():
+    body = """
+    buf9 = empty_strided_cpu((8, 8), (8, 1), torch.float32)
+    buf3 = reinterpret_tensor(buf9, (4, 8), (8, 1), 0)  # alias
+    buf4 = reinterpret_tensor(buf9, (4, 8), (8, 1), 32)  # alias
+    buf0 = torch.ops.commfuse.p2p.default([buf3], [1], [buf3], [2], 7, '0', 'site 1 step 0 (ag_mm)')
+    buf1 = buf0[0]
+    cpp_fused_0(arg0_1, buf4)
+    extern_kernels.mm(buf3, arg1_1, out=arg0_1)
+    torch.ops._c10d_functional.wait_tensor.default(buf1)
+    torch.ops._c10d_functional.wait_tensor.default(buf3)
+"""
+    assert checked(body).violations == []
+
+
+def test_checker_finds_transfers_never_waited_and_waits_without_overlap():
+    never = checked(P2P_STEP + "    torch.ops._c10d_functional.wait_tensor.default(buf1)\n")
+    (violation,) = never.violations
+    assert "send 0 of site 3 step 0 (mm_rs)" in violation and "never waited" in violation
+    no_matmul = P2P_STEP.replace("extern_kernels.mm(arg0_1, arg1_1, out=buf2)", "pass")
+    assert checked(no_matmul + WAITS).exposed == [
+        "site 3 step 0 (mm_rs): waited with no matmul in flight"
+    ]
+
+
+def test_checker_keeps_a_collectives_input_until_its_output_is_waited():
+    body = """
+    buf0 = torch.ops._c10d_functional.all_gather_into_tensor.default(arg0_1, 3, '0')
+    cpp_fused_0(arg1_1, arg0_1)
+    torch.ops._c10d_functional.wait_tensor.default(buf0)
+"""
+    (violation,) = checked(body).violations
+    assert "writes arg0_1 while all_gather_into_tensor's input" in violation

@@ -19,13 +19,13 @@ import dataclasses
 import itertools
 import math
 import operator
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
 from typing import Any
 
 import sympy
 import torch
-import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
@@ -33,8 +33,8 @@ from torch.fx.proxy import GraphAppendingTracer, Proxy
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 
-from .. import p2p as _p2p  # noqa: F401  (registers commfuse::p2p)
 from ..groups import Group
+from ..p2p import p2p_fake  # (importing it registers commfuse::p2p)
 from ..report import decline
 from ..schedules import Transfer, slicing
 from . import dims
@@ -53,6 +53,11 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 P2P = torch.ops.commfuse.p2p.default
+# ops that only view their input: one such node per (input, arguments) and rewrite
+VIEW_OPS = frozenset({aten.view.default, aten.permute.default, aten.slice.Tensor})
+# a dtype conversion as the graphs Inductor compiles spell it (``_to_copy`` is decomposed
+# before them, and Inductor has no lowering for it)
+CONVERT = torch.ops.prims.convert_element_type.default
 # One tag per site, the same sequence on every rank (SPMD compile), counted from high up
 # so that a user's own send/recv on the same group (small tags) never matches ours.
 TAG_BASE = 0x43460000
@@ -87,6 +92,7 @@ class Rewrite:
     # size readers of erased nodes, recomputed before their own place (not at ``before``)
     moved_sizes: list[Node] = dataclasses.field(default_factory=list)
     _size_nodes: dict[tuple[Any, Node], int | Node] = dataclasses.field(default_factory=dict)
+    _views: dict[tuple[Any, ...], Node] = dataclasses.field(default_factory=dict)
 
     def emit(
         self,
@@ -98,9 +104,16 @@ class Rewrite:
         lane: str,
         before: Node | None = None,
     ) -> Node:
+        """A new node before ``before`` (default: the site's first consumer). A view of a
+        value this rewrite already viewed the same way, at the same place, is reused."""
+        key = (target, _hashable(args), _hashable(kwargs)) if target in VIEW_OPS else None
+        if key is not None and before is None and key in self._views:
+            return self._views[key]
         with self.graph.inserting_before(before or self.before):
             node = self.graph.call_function(target, args, kwargs or {})
         self._adopt(node, step, lane, before)
+        if key is not None and before is None:
+            self._views[key] = node
         return node
 
     def _adopt(self, node: Node, step: int, lane: str, before: Node | None) -> None:
@@ -164,15 +177,16 @@ class Rewrite:
 
     def commit(self, dead: Sequence[Node]) -> None:
         """Swap the results in, erase what became dead, keep the replaced nodes' names."""
-        at_site = [node for node in self.created if node not in self.moved_sizes]
-        first, moves = _inputs_to_hoist(self.graph, at_site)
+        moved = set(self.moved_sizes)
+        at_site = [node for node in self.created if node not in moved]
+        first, moves = _inputs_to_hoist(at_site)
         self.committing = True
         for node in moves:
             first.prepend(node)
         for old, new in self.replace.items():
             old.replace_all_uses_with(new)
         erased = [*dead, *self.erased_sizes, *self.replace]
-        for node in reversed(_in_graph_order(self.graph, erased)):
+        for node in reversed(_in_graph_order(erased)):
             if not node.users:
                 self.graph.erase_node(node)
         for old, new in self.replace.items():
@@ -183,8 +197,8 @@ class Rewrite:
 def start(site: Site, site_id: int, graph: Graph) -> Rewrite:
     """An empty rewrite of ``site``: where its nodes go, and the fake mode of their values."""
     if isinstance(site, AgMmSite):
-        before, anchor = _first_consumer(graph, site), site.shard
-        _drop_uses_needing_own_result(graph, site, before)
+        before, anchor = _first_consumer(site), site.shard
+        _drop_uses_needing_own_result(site, before)
     else:
         before, anchor = site.reduce_scatter, site.terms[0].node
     fake_mode = detect_fake_mode([val(anchor)])
@@ -213,14 +227,15 @@ def site_nodes(site: Site) -> list[Node]:
 def _keep_size_readers(rw: Rewrite, nodes: Sequence[Node]) -> None:
     """Dynamic-shape graphs read sizes of the nodes the commit erases (``sym_size``): a
     size computation that only feeds erased nodes goes with them; a size reader that
-    something else uses is recomputed from the graph's inputs, where it stands."""
+    something else uses is recomputed from the graph's inputs, where it stands. Only the
+    sizes next to the erased nodes are looked at."""
     erased: set[Node] = set()
-    for node in reversed(_in_graph_order(rw.graph, nodes)):
+    for node in reversed(_in_graph_order(nodes)):
         if node in rw.replace or all(u in erased or _is_size(u) for u in node.users):
             erased.add(node)
     replaced = set(rw.replace)  # their readers follow the replacement, of the same shape
-    for node in reversed(list(rw.graph.nodes)):
-        if node in erased or not _is_size(node) or node.op != "call_function":
+    for node in reversed(_in_graph_order(_sizes_around(erased))):
+        if node in erased or node.op != "call_function":
             continue
         reads = set(node.all_input_nodes) & erased
         if all(u in erased for u in node.users) and (node.users or reads):
@@ -236,6 +251,21 @@ def _keep_size_readers(rw: Rewrite, nodes: Sequence[Node]) -> None:
             if not isinstance(new, Node):
                 raise decline(f"size {node.name} of a replaced tensor is a constant")
             rw.replace[node] = new
+
+
+def _sizes_around(erased: set[Node]) -> set[Node]:
+    """Size computations that read an erased node, and those feeding erased nodes only
+    (transitively: a size whose every reader is such a size)."""
+    found = {u for node in erased for u in node.users if u not in erased and _is_size(u)}
+    stack = [i for node in erased for i in node.all_input_nodes if _is_size(i)]
+    while stack:
+        node = stack.pop()
+        if node in found or node in erased:
+            continue
+        if all(u in erased or u in found for u in node.users):
+            found.add(node)
+            stack += [i for i in node.all_input_nodes if _is_size(i)]
+    return found
 
 
 def _is_size(node: Node) -> bool:
@@ -432,9 +462,7 @@ def _accumulate(rw: Rewrite, total: Node | None, a: Node, b: Node, step: int) ->
             return rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
         return rw.emit(aten.addmm.default, (total, a, b), step=step, lane="compute")
     part = rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
-    part = rw.emit(
-        aten._to_copy.default, (part,), {"dtype": torch.float32}, step=step, lane="compute"
-    )
+    part = rw.emit(CONVERT, (part, torch.float32), step=step, lane="compute")
     if total is None:
         return part
     return rw.emit(aten.add.Tensor, (total, part), step=step, lane="compute")
@@ -443,9 +471,7 @@ def _accumulate(rw: Rewrite, total: Node | None, a: Node, b: Node, step: int) ->
 def _finish_sum(rw: Rewrite, total: Node, like: Node, step: int) -> Node:
     if val(total).dtype == val(like).dtype:
         return total
-    return rw.emit(
-        aten._to_copy.default, (total,), {"dtype": val(like).dtype}, step=step, lane="compute"
-    )
+    return rw.emit(CONVERT, (total, val(like).dtype), step=step, lane="compute")
 
 
 def _viewed(rw: Rewrite, node: Node, shape: Sequence[dims.Size], step: int) -> Node:
@@ -494,7 +520,7 @@ def _lower_reduce(
             )
         like = next(iter(parts.values()))
         pending = _issue(rw, group, tag, s, step.sends, step.recvs, sums, recv_like=like)
-    assert not pending[1] and not received
+    assert not pending[1] and not pending[2] and not received
     out_shape = rw.shape(val(site.wait).shape, n)
     rw.replace[site.wait] = rw.emit(
         aten.view.default, (sums[group.rank], out_shape), step=n, lane="compute"
@@ -582,7 +608,7 @@ def _reduce_block(
 # ----------------------------------------------------------------------------------------
 
 
-Pending = tuple[Node | None, list[tuple[Transfer, Node]], list[tuple[Node, Node]]]
+Pending = tuple[Node | None, list[tuple[Transfer, Node]], list[Node]]
 
 
 def _issue(
@@ -595,7 +621,8 @@ def _issue(
     held: dict[int, Node],
     recv_like: Node,
 ) -> Pending:
-    """Start one batch of sends and receives; returns (p2p node, pending recvs, sends)."""
+    """Start one batch of sends and receives; returns (p2p node, pending receives, the
+    buffers sent, each once)."""
     if not sends and not recvs:
         return None, [], []
     buffers = [held[t.block] for t in sends]
@@ -614,33 +641,30 @@ def _issue(
         lane="comm",
     )
     rw.p2p_ops += 1
-    outs = [
-        rw.emit(operator.getitem, (p2p, i), step=step, lane="comm")
-        for i in range(len(sends) + len(recvs))
+    received = [
+        rw.emit(operator.getitem, (p2p, i), step=step, lane="comm") for i in range(len(recvs))
     ]
-    sent = list(zip(outs[: len(sends)], buffers, strict=True))
-    pending = list(zip(recvs, outs[len(sends) :], strict=True))
-    return p2p, pending, sent
+    return p2p, list(zip(recvs, received, strict=True)), list(dict.fromkeys(buffers))
 
 
 def _wait_all(
     rw: Rewrite,
     step: int,
     recvs: list[tuple[Transfer, Node]],
-    sent: list[tuple[Node, Node]],
+    sent: list[Node],
     held: dict[Any, Node],
     by_peer: bool = False,
 ) -> list[Node]:
-    """Wait every output of a P2P batch; what is received becomes held (by block, or by
-    (block, peer) where partial sums of one block arrive from both sides). A send's buffer
-    is passed to a (no-op) wait too, so that no compiler reuses its memory mid-transfer."""
+    """Wait every transfer of a P2P batch: each received tensor, which becomes held (by
+    block, or by (block, peer) where partial sums of one block arrive from both sides),
+    and each buffer sent, on which its send is registered (see ``p2p.py``): no compiler
+    may reuse or write that memory before this wait."""
     waits = []
     for t, out in recvs:
         key = (t.block, t.peer) if by_peer else t.block
         held[key] = rw.emit(c10d.wait_tensor.default, (out,), step=step, lane="comm")
         waits.append(held[key])
-    for handle, buffer in sent:
-        waits.append(rw.emit(c10d.wait_tensor.default, (handle,), step=step, lane="comm"))
+    for buffer in sent:
         waits.append(rw.emit(c10d.wait_tensor.default, (buffer,), step=step, lane="comm"))
     return waits
 
@@ -653,22 +677,26 @@ def _matmul(rw: Rewrite, mm: Matmul, a: Node, b: Node, bias: Node | None, step: 
     )
 
 
-def _first_consumer(graph: Graph, site: AgMmSite) -> Node:
+def _first_consumer(site: AgMmSite) -> Node:
     """Earliest node that reads a gathered value: the ring must be done by then."""
-    readers = {u for wait in site.waits for u in wait.users}
-    for node in graph.nodes:
-        if node in readers:
-            return node
-    raise decline("gathered value has no reader")  # pragma: no cover - matched sites have one
+    readers = [u for wait in site.waits for u in wait.users]
+    if not readers:  # pragma: no cover - matched sites have one
+        raise decline("gathered value has no reader")
+    return min(readers, key=_position)
 
 
-def _drop_uses_needing_own_result(graph: Graph, site: AgMmSite, before: Node) -> None:
+def _position(node: Node) -> Any:
+    """Where ``node`` stands in its graph, comparable in O(1) (FX keeps these keys in
+    graph order as nodes are inserted): no walk over the graph per site."""
+    return node._sort_key
+
+
+def _drop_uses_needing_own_result(site: AgMmSite, before: Node) -> None:
     """A matmul whose other operand is computed from this site's own result (a consumer
     reached again later, e.g. dX = dY @ W where dY comes from W's recomputed forward)
     cannot share the ring: it keeps reading the (rebuilt) gathered tensor instead."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
     own = {*site.waits, *site.chain, *(u.mm.node for u in site.uses)}
-    start = order[before]
+    start = _position(before)
 
     def depends(node: Node) -> bool:
         stack, seen = [node], set()
@@ -676,7 +704,7 @@ def _drop_uses_needing_own_result(graph: Graph, site: AgMmSite, before: Node) ->
             current = stack.pop()
             if current in own:
                 return True
-            if order[current] >= start and current not in seen:
+            if _position(current) >= start and current not in seen:
                 seen.add(current)
                 stack += current.all_input_nodes
         return False
@@ -697,14 +725,13 @@ def _drop_uses_needing_own_result(graph: Graph, site: AgMmSite, before: Node) ->
     site.uses = kept
 
 
-def _inputs_to_hoist(graph: Graph, created: list[Node]) -> tuple[Node, list[Node]]:
+def _inputs_to_hoist(created: list[Node]) -> tuple[Node, list[Node]]:
     """Pure producers (weights, biases) that sit after the first new node, to move before it."""
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    first = min(created, key=order.__getitem__)
-    moves: list[Node] = []
+    first = min(created, key=_position)
+    new, moves = set(created), dict[Node, None]()
 
     def visit(node: Node) -> None:
-        if node in created or node in moves or order[node] < order[first]:
+        if node in new or node in moves or _position(node) < _position(first):
             return
         if (
             node.op != "call_function"
@@ -714,42 +741,69 @@ def _inputs_to_hoist(graph: Graph, created: list[Node]) -> tuple[Node, list[Node
             raise decline(f"input {node.name} is computed after the site and cannot move")
         for arg in node.all_input_nodes:
             visit(arg)
-        moves.append(node)
+        moves[node] = None
 
     for node in created:
         for arg in node.all_input_nodes:
             visit(arg)
-    return first, moves
+    return first, list(moves)
 
 
-def _in_graph_order(graph: Graph, nodes: Sequence[Node]) -> list[Node]:
-    wanted = set(nodes)
-    return [node for node in graph.nodes if node in wanted]
+def _in_graph_order(nodes: Iterable[Node]) -> list[Node]:
+    return sorted(set(nodes), key=_position)
 
 
 def _symbol_source(graph: Graph, symbol: sympy.Symbol) -> tuple[Node, int | None]:
     """A graph input that holds ``symbol``: a SymInt input, or (tensor input, its dim)."""
-    for node in graph.find_nodes(op="placeholder"):
-        value = node.meta.get("val")
-        if isinstance(value, torch.SymInt) and value.node.expr == symbol:
-            return node, None
-        if isinstance(value, torch.Tensor):
-            for dim, size in enumerate(value.shape):
-                if isinstance(size, torch.SymInt) and size.node.expr == symbol:
-                    return node, dim
-    raise decline(f"no graph input holds the symbolic size {symbol}")
+    if graph not in _SYMBOL_SOURCES:
+        sources: dict[sympy.Symbol, tuple[Node, int | None]] = {}
+        for node in graph.find_nodes(op="placeholder"):
+            value = node.meta.get("val")
+            if isinstance(value, torch.SymInt):
+                sources.setdefault(value.node.expr, (node, None))
+            elif isinstance(value, torch.Tensor):
+                for dim, size in enumerate(value.shape):
+                    if isinstance(size, torch.SymInt):
+                        sources.setdefault(size.node.expr, (node, dim))
+        _SYMBOL_SOURCES[graph] = sources
+    if symbol not in _SYMBOL_SOURCES[graph]:
+        raise decline(f"no graph input holds the symbolic size {symbol}")
+    return _SYMBOL_SOURCES[graph][symbol]
+
+
+# the inputs of a graph, read once per graph (they do not change during the pass)
+_SYMBOL_SOURCES: weakref.WeakKeyDictionary[Graph, dict[sympy.Symbol, tuple[Node, int | None]]]
+_SYMBOL_SOURCES = weakref.WeakKeyDictionary()
 
 
 def _fake_eval(
     fake_mode: Any, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """The node's value on fake tensors, from its inputs' ``meta['val']``."""
-
-    def unwrap(x: Any) -> Any:
-        return x.meta.get("val") if isinstance(x, Node) else x
-
-    args, kwargs = pytree.tree_map(unwrap, (args, kwargs))
+    """The node's value on fake tensors, from its inputs' ``meta['val']``. Unpacking an
+    output and waiting a tensor (which returns it) need no fake dispatch."""
+    values = tuple(_value(a) for a in args)
     if target is operator.getitem:
-        return args[0][args[1]]
+        return values[0][values[1]]
+    if target is c10d.wait_tensor.default:
+        return values[0]
     with fake_mode:
-        return target(*args, **kwargs)
+        if target is P2P:  # its fake implementation, without the custom op's dispatch
+            return p2p_fake(*values)
+        return target(*values, **{k: _value(v) for k, v in kwargs.items()})
+
+
+def _value(arg: Any) -> Any:
+    """An FX argument with every node replaced by its ``meta['val']``."""
+    if isinstance(arg, Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_value(a) for a in arg)
+    return arg
+
+
+def _hashable(arg: Any) -> Any:
+    if isinstance(arg, (list, tuple)):
+        return tuple(_hashable(a) for a in arg)
+    if isinstance(arg, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in arg.items()))
+    return arg

@@ -189,7 +189,8 @@ Site = AgMmSite | MmRsSite
 
 
 def find_sites(graph: Graph) -> list[Site]:
-    """Every site of the graph, in graph order; all matched before anything is rewritten."""
+    """Every site of the graph, in graph order; all matched before anything is rewritten.
+    Each site is matched from its collective, looking only at the nodes around it."""
     found: list[Site] = []
     for shard, gathers in _gathers_by_shard(graph).items():
         site = _match_gather(shard, gathers)
@@ -201,8 +202,21 @@ def find_sites(graph: Graph) -> list[Site]:
         rs_site = _match_reduce_scatter(node)
         if rs_site is not None:
             found.append(rs_site)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return sorted(found, key=lambda s: order[s.anchor])
+    return sorted(found, key=lambda s: s.anchor._sort_key)
+
+
+def rematch(site: Site) -> Site:
+    """``site`` matched again where it stands, after other sites were rewritten (their
+    results may now be its operands, or its matmul may be one they took)."""
+    if isinstance(site, AgMmSite):
+        gathers = [g for g in site.gathers if not g._erased]
+        shard, n, group_name = gathers[0].args[:3]
+        again: Site | None = _match_gather((shard, int(n), str(group_name)), gathers)  # type: ignore[arg-type]
+    else:
+        again = _match_reduce_scatter(site.reduce_scatter)
+    if again is None:  # pragma: no cover - a site's collective keeps its matmul neighbour
+        return dataclasses.replace(site, declined="no longer next to a matmul")
+    return again
 
 
 # ----------------------------------------------------------------------------------------
@@ -313,6 +327,8 @@ def _collect_uses(site: AgMmSite, gathered: Node) -> None:
             if (user.target in VIEWS or is_full_slice(user)) and user.args[0] is node:
                 site.chain.append(user)
                 frontier.append(user)
+            elif mm is not None and node not in (mm.a, mm.b):
+                site.unmatched.append(f"{mm.node.name}: the gathered tensor is its bias")
             elif mm is not None:
                 _add_use(site, node, mm, "rows" if mm.a is node else "contract_left")
             elif is_transpose_2d(user) and user.args[0] is node:

@@ -35,12 +35,17 @@ class Plan:
     why: str
 
 
-def plan(predicted: dict[str, Timeline], options: Options) -> Plan:
-    """The schedule for a site with these predicted timelines (by schedule)."""
+def plan_options(options: Options) -> None:
+    """Decline before anything is predicted when the options rule every schedule out."""
     if options.schedule == "off":
         raise decline("schedule 'off' keeps every collective")
     if options.schedule in options.disable:
         raise decline(f"schedule {options.schedule!r} is disabled")
+
+
+def plan(predicted: dict[str, Timeline], options: Options) -> Plan:
+    """The schedule for a site with these predicted timelines (by schedule)."""
+    plan_options(options)
     if options.schedule != "auto":
         return Plan(options.schedule, predicted, f"schedule {options.schedule!r} requested")
     times = {k: t.end_s for k, t in predicted.items() if k not in options.disable}
