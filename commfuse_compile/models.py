@@ -15,21 +15,28 @@ import torch.nn.functional as F
 
 
 class MLP(nn.Module):
-    """LayerNorm -> gate and up (sharing their input) -> SiLU product -> down."""
+    """LayerNorm -> gate and up (sharing their input) -> SiLU product -> down
+    (-> + x with ``residual``); gate and down have a bias, up one with ``up_bias``."""
 
-    def __init__(self, dim: int = 16, hidden: int = 24) -> None:
+    def __init__(
+        self, dim: int = 16, hidden: int = 24, up_bias: bool = False, residual: bool = False
+    ) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.gate = nn.Linear(dim, hidden)
-        self.up = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=up_bias)
         self.down = nn.Linear(hidden, dim)
+        self.residual = residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.norm(x)
-        return self.down(F.silu(self.gate(y)) * self.up(y))
+        h = self.norm(x)
+        y = self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + y if self.residual else y
 
 
-def mlp_plan() -> dict[str, Any]:
+def mlp_plan(local_output: bool = True) -> dict[str, Any]:
+    """Sequence-sharded in and out; ``local_output=False`` keeps down's output a DTensor
+    (for a residual add to the DTensor input)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -41,22 +48,31 @@ def mlp_plan() -> dict[str, Any]:
         "norm": SequenceParallel(),
         "gate": ColwiseParallel(input_layouts=Shard(1)),
         "up": ColwiseParallel(input_layouts=Shard(1)),
-        "down": RowwiseParallel(output_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=local_output),
     }
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+    """Llama-style by default (RMSNorm, no biases). ``norm="layer"`` uses LayerNorm (weight
+    and bias); ``bias=True`` gives q, v, w1 and w3 a bias (k, wo and w2 keep none), so one
+    block has norms with affine parameters and linears with and without bias. (A bias on
+    k shifts every score of a query by the same amount: softmax cancels it, its gradient
+    is zero, and a comparison of that gradient compares rounding noise.)"""
+
+    def __init__(
+        self, dim: int, heads: int, hidden: int, norm: str = "rms", bias: bool = False
+    ) -> None:
         super().__init__()
+        norm_class = {"rms": nn.RMSNorm, "layer": nn.LayerNorm}[norm]
         self.head_dim = dim // heads
-        self.attention_norm = nn.RMSNorm(dim)
-        self.wq = nn.Linear(dim, dim, bias=False)
+        self.attention_norm = norm_class(dim)
+        self.wq = nn.Linear(dim, dim, bias=bias)
         self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=bias)
         self.wo = nn.Linear(dim, dim, bias=False)
-        self.ffn_norm = nn.RMSNorm(dim)
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.ffn_norm = norm_class(dim)
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=bias)
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,9 @@ class TrainConfig:
     tp: int = 1  # fsdp: size of the "tp" mesh dim (1: none); front "tp": the whole world
     activation_checkpointing: bool = False
     device: str = "cpu"
+    norm: str = "rms"  # "rms" or "layer" (LayerNorm: weight and bias)
+    bias: bool = False  # biases on q/k/v, w1, w3
+    dtype: str = "float32"  # of parameters and activations ("bfloat16": half precision)
 
 
 @dataclasses.dataclass
@@ -72,7 +75,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TrainConfig) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            Block(cfg.dim, cfg.heads, cfg.hidden) for _ in range(cfg.blocks)
+            Block(cfg.dim, cfg.heads, cfg.hidden, cfg.norm, cfg.bias) for _ in range(cfg.blocks)
         )
         self.norm = nn.RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -206,7 +209,8 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
     if cfg.batch % dp or cfg.seq % tp:
         raise ValueError(f"batch {cfg.batch} / seq {cfg.seq} not divisible by dp={dp} / tp={tp}")
     torch.manual_seed(cfg.seed)
-    model = Transformer(cfg).to(cfg.device)
+    dtype = getattr(torch, cfg.dtype)
+    model = Transformer(cfg).to(cfg.device, dtype)
     tp_mesh = None
     if tp > 1:
         if dp > 1:
@@ -229,7 +233,7 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
 
     def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(cfg.seed * 1000 + step)
-        x, target = torch.randn(2, cfg.batch, cfg.seq, cfg.dim, generator=gen).to(cfg.device)
+        x, target = torch.randn(2, cfg.batch, cfg.seq, cfg.dim, generator=gen).to(cfg.device, dtype)
         x, target = x.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank]
         if tp_mesh is None:
             return x, target
@@ -283,6 +287,30 @@ def compare(
 ) -> tuple[TrainResult, TrainResult]:
     """(with the pass, without it): the same run twice; a ``RankPool`` job."""
     return train(cfg, rank, world_size, options), train(cfg, rank, world_size, None)
+
+
+def gradients(
+    rank: int, world_size: int, cfg: TrainConfig, options: Mapping[str, Any] | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """One forward and backward (``options`` None: plain eager, else compiled with
+    ``backend="commfuse"``): the loss, this rank's shard of every parameter's gradient
+    (float32), and the sites the pass recorded (a ``RankPool`` job)."""
+    from torch.distributed.tensor import DTensor
+
+    def local(t: torch.Tensor | None) -> torch.Tensor:
+        assert t is not None, "a parameter got no gradient"
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().float()
+
+    report.reset()
+    torch._dynamo.reset()
+    setup = build(cfg, rank, world_size)
+    step_fn: Callable[..., torch.Tensor] = setup.loss_module
+    if options is not None:
+        step_fn = torch.compile(setup.loss_module, backend="commfuse", options=dict(options))
+    loss = step_fn(*setup.inputs(0))
+    loss.backward()
+    grads = {k: local(p.grad) for k, p in setup.loss_module.named_parameters()}
+    return local(loss), grads, [s.as_json() for s in report.REPORT.sites]
 
 
 def max_relative_diff(a: Iterable[float], b: Iterable[float]) -> float:

@@ -142,20 +142,51 @@ def trace(
     return make_fx(case.fn(n), tracing_mode=tracing_mode)(*inputs)
 
 
-def run_case(rank: int, n: int, case, seed: int, options: dict, tracing_mode: str = "fake") -> dict:
-    """On one gloo rank: original vs rewritten graph outputs and the pass's records."""
+def run_case(
+    rank: int,
+    n: int,
+    case,
+    seed: int,
+    options: dict,
+    tracing_mode: str = "fake",
+    inner: str = "eager",
+) -> dict:
+    """On one gloo rank: original vs rewritten program outputs, and what the pass left.
+
+    ``inner="eager"``: the traced aten graph rewritten by ``apply`` and run as it is;
+    ``"inductor"``: the program compiled with ``backend="commfuse"`` (Inductor after the
+    pass; ``tracing_mode="symbolic"`` compiles with dynamic shapes)."""
     inputs = case.inputs(rank, seed, n) if isinstance(case, AgMm) else case.inputs(rank, seed)
-    gm = trace(case, n, inputs, tracing_mode)
-    expected = gm(*inputs)
-    rewritten = commfuse_compile.apply(copy.deepcopy(gm), **options)
-    actual = rewritten(*inputs)
-    kinds = [n.target for n in rewritten.graph.nodes if n.op == "call_function"]
+    if inner == "inductor":
+        commfuse_compile.report.reset()
+        torch._dynamo.reset()
+        expected = case.fn(n)(*inputs)
+        compiled = torch.compile(
+            case.fn(n),
+            backend="commfuse",
+            options={**options, "inner": "inductor"},
+            dynamic=tracing_mode == "symbolic",
+        )
+        actual = compiled(*inputs)
+        records = commfuse_compile.report.REPORT.sites
+        assert records and all(r.decision == "rewritten" for r in records), records
+        sliced = options.get("schedule") == "slicing"
+        collectives_left = sum(options.get("slices", 2) if sliced else 0 for _ in records)
+        p2p = sum(r.details["p2p_ops"] for r in records)
+    else:
+        gm = trace(case, n, inputs, tracing_mode)
+        expected = gm(*inputs)
+        rewritten = commfuse_compile.apply(copy.deepcopy(gm), **options)
+        actual = rewritten(*inputs)
+        kinds = [n.target for n in rewritten.graph.nodes if n.op == "call_function"]
+        collectives_left = sum(
+            k in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
+            for k in kinds
+        )
+        p2p = sum(k is torch.ops.commfuse.p2p.default for k in kinds)
     return {
         "expected": [t.float() for t in expected],
         "actual": [t.float() for t in actual],
-        "collectives_left": sum(
-            k in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
-            for k in kinds
-        ),
-        "p2p": sum(k is torch.ops.commfuse.p2p.default for k in kinds),
+        "collectives_left": collectives_left,
+        "p2p": p2p,
     }
