@@ -477,14 +477,19 @@ def machine() -> dict[str, Any]:
 def _profile_file(base: Any, rate: float, path: Path) -> str:
     """The calibrated profile with its bandwidth scaled to ``rate`` (the tbf's rate;
     unthrottled: as calibrated)."""
-    from .profiles import save
+    from .profiles import Curve, save
 
     if math.isfinite(rate):
+        scale = REFERENCE_RATE / rate  # seconds per byte grow as the rate falls
         base = dataclasses.replace(
             base,
             name=f"bench link {rate / 1e6:.0f} Mbit/s",
             source=base.source + f"; bandwidth scaled from {REFERENCE_RATE / 1e6:.0f} Mbit/s",
-            link_bytes_per_s=base.link_bytes_per_s * rate / REFERENCE_RATE,
+            link_bytes_per_s=base.link_bytes_per_s / scale,
+            collectives={
+                kind: {n: Curve(c.latency_s, c.seconds_per_byte * scale) for n, c in curves.items()}
+                for kind, curves in base.collectives.items()
+            },
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     save(base, path)
@@ -597,6 +602,7 @@ def run(
         progress.advance()
         results["meta"]["qdisc"] = network.qdisc_stats()
     results["meta"]["machine_after"] = machine()
+    results["noise"] = bench_report.run_noise(results["sites"])
     results["targets"] = bench_report.check_targets(results)
     bench_report.write(results, out)
     progress.stage(f"done: {out / 'results.md'}")

@@ -2,10 +2,12 @@
 
 On n local gloo ranks (or the ranks of a running job): matmul time by shape (fitted as
 call latency + FLOPs / throughput, all ranks computing at once as in training), P2P
-time by message size between ranks 0 and 1 (a ring exchange, fitted as alpha + bytes/beta),
-an element-wise add, and the fixed costs the model cannot derive: one P2P step of a
-rewritten graph and one collective call, from a tiny all-gather -> matmul site run
-both ways. The result loads with ``options={"profile": path}``.
+time by message size (a ring exchange, fitted as alpha + bytes/beta), an element-wise
+add, the backend's own all-gather and reduce-scatter by block size on every group size
+from 2 to n (fitted per kind and size: the model times the collective with these curves,
+not with a ring formula), how much a matmul slows while a transfer is in flight, and
+the fixed cost of one P2P step of a rewritten graph, from a tiny all-gather -> matmul
+site run both ways. The result loads with ``options={"profile": path}``.
 """
 
 from __future__ import annotations
@@ -15,16 +17,21 @@ import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .profiles import Profile
+from .profiles import Curve, Profile
 from .simulator import Work, simulate
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block of a collective
 TINY_SITE = (2, 8, 8)  # shard rows, K, N of the site that measures the fixed costs
+# the matmul timed alone and under a transfer that outlasts it (the slowdown's probe)
+OVERLAP_MATMUL = (512, 512, 512)
+OVERLAP_MESSAGE_BYTES = 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +41,9 @@ class Measurements:
     add_bytes_per_s: float
     ring_site_s: float  # tiny all-gather -> matmul, rewritten as a ring
     collective_site_s: float  # the same site with its collective
+    # kind -> group size -> [(block bytes, seconds)] of the backend's own collective
+    collectives: dict[str, dict[int, list[tuple[float, float]]]]
+    overlap_slowdown: float  # matmul under a transfer / matmul alone - 1
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -63,13 +73,20 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         link_bytes_per_s=1 / s_per_byte,
         step_overhead_s=0.0,
         collective_overhead_s=0.0,
+        overlap_slowdown=m.overlap_slowdown,
+        collectives={
+            kind: {size: Curve(*fit_line(points), tuple(points)) for size, points in by_n.items()}
+            for kind, by_n in m.collectives.items()
+        },
     )
     # The fixed costs are what the simulation of the tiny site lacks without them: the
     # ring pays the step overhead once per step (n-1), the collective its overhead once.
     rows, k, cols = TINY_SITE
     tiny = Work("gather", n, block_flops=2.0 * rows * k * cols, block_bytes=4.0 * rows * k)
     step = (m.ring_site_s - simulate(tiny, "ring", measured).end_s) / (n - 1)
-    collective = m.collective_site_s - simulate(tiny, "collective", measured).end_s
+    # the call overhead of the ring formula, used for group sizes without a curve
+    formula = dataclasses.replace(measured, collectives={})
+    collective = m.collective_site_s - simulate(tiny, "collective", formula).end_s
     return dataclasses.replace(
         measured, step_overhead_s=max(step, 0.0), collective_overhead_s=max(collective, 0.0)
     )
@@ -86,7 +103,76 @@ def measure(rank: int, world_size: int, reps: int) -> Measurements:
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
     add_s = _median(lambda: torch.add(x, y), reps)
     ring, collective = _tiny_site_times(world_size, reps)
-    return Measurements(matmul, message, 3 * x.numel() * 4 / add_s, ring, collective)
+    return Measurements(
+        matmul,
+        message,
+        3 * x.numel() * 4 / add_s,
+        ring,
+        collective,
+        _collective_curves(rank, world_size, reps),
+        _overlap_slowdown(rank, world_size, reps),
+    )
+
+
+def _collective_curves(
+    rank: int, world_size: int, reps: int
+) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """The backend's all-gather and reduce-scatter, timed by block size on the groups of
+    ranks 0..g-1 for every g from 2 to the world size (the others wait)."""
+    curves: dict[str, dict[int, list[tuple[float, float]]]] = {
+        "all_gather": {},
+        "reduce_scatter": {},
+    }
+    for g in range(2, world_size + 1):
+        group = dist.new_group(list(range(g))) if g < world_size else dist.group.WORLD
+        for kind, by_size in curves.items():
+            points = []
+            for nbytes in BLOCK_BYTES:
+                if rank < g:  # the others only wait (new_group gives them no group)
+                    points.append((float(nbytes), _collective_s(kind, nbytes, g, group, reps)))
+                dist.barrier()
+            if rank < g:
+                by_size[g] = points
+    return curves
+
+
+def _collective_s(kind: str, block_bytes: int, g: int, group: Any, reps: int) -> float:
+    """The median time of one all-gather of ``block_bytes`` blocks (or the reduce-scatter
+    down to them) on ``group`` of ``g`` ranks, as the functional collectives run it."""
+    c10d = torch.ops._c10d_functional
+    block = torch.randn(block_bytes // 4)
+    if kind == "all_gather":
+        call = functools.partial(c10d.all_gather_into_tensor, block, g, group.group_name)
+    else:
+        whole = torch.randn(g * block.numel())
+        call = functools.partial(c10d.reduce_scatter_tensor, whole, "sum", g, group.group_name)
+    dist.barrier(group)
+    return _median(lambda: c10d.wait_tensor(call()), reps)
+
+
+def _overlap_slowdown(rank: int, world_size: int, reps: int) -> float:
+    """How much slower a matmul runs while a ring exchange is in flight: the matmul alone,
+    then the same matmul started right after a transfer that outlasts it (its own
+    duration is timed, not the transfer's)."""
+    m, k, n = OVERLAP_MATMUL
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    send, recv = torch.empty(OVERLAP_MESSAGE_BYTES // 4), torch.empty(OVERLAP_MESSAGE_BYTES // 4)
+    peers = ((rank + 1) % world_size, (rank - 1) % world_size)
+    alone, under = [], []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        torch.mm(a, b)
+        alone.append(time.perf_counter() - start)
+        dist.barrier()
+        ops = [dist.P2POp(dist.irecv, recv, peers[1]), dist.P2POp(dist.isend, send, peers[0])]
+        works = dist.batch_isend_irecv(ops)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        under.append(time.perf_counter() - start)
+        for work in works:
+            work.wait()
+    return max(statistics.median(under) / statistics.median(alone) - 1, 0.0)
 
 
 def _median(fn: Callable[[], object], reps: int) -> float:

@@ -81,7 +81,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--world-size must be at least 2")
         profile = calibrate_run(args.world_size, args.out, args.reps)
         for field, value in profile.as_json().items():
-            print(f"{field:>22}: {value}")
+            if field != "collectives":
+                print(f"{field:>22}: {value}")
+        for kind, curves in profile.collectives.items():
+            for n, curve in sorted(curves.items()):
+                print(
+                    f"{kind:>14} on {n} ranks: {curve.latency_s * 1e6:8.1f} us + "
+                    f"{1 / curve.seconds_per_byte / 1e9:.3f} GB/s of a rank's block"
+                )
         print(f"wrote {args.out}; use it with options={{'profile': {args.out!r}}}")
         return 0
 

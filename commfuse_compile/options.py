@@ -40,6 +40,7 @@ class Options:
     disable: frozenset[str] = frozenset()
     profile: str | None = None  # built-in profile name or profile file; None: by device
     slices: int = 2  # chunks of the slicing schedule
+    measure: bool = False  # time each rewritten site's P2P steps into report.json
 
     @classmethod
     def from_mapping(cls, given: Mapping[str, Any] | None) -> Options:
@@ -81,6 +82,10 @@ class Options:
         if not isinstance(slices, int) or isinstance(slices, bool) or not 1 < slices <= MAX_SLICES:
             raise CommfuseOptionError(
                 f"commfuse: option 'slices' must be an integer in 2..{MAX_SLICES}, got {slices!r}"
+            )
+        if not isinstance(given.get("measure", False), bool):
+            raise CommfuseOptionError(
+                f"commfuse: option 'measure' must be True or False, got {given['measure']!r}"
             )
         return cls(**given)
 

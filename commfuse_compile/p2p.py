@@ -36,6 +36,8 @@ transfer (the backend gives up after the process group's ``timeout``, set with
 
 from __future__ import annotations
 
+import re
+import time
 from datetime import timedelta
 
 import torch
@@ -47,14 +49,22 @@ class P2PError(RuntimeError):
     """A ring step's transfer failed: a peer died, or stalled past the group's timeout."""
 
 
+# Site id -> [start, end] (perf_counter seconds) of each call of the site's steps, from
+# its first P2P op's start to the end of its last wait; filled for ``timed`` ops only
+# (the ``measure`` option) and read into report.json's ``measured_us``.
+TIMINGS: dict[int, list[list[float]]] = {}
+LABEL = re.compile(r"site (\d+) step (\d+)")
+
+
 class _LabelledWork(dist.Work):
     """A backend work, waited at most once however many tensors it is registered on
     (NCCL coalesces a batch into one work), holding the tensors it transfers until then;
     its failure is re-raised as ``P2PError`` with the step's label."""
 
-    def __init__(self, work: dist.Work, what: str, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, work: dist.Work, what: str, site: int | None) -> None:
         super().__init__()
-        self._work, self._what, self._tensors = work, what, tensors
+        self._work, self._what, self._site = work, what, site
+        self._tensors: list[torch.Tensor] = []
         self._done = False
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -65,6 +75,9 @@ class _LabelledWork(dist.Work):
         except RuntimeError as err:  # the backend's error (DistBackendError is one too)
             raise P2PError(f"{self._what}: {err}") from err
         self._done, self._tensors = True, []
+        if self._site is not None:
+            span = TIMINGS[self._site][-1]
+            span[1] = max(span[1], time.perf_counter())
         return result
 
 
@@ -77,13 +90,15 @@ def p2p(
     tag: int,
     group_name: str,
     label: str = "",
+    timed: bool = False,
 ) -> list[torch.Tensor]:
     """Start sends and receives; returns the received tensors (shape and dtype of
     ``recv_like``). Peers are global ranks. Each returned tensor, and each tensor of
     ``sends``, must be passed to ``wait_tensor``: a received one before it is read, a
     sent one before it is freed or written. ``label`` names the step in errors
-    (e.g. ``"site 3 step 1 (ag_mm)"``).
+    (e.g. ``"site 3 step 1 (ag_mm)"``); ``timed`` records the site's span in ``TIMINGS``.
     """
+    site = _start_timing(label) if timed else None
     what = (
         f"commfuse P2P {label or 'step'} (send to {send_peers}, receive from {recv_peers}, "
         f"tag {tag}, group {group_name!r}) failed; a peer died, or stalled past the "
@@ -114,14 +129,29 @@ def p2p(
     registered = [*recvs, *sends]  # where each op's work is waited: its output, its buffer
     for tensor, moved, work in zip(registered, [*recvs, *sent], works, strict=True):
         if id(work) not in wrapped:
-            wrapped[id(work)] = _LabelledWork(work, what, [])
+            wrapped[id(work)] = _LabelledWork(work, what, site)
         wrapped[id(work)]._tensors.append(moved)
         _register_work(tensor, wrapped[id(work)])
     return recvs
 
 
+def _start_timing(label: str) -> int | None:
+    """Step 0 of a site opens a new call's span; later steps extend it."""
+    found = LABEL.match(label)
+    if found is None:
+        return None
+    site, step = int(found.group(1)), int(found.group(2))
+    now = time.perf_counter()
+    spans = TIMINGS.setdefault(site, [])
+    if step == 0 or not spans:
+        spans.append([now, now])
+    return site
+
+
 @p2p.register_fake
-def p2p_fake(sends, send_peers, recv_like, recv_peers, tag, group_name, label=""):  # type: ignore[no-untyped-def]
+def p2p_fake(  # type: ignore[no-untyped-def]
+    sends, send_peers, recv_like, recv_peers, tag, group_name, label="", timed=False
+):
     """The received tensors' values (the pass also calls it directly, in fake mode)."""
     return [torch.empty_like(t, memory_format=torch.contiguous_format) for t in recv_like]
 

@@ -9,6 +9,7 @@ GPU matmul figures are for bf16/fp16 tensor-core GEMMs (the dtype of LLM trainin
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -18,6 +19,23 @@ from typing import Any
 
 class ProfileError(ValueError):
     """A profile name or file that cannot be used."""
+
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Curve:
+    """A collective's time as measured on a group of one size: ``latency_s`` plus
+    ``seconds_per_byte`` times the bytes of one rank's block (the all-gather's shard, the
+    reduce-scatter's output), fitted on ``points`` (block bytes, seconds)."""
+
+    latency_s: float
+    seconds_per_byte: float
+    points: tuple[tuple[float, float], ...] = ()
+
+    def seconds(self, block_bytes: float) -> float:
+        return self.latency_s + self.seconds_per_byte * block_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +53,16 @@ class Profile:
     # sending to both neighbours at once gets twice the bandwidth. False behind a
     # switch (NVSwitch, PCIe switch, loopback): both messages share one port.
     duplex_neighbours: bool = False
+    # How much slower a matmul runs while a transfer is in flight on the same rank (0.3:
+    # 30 % slower): on CPUs the transport's threads take cores; ``calibrate`` measures it.
+    overlap_slowdown: float = 0.0
+    # The collectives as the backend runs them, by kind and group size (``calibrate``
+    # measures them); without a curve the model takes the faster of a ring and a
+    # bidirectional ring of the same messages plus ``collective_overhead_s``.
+    collectives: dict[str, dict[int, Curve]] = dataclasses.field(default_factory=dict)
+
+    def curve(self, kind: str, n: int) -> Curve | None:
+        return self.collectives.get(kind, {}).get(n)
 
     def matmul_s(self, flops: float) -> float:
         return self.matmul_latency_s + flops / self.matmul_flops
@@ -49,7 +77,18 @@ class Profile:
         return 3 * nbytes / self.memory_bytes_per_s
 
     def as_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["collectives"] = {
+            kind: {str(n): dataclasses.asdict(c) for n, c in curves.items()}
+            for kind, curves in self.collectives.items()
+        }
+        return out
+
+    def fingerprint(self) -> str:
+        """What every rank must share for the ranks to decide alike (a hash of the
+        numbers, not of the name)."""
+        numbers = {k: v for k, v in self.as_json().items() if k not in ("name", "source")}
+        return hashlib.sha256(json.dumps(numbers, sort_keys=True).encode()).hexdigest()[:12]
 
 
 RATES = ("matmul_flops", "memory_bytes_per_s", "link_bytes_per_s")  # divisors: > 0
@@ -145,14 +184,66 @@ def load(name_or_path: str | os.PathLike[str]) -> Profile:
         )
     try:
         fields = json.loads(path.read_text())
-        profile = Profile(**fields)
-    except (ValueError, TypeError) as err:
-        raise ProfileError(f"profile file {path} is not a commfuse profile: {err}") from None
-    for field in dataclasses.fields(Profile):
-        problem = _field_problem(field.name, getattr(profile, field.name))
+    except (ValueError, OSError) as err:
+        raise ProfileError(f"profile file {path} is not JSON: {err}") from None
+    return from_json(fields, f"profile file {path}")
+
+
+def from_json(fields: object, where: str = "profile") -> Profile:
+    """A profile from its JSON form, every field checked: a wrong file says which fields
+    are missing, unknown or of the wrong kind (``where`` names it in the message)."""
+    if not isinstance(fields, dict):
+        raise ProfileError(f"{where} must hold a JSON object, got {type(fields).__name__}")
+    known = {f.name: f for f in dataclasses.fields(Profile)}
+    required = [
+        n
+        for n, f in known.items()
+        if f.default is dataclasses.MISSING and (f.default_factory is dataclasses.MISSING)
+    ]
+    missing = [n for n in required if n not in fields]
+    unknown = sorted(set(fields) - set(known))
+    if missing or unknown:
+        parts = [f"missing {missing}"] if missing else []
+        parts += [f"unknown {unknown}"] if unknown else []
+        raise ProfileError(f"{where}: fields {'; '.join(parts)}")
+    values = dict(fields)
+    for name, value in values.items():
+        problem = (
+            _collectives_problem(value) if name == "collectives" else _field_problem(name, value)
+        )
         if problem:
-            raise ProfileError(f"profile file {path}: {field.name} {problem}")
-    return profile
+            raise ProfileError(f"{where}: {name} {problem}")
+    values["collectives"] = {
+        kind: {
+            int(n): Curve(c["latency_s"], c["seconds_per_byte"], tuple(map(tuple, c["points"])))
+            for n, c in curves.items()
+        }
+        for kind, curves in values.get("collectives", {}).items()
+    }
+    return Profile(**values)
+
+
+def _collectives_problem(value: object) -> str | None:
+    """``{"all_gather": {"2": {"latency_s", "seconds_per_byte", "points"}}}`` or why not."""
+    if not isinstance(value, dict):
+        return f"must be an object by collective kind, got {value!r}"
+    for kind, curves in value.items():
+        if kind not in COLLECTIVE_KINDS or not isinstance(curves, dict):
+            return f"has {kind!r}: kinds are {list(COLLECTIVE_KINDS)}, each by group size"
+        for n, curve in curves.items():
+            if not str(n).isdigit() or int(n) < 2:
+                return f"{kind}: group size {n!r} is not an integer >= 2"
+            if not isinstance(curve, dict) or set(curve) != {
+                "latency_s",
+                "seconds_per_byte",
+                "points",
+            }:
+                return f"{kind} {n}: needs latency_s, seconds_per_byte and points"
+            for field in ("latency_s", "seconds_per_byte"):
+                problem = _field_problem(field, curve[field])
+                if problem:
+                    return f"{kind} {n} {field} {problem}"
+    return None
 
 
 def _field_problem(name: str, value: object) -> str | None:

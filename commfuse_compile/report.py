@@ -6,9 +6,11 @@ Every site found next to a matmul ends up as one ``SiteRecord``. Declines go thr
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,17 +22,32 @@ import torch._logging
 log = logging.getLogger("commfuse")
 
 
+# Why sites are declined, as the one-line summary of a graph counts them. A decline the
+# options ask for, or the cost model's choice, is expected; the rest are patterns the
+# pass cannot rewrite, or faults (which also warn).
+DECLINE_KINDS = {
+    "not_profitable": "not profitable",
+    "off": "schedule off",
+    "disabled": "disabled",
+    "unsupported": "unsupported pattern",
+    "internal": "internal error",
+    "compiler": "inner compiler",
+}
+
+
 class Declined(Exception):
     """Raised by ``decline``: carries the reason a site is left as it was."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, kind: str = "unsupported") -> None:
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.kind = reason, kind
 
 
-def decline(reason: str) -> Declined:
-    """The one way to decline a site: ``raise decline("why")``."""
-    return Declined(reason)
+def decline(reason: str, kind: str = "unsupported") -> Declined:
+    """The one way to decline a site: ``raise decline("why")``; ``kind`` is one of
+    ``DECLINE_KINDS``."""
+    assert kind in DECLINE_KINDS, kind
+    return Declined(reason, kind)
 
 
 @dataclasses.dataclass
@@ -40,6 +57,7 @@ class SiteRecord:
     decision: str = "declined"  # "rewritten" | "declined"
     schedule: str = "off"
     reason: str = ""
+    decline_kind: str = ""  # a key of DECLINE_KINDS when declined
     site: int = -1
     nodes: list[str] = dataclasses.field(default_factory=list)
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -56,30 +74,80 @@ class Report:
     def __init__(self) -> None:
         self.sites: list[SiteRecord] = []
         self.graphs = 0
+        self._at_exit: set[str] = set()
 
     def add(self, record: SiteRecord) -> None:
         self.sites.append(record)
-        line = f"commfuse: {record.kind} site {record.site} in {record.graph} graph"
-        if record.decision == "rewritten":
-            log.info("%s rewritten (%s): %s", line, record.schedule, record.reason)
-        else:
-            log.warning("%s declined: %s", line, record.reason)
+
+    def log_graph(self, records: list[SiteRecord], graph: str) -> None:
+        """A graph's final decisions: every site at DEBUG (``TORCH_LOGS="+commfuse"``),
+        one summary line at INFO, from rank 0 only unless DEBUG is on. Nothing warns
+        here: faults warn where they happen."""
+        for record in records:
+            line = f"commfuse: {record.kind} site {record.site} in {graph} graph"
+            if record.decision == "rewritten":
+                log.debug("%s rewritten (%s): %s", line, record.schedule, record.reason)
+            else:
+                log.debug("%s declined: %s", line, record.reason)
+        from .groups import this_rank
+
+        if records and (this_rank() == 0 or log.isEnabledFor(logging.DEBUG)):
+            log.info("commfuse: %s", summary_line(records, graph))
 
     def as_json(self) -> dict[str, Any]:
-        return {"sites": [s.as_json() for s in self.sites]}
+        return {"sites": [_with_measurements(s.as_json()) for s in self.sites]}
 
-    def write(self, debug_dir: str) -> None:
-        path = rank_dir(debug_dir) / "report.json"
+    def write(self, debug_dir: str, rank: int | None = None) -> None:
+        path = rank_dir(debug_dir, rank) / "report.json"
         path.write_text(json.dumps(self.as_json(), indent=1, default=str))
+
+    def write_at_exit(self, debug_dir: str) -> None:
+        """Write the report again when the process ends, with the measurements its runs
+        made (``measure``); once per directory, as this rank."""
+        from .groups import this_rank
+
+        if debug_dir not in self._at_exit:
+            self._at_exit.add(debug_dir)
+            atexit.register(self.write, debug_dir, this_rank())
 
 
 REPORT = Report()
 
 
-def rank_dir(debug_dir: str) -> Path:
+def _with_measurements(record: dict[str, Any]) -> dict[str, Any]:
+    """``measured_us``: the median, over the calls so far, of the site's span from its
+    first P2P op's start to its last wait's end (the ``measure`` option). It leaves out
+    the matmul before the first transfer (reduce-scatter) or after the last wait
+    (all-gather) that ``predicted_us`` includes: one block's matmul."""
+    from .p2p import TIMINGS
+
+    spans = TIMINGS.get(record["site"])
+    if record["decision"] != "rewritten" or not spans:
+        return record
+    median = statistics.median(end - start for start, end in spans)
+    return record | {"measured_us": round(median * 1e6, 1), "measured_calls": len(spans)}
+
+
+def summary_line(records: list[SiteRecord], graph: str) -> str:
+    """``forward: 5 sites, 3 rewritten (ring); declined: 2 not profitable``."""
+    rewritten = [r for r in records if r.decision == "rewritten"]
+    schedules = sorted({r.schedule for r in rewritten})
+    line = f"{graph}: {len(records)} sites, {len(rewritten)} rewritten"
+    line += f" ({', '.join(schedules)})" if schedules else ""
+    declined: dict[str, int] = {}
+    for r in records:
+        if r.decision != "rewritten":
+            kind = DECLINE_KINDS.get(r.decline_kind, DECLINE_KINDS["unsupported"])
+            declined[kind] = declined.get(kind, 0) + 1
+    if declined:
+        line += "; declined: " + ", ".join(f"{n} {kind}" for kind, n in declined.items())
+    return line
+
+
+def rank_dir(debug_dir: str, rank: int | None = None) -> Path:
     from .groups import this_rank
 
-    path = Path(debug_dir) / f"rank{this_rank()}"
+    path = Path(debug_dir) / f"rank{this_rank() if rank is None else rank}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

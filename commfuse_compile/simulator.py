@@ -94,13 +94,28 @@ def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> flo
     return calls * profile.matmul_s(work.block_flops * fraction / calls)
 
 
+COLLECTIVE_OF = {"gather": "all_gather", "reduce": "reduce_scatter"}
+
+
+def collective_model(work: Work, p: Profile) -> str:
+    """How the site's collective is timed on ``p`` (the report says which)."""
+    kind = COLLECTIVE_OF[work.kind]
+    if p.curve(kind, work.n) is not None:
+        return f"{kind} as measured on {work.n} ranks ({p.name})"
+    return f"ring formula: {p.name} has no measured {kind} curve for {work.n} ranks"
+
+
 def _collective_s(work: Work, p: Profile) -> float:
-    """One all-gather or reduce-scatter call: its overhead, then the faster of a ring and
-    a bidirectional ring of the same messages (and adds). A library picks its algorithm;
-    crediting it with the ring alone would let ``bidir`` beat it on a tiny matmul by
-    running fewer message rounds, with nothing to overlap."""
+    """One all-gather or reduce-scatter call. As the backend runs it where the profile
+    has its measured curve (gloo's reduce-scatter, for one, moves far more than a ring's
+    bytes); else its overhead, then the faster of a ring and a bidirectional ring of the
+    same messages (and adds): a library picks its algorithm, and crediting it with the
+    ring alone would let ``bidir`` beat it on a tiny matmul by running fewer rounds."""
     if work.n == 1:
         return 0.0
+    curve = p.curve(COLLECTIVE_OF[work.kind], work.n)
+    if curve is not None:
+        return curve.seconds(work.block_bytes)
     messages_only = dataclasses.replace(p, matmul_latency_s=0.0, step_overhead_s=0.0)
     no_matmul = dataclasses.replace(work, block_flops=0.0)
     rounds = min(simulate(no_matmul, s, messages_only).end_s for s in ("ring", "bidir"))
@@ -128,7 +143,9 @@ def _collective(work: Work, p: Profile) -> Timeline:
 
 
 def _sliced(work: Work, p: Profile, k: int) -> Timeline:
-    """k chunk collectives on the comm lane, k chunk matmuls (n blocks each) on compute."""
+    """k chunk collectives on the comm lane, k chunk matmuls (n blocks each) on compute;
+    a chunk's matmuls run while the next (gather) or previous (reduce) chunk's
+    collective is in flight."""
     n, events = work.n, list[Event]()
     chunk_compute = n * _block_compute_s(work, p, 1 / k)
     chunk_comm = _collective_s(dataclasses.replace(work, block_bytes=work.block_bytes / k), p)
@@ -139,19 +156,32 @@ def _sliced(work: Work, p: Profile, k: int) -> Timeline:
         comm_end: dict[int, float] = {}
         compute_end: dict[int, float] = {}
         for s, step in enumerate(steps):
-            if step.compute is not None:
-                start = max(compute_free, comm_end.get(step.compute, 0.0) if gather else 0.0)
-                compute_free = compute_end[step.compute] = start + chunk_compute
-                events.append(
-                    Event(r, "compute", s, f"matmul chunk {step.compute}", start, compute_free)
-                )
             if step.issue is not None:
                 ready = 0.0 if gather else compute_end[step.issue]
                 start = max(comm_free, ready)
                 comm_free = comm_end[step.issue] = start + chunk_comm
                 name = "all_gather" if gather else "reduce_scatter"
                 events.append(Event(r, "comm", s, f"{name} chunk {step.issue}", start, comm_free))
+            if step.compute is not None:
+                start = max(compute_free, comm_end.get(step.compute, 0.0) if gather else 0.0)
+                in_flight = comm_free - start if step.issue is not None else 0.0
+                took = _overlapped(chunk_compute, in_flight, p.overlap_slowdown)
+                compute_free = compute_end[step.compute] = start + took
+                events.append(
+                    Event(r, "compute", s, f"matmul chunk {step.compute}", start, compute_free)
+                )
     return Timeline("slicing", events)
+
+
+def _overlapped(compute_s: float, in_flight_s: float, slowdown: float) -> float:
+    """How long ``compute_s`` of matmul takes when a transfer is in flight for the first
+    ``in_flight_s`` of it, slowed by ``slowdown`` meanwhile (``Profile.overlap_slowdown``)."""
+    if slowdown <= 0 or in_flight_s <= 0:
+        return compute_s
+    slowed = compute_s * (1 + slowdown)
+    if slowed <= in_flight_s:
+        return slowed
+    return compute_s + in_flight_s * slowdown / (1 + slowdown)
 
 
 def _send(
@@ -185,13 +215,16 @@ def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
         issue = [now[r] + (p.step_overhead_s if plans[r][s].sends else 0.0) for r in range(n)]
         done = list(issue)
         for r in range(n):
-            step = plans[r][s]
-            for dst, end in _send(work, p, r, s, step.sends, issue, events):
+            for dst, end in _send(work, p, r, s, plans[r][s].sends, issue, events):
                 done[r], done[dst] = max(done[r], end), max(done[dst], end)
-            computed = issue[r]
-            for b in step.compute:
-                events.append(Event(r, "compute", s, f"matmul block {b}", computed, computed + c))
-                computed += c
+        for r in range(n):
+            computed, in_flight = issue[r], done[r]  # this rank's messages end by done[r]
+            for b in plans[r][s].compute:
+                took = _overlapped(c, in_flight - computed, p.overlap_slowdown)
+                events.append(
+                    Event(r, "compute", s, f"matmul block {b}", computed, computed + took)
+                )
+                computed += took
             done[r] = max(done[r], computed)
         now = done
     return Timeline(schedule, events)
@@ -208,9 +241,12 @@ def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
         for r in range(n):
             step = plans[r][s]
             computed = now[r]
-            for b in step.blocks:
-                events.append(Event(r, "compute", s, f"matmul block {b}", computed, computed + c))
-                computed += c
+            for b in step.blocks:  # under the messages of the step before
+                took = _overlapped(c, arrivals[r] - computed, p.overlap_slowdown)
+                events.append(
+                    Event(r, "compute", s, f"matmul block {b}", computed, computed + took)
+                )
+                computed += took
             added = max(computed, arrivals[r])
             if step.adds:
                 end = added + len(step.adds) * a

@@ -16,7 +16,15 @@ from commfuse_compile import calibrate as cal
 from commfuse_compile.options import PROFILE_ENV
 from commfuse_compile.passes import match
 from commfuse_compile.passes.plan import MIN_GAIN, plan, site_work
-from commfuse_compile.profiles import BUILTIN, Profile, ProfileError, load, save
+from commfuse_compile.profiles import (
+    BUILTIN,
+    COLLECTIVE_KINDS,
+    Curve,
+    Profile,
+    ProfileError,
+    load,
+    save,
+)
 from commfuse_compile.report import Declined
 from commfuse_compile.simulator import (
     SCHEDULES,
@@ -24,6 +32,7 @@ from commfuse_compile.simulator import (
     Timeline,
     Work,
     chrome_trace,
+    collective_model,
     predict,
     simulate,
 )
@@ -331,10 +340,32 @@ def _write(path, text):
 BAD_PROFILES = [
     pytest.param(lambda tmp: tmp / "missing.json", "neither a built-in", id="missing"),
     pytest.param(lambda tmp: tmp, "neither a built-in", id="directory"),
-    pytest.param(lambda tmp: _write(tmp / "p.json", "{not json"), "not a commfuse", id="garbage"),
-    pytest.param(lambda tmp: _write(tmp / "p.json", "[1, 2]"), "not a commfuse", id="list"),
+    pytest.param(lambda tmp: _write(tmp / "p.json", "{not json"), "is not JSON", id="garbage"),
     pytest.param(
-        lambda tmp: _write(tmp / "p.json", '{"name": "x"}'), "not a commfuse", id="missing-fields"
+        lambda tmp: _write(tmp / "p.json", "[1, 2]"), "must hold a JSON object, got list", id="list"
+    ),
+    pytest.param(
+        lambda tmp: _write(tmp / "p.json", '{"name": "x"}'),
+        r"fields missing \['source', 'matmul_flops', .*'collective_overhead_s'\]",
+        id="missing-fields",
+    ),
+    pytest.param(
+        lambda tmp: _write(
+            tmp / "p.json", json.dumps(BUILTIN["gloo-loopback"].as_json() | {"colour": 1})
+        ),
+        r"fields unknown \['colour'\]",
+        id="unknown-field",
+    ),
+    pytest.param(
+        lambda tmp: _write(
+            tmp / "p.json",
+            json.dumps(
+                BUILTIN["gloo-loopback"].as_json()
+                | {"collectives": {"all_gather": {"2": {"latency_s": 1e-4}}}}
+            ),
+        ),
+        "collectives all_gather 2: needs latency_s, seconds_per_byte and points",
+        id="bad-curve",
     ),
     pytest.param(
         lambda tmp: _write(
@@ -410,8 +441,14 @@ def test_fit_line_recovers_a_line_and_keeps_both_terms_non_negative():
     assert 0 < b < 1e-20
 
 
+def _collective_s(p: Profile, kind: str, g: int, block_bytes: float) -> float:
+    work = Work("gather" if kind == "all_gather" else "reduce", g, 0.0, block_bytes)
+    return simulate(work, "collective", p).end_s
+
+
 def _measurements_of(p: Profile, n: int) -> cal.Measurements:
-    """What ``calibrate.measure`` would return on a machine that is exactly ``p``."""
+    """What ``calibrate.measure`` would return on a machine that is exactly ``p`` (its
+    collectives run as the ring formula says)."""
     rows, k, cols = cal.TINY_SITE
     tiny = Work("gather", n, 2.0 * rows * k * cols, 4.0 * rows * k)
     return cal.Measurements(
@@ -420,6 +457,14 @@ def _measurements_of(p: Profile, n: int) -> cal.Measurements:
         add_bytes_per_s=p.memory_bytes_per_s,
         ring_site_s=simulate(tiny, "ring", p).end_s,
         collective_site_s=simulate(tiny, "collective", p).end_s,
+        collectives={
+            kind: {
+                g: [(float(b), _collective_s(p, kind, g, b)) for b in cal.BLOCK_BYTES]
+                for g in range(2, n + 1)
+            }
+            for kind in COLLECTIVE_KINDS
+        },
+        overlap_slowdown=p.overlap_slowdown,
     )
 
 
@@ -435,3 +480,49 @@ def test_profile_from_reproduces_the_constants_it_was_measured_on(profile, n):
         value = getattr(profile, field.name)
         if isinstance(value, float):
             assert getattr(fitted, field.name) == pytest.approx(value, rel=1e-6), field.name
+    for kind in COLLECTIVE_KINDS:  # the measured curves time the collective as measured
+        for g in range(2, n + 1):
+            for nbytes in cal.BLOCK_BYTES:
+                expected = _collective_s(profile, kind, g, nbytes)
+                assert fitted.curve(kind, g).seconds(nbytes) == pytest.approx(expected, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# the collective as the backend runs it, and the matmul slowed by a transfer
+
+
+def test_collective_is_timed_by_its_measured_curve_where_the_profile_has_one():
+    p = dataclasses.replace(
+        BUILTIN["gloo-loopback"],
+        collectives={"reduce_scatter": {2: Curve(latency_s=1e-3, seconds_per_byte=2e-9)}},
+    )
+    work = Work("reduce", 2, block_flops=0.0, block_bytes=1e6)
+    assert simulate(work, "collective", p).end_s == pytest.approx(1e-3 + 2e-3 + p.matmul_s(0.0))
+    assert collective_model(work, p) == "reduce_scatter as measured on 2 ranks (gloo-loopback)"
+    on_four = dataclasses.replace(work, n=4)
+    ring_formula = simulate(on_four, "collective", dataclasses.replace(p, collectives={}))
+    assert simulate(on_four, "collective", p).end_s == ring_formula.end_s
+    assert collective_model(on_four, p).startswith("ring formula: gloo-loopback has no measured")
+
+
+def test_a_profile_file_without_curves_still_loads(tmp_path):
+    """Files written before the curves existed: the model falls back to the ring formula
+    (and the report says so, ``collective_model``)."""
+    fields = BUILTIN["gloo-loopback"].as_json()
+    del fields["collectives"], fields["overlap_slowdown"]
+    path = _write(tmp_path / "old.json", json.dumps(fields))
+    assert load(path).collectives == {} and load(path).overlap_slowdown == 0.0
+
+
+def test_a_transfer_slows_the_matmul_it_overlaps_by_the_profiles_slowdown():
+    base = dataclasses.replace(
+        BUILTIN["gloo-loopback"], matmul_latency_s=0.0, step_overhead_s=0.0, link_alpha_s=0.0
+    )
+    slowed = dataclasses.replace(base, overlap_slowdown=0.5)
+    work = Work("gather", 2, block_flops=base.matmul_flops * 1e-3, block_bytes=1e9)  # m >> c
+    plain, busy = (simulate(work, "ring", p) for p in (base, slowed))
+    durations = [e.end_s - e.start_s for e in busy.on_rank(0) if e.lane == "compute"]
+    assert durations == pytest.approx([1.5e-3, 1e-3])  # the last block has no transfer left
+    assert busy.end_s == pytest.approx(plain.end_s)  # hidden under the transfer all the same
+    # the collective overlaps nothing: no slowdown
+    assert simulate(work, "collective", slowed).end_s == simulate(work, "collective", base).end_s

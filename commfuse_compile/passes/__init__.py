@@ -9,20 +9,23 @@ graph) and warns: the user's compile never breaks because of this pass.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import warnings
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from torch.fx import Graph, GraphModule
 
 from .. import groups
 from ..options import Options
+from ..profiles import Profile
 from ..report import REPORT, Declined, SiteRecord, decline, dump_code
 from ..schedules import by_name
+from ..simulator import collective_model, predict
 from . import match, order, program, verify
 from .lower import Rewrite, lower, site_nodes, start
-from .plan import plan, plan_options, predict
+from .plan import plan, plan_options, profile_for, site_work
 
 _site_ids = itertools.count()
 T = TypeVar("T")
@@ -30,7 +33,9 @@ T = TypeVar("T")
 
 def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[SiteRecord]:
     """Rewrite ``gm`` in place; returns one record per site found (also in the report)."""
-    return _rewrite(gm, graph_kind, options)[0]
+    result = _rewrite(gm, graph_kind, options)
+    _finish(result, options)
+    return result.records
 
 
 def rewrite_and_compile(
@@ -44,15 +49,14 @@ def rewrite_and_compile(
     generated, which is checked for buffers reused or written while a transfer uses them
     (``program.check``). Should the compiler reject the rewritten graph, or its program
     fail that check, warn, record every site as declined and compile the original graph."""
-    records, original, graph_index = _rewrite(gm, graph_kind, options)
-    rewritten = [r for r in records if r.decision == "rewritten"]
+    result = _rewrite(gm, graph_kind, options)
+    rewritten = [r for r in result.records if r.decision == "rewritten"]
     try:
         compiled = compile_fn(gm)
         if rewritten and program_of is not None:
-            _check_program(program_of(compiled), rewritten, options, graph_index, graph_kind)
+            _check_program(program_of(compiled), rewritten, options, result)
             if options.debug_dir:
                 REPORT.write(options.debug_dir)
-        return compiled
     except Exception as err:
         if not rewritten:
             raise
@@ -62,12 +66,48 @@ def rewrite_and_compile(
             else f"inner compiler failed on the rewritten graph: {_brief(err)}"
         )
         warnings.warn(f"commfuse: {reason}; compiling the original graph", stacklevel=2)
-        original.restore()
+        result.original.restore()
         for record in rewritten:
             record.decision, record.schedule, record.reason = "declined", "off", reason
+            record.decline_kind = "compiler"
         if options.debug_dir:
             REPORT.write(options.debug_dir)
-        return compile_fn(gm)
+        compiled = compile_fn(gm)
+    _finish(result, options)
+    return compiled
+
+
+@dataclasses.dataclass
+class _Result:
+    """One graph's pass: its records, how to restore it, and what every site's group
+    must agree on (``groups.agree``)."""
+
+    records: list[SiteRecord]
+    original: _Original
+    graph_index: int
+    graph_kind: str
+    groups: dict[int, tuple[groups.Group, dict[str, Any]]]  # site id -> (group, inputs)
+
+
+def _finish(result: _Result, options: Options) -> None:
+    """The graph's decisions are final: check that the ranks agree, then log them."""
+    _agree(result)
+    REPORT.log_graph(result.records, result.graph_kind)
+    if options.measure and options.debug_dir:
+        REPORT.write_at_exit(options.debug_dir)
+
+
+def _agree(result: _Result) -> None:
+    """Every group's ranks decided alike on this graph, from the same inputs."""
+    by_group: dict[str, tuple[groups.Group, dict[str, Any], list[Any]]] = {}
+    for record in result.records:
+        if record.site in result.groups:
+            group, inputs = result.groups[record.site]
+            _, known, decisions = by_group.setdefault(group.name, (group, {}, []))
+            known.update({k: sorted({*known.get(k, []), v}) for k, v in inputs.items()})
+            decisions.append([record.kind, record.decision, record.schedule])
+    for group, inputs, decisions in by_group.values():
+        groups.agree(group, inputs, decisions)
 
 
 class _Original:
@@ -88,38 +128,32 @@ class _Original:
 
 
 def _check_program(
-    code: str | None,
-    rewritten: list[SiteRecord],
-    options: Options,
-    graph_index: int,
-    graph_kind: str,
+    code: str | None, rewritten: list[SiteRecord], options: Options, result: _Result
 ) -> None:
     """Decline the graph's rewrites unless the generated program keeps every transfer's
     memory intact until its wait; record the steps whose overlap the compiler lost."""
     if code is None:
         raise decline("the inner compiler's program cannot be read, so it cannot be verified")
-    dump_code(options.debug_dir, graph_index, graph_kind, "inductor", lambda: code)
+    dump_code(options.debug_dir, result.graph_index, result.graph_kind, "inductor", lambda: code)
     try:
-        result = program.check(code)
+        checked = program.check(code)
     except Exception as err:  # noqa: BLE001 - unreadable code, or a fault of the check
         raise decline(f"the inner compiler's program cannot be verified: {_brief(err)}") from None
-    if result.violations:
-        shown = "; ".join(result.violations[:3])
+    if checked.violations:
+        shown = "; ".join(checked.violations[:3])
         raise decline(f"the inner compiler's program breaks a transfer's buffer: {shown}")
     for record in rewritten:
         prefix = f"site {record.site} "
-        record.details["exposed_steps"] = [e for e in result.exposed if e.startswith(prefix)]
+        record.details["exposed_steps"] = [e for e in checked.exposed if e.startswith(prefix)]
 
 
-def _rewrite(
-    gm: GraphModule, graph_kind: str, options: Options
-) -> tuple[list[SiteRecord], _Original, int]:
+def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
     graph_index = REPORT.graphs
     REPORT.graphs += 1
     dump_code(options.debug_dir, graph_index, graph_kind, "before", lambda: gm.code)
-    original = _Original(gm)
+    result = _Result([], _Original(gm), graph_index, graph_kind, {})
     try:
-        records, rewrites = _rewrite_sites(gm, graph_kind, options, graph_index, original)
+        rewrites = _rewrite_sites(gm, options, result)
         if rewrites and options.inner == "inductor":
             order.keep_overlap_order(gm.graph, (s for rw in rewrites for s in rw.steps))
         if rewrites and options.inner != "inductor":  # Inductor lints and recompiles
@@ -129,17 +163,23 @@ def _rewrite(
         warnings.warn(
             f"commfuse: internal error, graph left as it was: {_brief(err)}", stacklevel=2
         )
-        original.restore()
-        records = [
-            SiteRecord(kind=s.kind, graph=graph_kind, reason=f"internal error: {_brief(err)}")
+        result.original.restore()
+        result.groups.clear()
+        result.records = [
+            SiteRecord(
+                kind=s.kind,
+                graph=graph_kind,
+                reason=f"internal error: {_brief(err)}",
+                decline_kind="internal",
+            )
             for s in _sites_or_none(gm)
         ]
-    for record in records:
+    for record in result.records:
         REPORT.add(record)
     dump_code(options.debug_dir, graph_index, graph_kind, "after", lambda: _code(gm))
     if options.debug_dir:
         REPORT.write(options.debug_dir)
-    return records, original, graph_index
+    return result
 
 
 def _code(gm: GraphModule) -> str:
@@ -147,40 +187,43 @@ def _code(gm: GraphModule) -> str:
     return gm.graph.python_code("self").src
 
 
-def _rewrite_sites(
-    gm: GraphModule, graph_kind: str, options: Options, graph_index: int, original: _Original
-) -> tuple[list[SiteRecord], list[Rewrite]]:
+def _rewrite_sites(gm: GraphModule, options: Options, result: _Result) -> list[Rewrite]:
     """Find every site once, then rewrite them in graph order. A rewrite changes only the
     nodes around its own site, so a later site is matched again where it stands (its
     collective's neighbourhood, not the graph) once anything was rewritten: a matmul an
     earlier site took is declined with the site that took it. A site declined as found
     keeps its reason."""
-    records: list[SiteRecord] = []
     rewrites: list[Rewrite] = []
     for found in match.find_sites(gm.graph):
         site = match.rematch(found) if rewrites and not found.declined else found
         record = SiteRecord(
             kind=site.kind,
-            graph=graph_kind,
+            graph=result.graph_kind,
             site=next(_site_ids),
-            details={"graph_index": graph_index, **site.describe()},
+            details={"graph_index": result.graph_index, **site.describe()},
         )
-        records.append(record)
+        result.records.append(record)
         rewrite = None
         try:
             if site.declined:
                 raise Declined(site.declined)
+            group = _group(site)
+            profile = profile_for(site, options)
+            result.groups[record.site] = (group, _inputs(options, profile))
             _apply_disable(site, options.disable)
             plan_options(options)
-            group = groups.resolve(site.group_name, site.group_size)
-            predicted = predict(site, group.size, options)
+            work = site_work(site, group.size)
+            predicted = predict(work, profile, options.slices)
             record.details["predicted_us"] = {
                 k: round(t.end_s * 1e6, 2) for k, t in predicted.items()
             }
+            record.details["profile"] = profile.name
+            record.details["collective_model"] = collective_model(work, profile)
             chosen = plan(predicted, options)
             record.details["timeline"] = predicted[chosen.schedule].as_json(group.rank)
-            original.keep()
+            result.original.keep()
             rewrite = start(site, record.site, gm.graph)
+            rewrite.timed = options.measure
             record.details.update(site.describe())  # start may leave some matmuls out
             schedule = by_name(chosen.schedule)
             lower(rewrite, group, schedule, options.slices)
@@ -194,9 +237,9 @@ def _rewrite_sites(
             if rewrite is not None:
                 rewrite.discard()
             if isinstance(err, Declined):
-                record.reason = err.reason
+                record.reason, record.decline_kind = err.reason, err.kind
             else:
-                record.reason = f"internal error: {_brief(err)}"
+                record.reason, record.decline_kind = f"internal error: {_brief(err)}", "internal"
                 warnings.warn(
                     f"commfuse: site {record.site} declined, {record.reason}", stacklevel=2
                 )
@@ -207,20 +250,37 @@ def _rewrite_sites(
             steps=len(rewrite.steps), p2p_ops=rewrite.p2p_ops, group_size=group.size
         )
         rewrites.append(rewrite)
-    return records, rewrites
+    return rewrites
+
+
+def _group(site: match.Site) -> groups.Group:
+    try:
+        return groups.resolve(site.group_name, site.group_size)
+    except groups.GroupError as err:
+        raise decline(str(err)) from None
+
+
+def _inputs(options: Options, profile: Profile) -> dict[str, Any]:
+    """What a rank's decisions depend on besides the graph: every rank must share it."""
+    return {
+        "schedule": options.schedule,
+        "slices": options.slices,
+        "disable": ",".join(sorted(options.disable)),
+        "profile": f"{profile.name} {profile.fingerprint()}",
+    }
 
 
 def _apply_disable(site: match.Site, disabled: frozenset[str]) -> None:
     """``disable``: decline a disabled kind; leave matmuls of a disabled role out."""
     if site.kind in disabled:
-        raise decline(f"{site.kind} is disabled")
+        raise decline(f"{site.kind} is disabled", "disabled")
     if isinstance(site, match.AgMmSite) and any(u.role in disabled for u in site.uses):
         site.unmatched += [
             f"{u.mm.node.name} ({u.role}): disabled" for u in site.uses if u.role in disabled
         ]
         site.uses = [u for u in site.uses if u.role not in disabled]
         if not site.uses:
-            raise decline("; ".join(site.unmatched))
+            raise decline("; ".join(site.unmatched), "disabled")
 
 
 def _sites_or_none(gm: GraphModule) -> list[match.Site]:

@@ -87,6 +87,7 @@ class Rewrite:
     matmuls: dict[int, list[Node]] = dataclasses.field(default_factory=dict)  # by step
     p2p_ops: int = 0
     committing: bool = False  # past this point the graph cannot be restored site by site
+    timed: bool = False  # P2P ops record the site's span (the ``measure`` option)
     # size computations of the old graph that only fed the site's erased nodes
     erased_sizes: list[Node] = dataclasses.field(default_factory=list)
     # size readers of erased nodes, recomputed before their own place (not at ``before``)
@@ -636,6 +637,7 @@ def _issue(
             tag,
             group.name,
             f"site {rw.site_id} step {step} ({rw.site.kind})",
+            *((True,) if rw.timed else ()),
         ),
         step=step,
         lane="comm",

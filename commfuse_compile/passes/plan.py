@@ -10,6 +10,7 @@ makes the collective win for small matmuls.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -19,7 +20,6 @@ from ..options import Options
 from ..profiles import Profile, for_device, load
 from ..report import decline
 from ..simulator import Timeline, Work
-from ..simulator import predict as simulate_all
 from . import dims
 from .match import AgMmSite, MmRsSite, Site, val
 
@@ -38,9 +38,9 @@ class Plan:
 def plan_options(options: Options) -> None:
     """Decline before anything is predicted when the options rule every schedule out."""
     if options.schedule == "off":
-        raise decline("schedule 'off' keeps every collective")
+        raise decline("schedule 'off' keeps every collective", "off")
     if options.schedule in options.disable:
-        raise decline(f"schedule {options.schedule!r} is disabled")
+        raise decline(f"schedule {options.schedule!r} is disabled", "disabled")
 
 
 def plan(predicted: dict[str, Timeline], options: Options) -> Plan:
@@ -55,11 +55,12 @@ def plan(predicted: dict[str, Timeline], options: Options) -> Plan:
         best = "collective"
     if best == "collective":
         if len(times) == 1:
-            raise decline("every schedule is disabled")
+            raise decline("every schedule is disabled", "disabled")
         runner_up = min((k for k in times if k != "collective"), key=times.__getitem__)
         raise decline(
             f"not profitable: {runner_up} predicted {times[runner_up] * 1e6:.1f} us, "
-            f"collective {collective * 1e6:.1f} us (a schedule must gain {MIN_GAIN - 1:.0%})"
+            f"collective {collective * 1e6:.1f} us (a schedule must gain {MIN_GAIN - 1:.0%})",
+            "not_profitable",
         )
     return Plan(best, predicted, f"{best} predicted {collective / times[best]:.2f}x faster")
 
@@ -83,14 +84,15 @@ def _numel(node: Node) -> int:
     return math.prod(dims.hint(size) for size in val(node).shape)
 
 
-def predict(site: Site, n: int, options: Options) -> dict[str, Timeline]:
-    """Every schedule's predicted timeline for ``site`` on a group of ``n`` ranks."""
-    return simulate_all(site_work(site, n), profile_for(site, options), options.slices)
-
-
 def profile_for(site: Site, options: Options) -> Profile:
+    """The option's profile (a file is read once per process), else the device's."""
     if options.profile is not None:
-        return load(options.profile)
+        return _loaded(options.profile)
     node = site.shard if isinstance(site, AgMmSite) else site.reduce_scatter
     value = node.meta.get("val")
     return for_device(value.device.type if isinstance(value, torch.Tensor) else "cpu")
+
+
+@functools.cache
+def _loaded(name_or_path: str) -> Profile:
+    return load(name_or_path)
