@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from . import report
 from .options import SCHEDULES
+from .profiles import Curve
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -125,16 +126,20 @@ class Preset:
     rate_reps: int = 5  # calls per try while choosing a link rate
 
 
+# The quick site is the full run's middle size: at the smallest one (matmul ~4 ms) the
+# rate that makes comm/compute 0.5 is tens of Gbit/s, i.e. no throttle, and a call's
+# fixed costs are a large share of every row. 9 timed rounds: 5 left gaps of up to 46 %
+# between two rows that run the same graph.
 QUICK = Preset(
     name="quick",
-    sizes=(SiteShape(1024, 512, 1024),),
+    sizes=(SiteShape(2048, 1024, 2048),),
     ratios=(0.5, 1.0, 2.0),
-    warmup=1,
-    reps=5,
+    warmup=2,
+    reps=9,
     block=BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=2),
     block_ratio=1.0,
     block_schedules=("baseline", "ring", "auto"),
-    block_reps=5,
+    block_reps=7,
     calibrate_reps=3,
 )
 FULL = Preset(
@@ -474,26 +479,50 @@ def machine() -> dict[str, Any]:
     }
 
 
-def _profile_file(base: Any, rate: float, path: Path) -> str:
-    """The calibrated profile with its bandwidth scaled to ``rate`` (the tbf's rate;
-    unthrottled: as calibrated)."""
-    from .profiles import Curve, save
+@dataclasses.dataclass(frozen=True)
+class LinkProfiles:
+    """``commfuse calibrate``'s measurement at the reference rate and unthrottled: what a
+    byte costs on the link splits into the machine's own part (unthrottled) and the part
+    that scales with the link's rate, so that each cell's rate gets its own profile."""
 
-    if math.isfinite(rate):
-        scale = REFERENCE_RATE / rate  # seconds per byte grow as the rate falls
-        base = dataclasses.replace(
-            base,
+    reference: Any  # Profile at REFERENCE_RATE
+    free: Any  # Profile without the tbf
+
+    def at(self, rate: float) -> Any:
+        if not math.isfinite(rate):
+            return self.free
+
+        def per_byte(reference_s: float, free_s: float) -> float:
+            return free_s + max(reference_s - free_s, 0.0) * REFERENCE_RATE / rate
+
+        # The matmul's slowdown under a transfer is the throttled link's (measured: 51 %
+        # at 1 Gbit/s, 59 % at 2.5, under 1 % unthrottled): the reference's holds.
+        ref, free = self.reference, self.free
+        return dataclasses.replace(
+            ref,
             name=f"bench link {rate / 1e6:.0f} Mbit/s",
-            source=base.source + f"; bandwidth scaled from {REFERENCE_RATE / 1e6:.0f} Mbit/s",
-            link_bytes_per_s=base.link_bytes_per_s / scale,
+            source=ref.source + f"; per-byte costs interpolated to {rate / 1e6:.0f} Mbit/s "
+            f"between {REFERENCE_RATE / 1e6:.0f} Mbit/s and unthrottled",
+            link_bytes_per_s=1 / per_byte(1 / ref.link_bytes_per_s, 1 / free.link_bytes_per_s),
             collectives={
-                kind: {n: Curve(c.latency_s, c.seconds_per_byte * scale) for n, c in curves.items()}
-                for kind, curves in base.collectives.items()
+                kind: {
+                    n: Curve(
+                        c.latency_s,
+                        per_byte(c.seconds_per_byte, free.curve(kind, n).seconds_per_byte),
+                    )
+                    for n, c in curves.items()
+                    if free.curve(kind, n) is not None
+                }
+                for kind, curves in ref.collectives.items()
             },
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save(base, path)
-    return str(path)
+
+    def file(self, rate: float, path: Path) -> str:
+        from .profiles import save
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save(self.at(rate), path)
+        return str(path)
 
 
 def _choose_rate(
@@ -565,17 +594,27 @@ def run(
             echo("WARNING: overlap cannot show; run as root for meaningful numbers.")
             echo("WARNING: " + "!" * 60)
 
-        progress.stage(f"calibrating the cost model's profile at {REFERENCE_RATE / 1e6:.0f} Mbit/s")
-        network.set_rate(REFERENCE_RATE)
-        measured = ranks.run(calibrate_link, preset.calibrate_reps)[0]
-        base = profile_from(
-            measured,
-            world_size,
-            "bench link",
-            f"`commfuse calibrate` measurement inside the benchmark's namespaces "
-            f"({description}) at {REFERENCE_RATE / 1e6:.0f} Mbit/s",
+        progress.stage(
+            f"calibrating the cost model's profile at {REFERENCE_RATE / 1e6:.0f} Mbit/s "
+            "and unthrottled"
         )
-        results["meta"]["profile"] = base.as_json()
+        calibrated = []
+        for rate in (REFERENCE_RATE, None):
+            network.set_rate(rate)
+            measured = ranks.run(calibrate_link, preset.calibrate_reps)[0]
+            where = f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled"
+            calibrated.append(
+                profile_from(
+                    measured,
+                    world_size,
+                    "bench link",
+                    f"`commfuse calibrate` measurement inside the benchmark's namespaces "
+                    f"({description}) at {where}",
+                )
+            )
+        base = LinkProfiles(*calibrated)
+        results["meta"]["profile"] = base.reference.as_json()
+        results["meta"]["profile_unthrottled"] = base.free.as_json()
         tries: list[dict[str, float]]
         progress.advance()
 
@@ -584,7 +623,7 @@ def run(
             if throttled:
                 progress.stage(f"{kind} {shape.label} ratio {ratio:g}: choosing the link rate")
                 rate, tries = _choose_rate(network, ranks, kind, shape, ratio, preset.rate_reps)
-            profile = _profile_file(base, rate, out / "profiles" / f"cell{index:02d}.json")
+            profile = base.file(rate, out / "profiles" / f"cell{index:02d}.json")
             progress.stage(
                 f"{kind} {shape.label} ratio {ratio:g}: {len(rows) + 3} rows x "
                 f"{preset.warmup}+{preset.reps} at {rate / 1e6:.0f} Mbit/s"
@@ -614,7 +653,7 @@ def _run_block(
     preset: Preset,
     network: Any,
     ranks: Any,
-    base: Any,
+    base: LinkProfiles,
     rows: list[Variant],
     out: Path,
     progress: Progress,
@@ -653,7 +692,7 @@ def _run_block(
                 break
             rate *= min(max(comm_s / target, 1 / 8), 8)
         network.set_rate(rate)
-    profile = _profile_file(base, rate, out / "profiles" / "block.json")
+    profile = base.file(rate, out / "profiles" / "block.json")
     progress.stage(f"block: compiling {', '.join(v.label for v in others)}")
     sites.update(ranks.run(block_compile, BlockJob(shape, tuple(others), profile))[0])
     progress.stage(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -22,16 +23,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .profiles import Curve, Profile
+from .profiles import CURVE_BLOCK_BYTES, Curve, Profile
 from .simulator import Work, simulate
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block of a collective
 TINY_SITE = (2, 8, 8)  # shard rows, K, N of the site that measures the fixed costs
 # the matmul timed alone and under a transfer that outlasts it (the slowdown's probe)
-OVERLAP_MATMUL = (512, 512, 512)
-OVERLAP_MESSAGE_BYTES = 32 << 20
+OVERLAP_MATMUL = (1024, 1024, 1024)
+OVERLAP_MESSAGE_BYTES = 16 << 20  # the probe of the transfer's rate
+MAX_OVERLAP_MESSAGE_BYTES = 512 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +48,17 @@ class Measurements:
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """``y = a + b x`` fitted on relative errors (weights 1/y^2), so that small sizes set
-    the latency ``a`` and large ones the rate ``b``; both kept >= 0."""
-    w = [1 / y**2 for _, y in points]
-    sw = sum(w)
-    mx = sum(wi * x for wi, (x, _) in zip(w, points, strict=True)) / sw
-    my = sum(wi * y for wi, (_, y) in zip(w, points, strict=True)) / sw
-    var = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points, strict=True))
-    cov = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points, strict=True))
-    b = max(cov / var, 1e-30)
-    return max(my - b * mx, 0.0), b
+    """``y = a + b x`` by Theil-Sen (the median slope over every pair of points, then the
+    median intercept), both kept >= 0: one slow point (the first small message of a TCP
+    connection takes milliseconds) does not tilt the rate, as it did a least-squares fit."""
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for (x1, y1), (x2, y2) in itertools.combinations(sorted(points), 2)
+        if x2 > x1
+    ]
+    b = max(statistics.median(slopes), 1e-30)
+    a = statistics.median(y - b * x for x, y in points)
+    return max(a, 0.0), b
 
 
 def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
@@ -127,7 +129,7 @@ def _collective_curves(
         group = dist.new_group(list(range(g))) if g < world_size else dist.group.WORLD
         for kind, by_size in curves.items():
             points = []
-            for nbytes in BLOCK_BYTES:
+            for nbytes in CURVE_BLOCK_BYTES:
                 if rank < g:  # the others only wait (new_group gives them no group)
                     points.append((float(nbytes), _collective_s(kind, nbytes, g, group, reps)))
                 dist.barrier()
@@ -151,28 +153,33 @@ def _collective_s(kind: str, block_bytes: int, g: int, group: Any, reps: int) ->
 
 
 def _overlap_slowdown(rank: int, world_size: int, reps: int) -> float:
-    """How much slower a matmul runs while a ring exchange is in flight: the matmul alone,
-    then the same matmul started right after a transfer that outlasts it (its own
-    duration is timed, not the transfer's)."""
+    """How much slower a matmul runs while a ring exchange is in flight: the matmul timed
+    alone, then back to back during the first half of an exchange sized to outlast 8 of
+    them (its time alone is measured first: gloo's works cannot be polled)."""
     m, k, n = OVERLAP_MATMUL
     a, b = torch.randn(m, k), torch.randn(k, n)
-    send, recv = torch.empty(OVERLAP_MESSAGE_BYTES // 4), torch.empty(OVERLAP_MESSAGE_BYTES // 4)
+    alone = _median(functools.partial(torch.mm, a, b), reps)
+    probe = _one_way(rank, world_size, OVERLAP_MESSAGE_BYTES, reps)
+    wanted = torch.tensor([OVERLAP_MESSAGE_BYTES * 8 * alone / probe])
+    dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # every rank sends the same size
+    nbytes = int(min(max(OVERLAP_MESSAGE_BYTES, wanted.item()), MAX_OVERLAP_MESSAGE_BYTES))
+    nbytes -= nbytes % 4
+    transfer = probe * nbytes / OVERLAP_MESSAGE_BYTES
+    send, recv = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
     peers = ((rank + 1) % world_size, (rank - 1) % world_size)
-    alone, under = [], []
+    under: list[float] = []
     for _ in range(reps):
-        dist.barrier()
-        start = time.perf_counter()
-        torch.mm(a, b)
-        alone.append(time.perf_counter() - start)
         dist.barrier()
         ops = [dist.P2POp(dist.irecv, recv, peers[1]), dist.P2POp(dist.isend, send, peers[0])]
         works = dist.batch_isend_irecv(ops)
-        start = time.perf_counter()
-        torch.mm(a, b)
-        under.append(time.perf_counter() - start)
+        issued = time.perf_counter()
+        while time.perf_counter() - issued < transfer / 2:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            under.append(time.perf_counter() - start)
         for work in works:
             work.wait()
-    return max(statistics.median(under) / statistics.median(alone) - 1, 0.0)
+    return max(statistics.median(under) / alone - 1, 0.0)
 
 
 def _median(fn: Callable[[], object], reps: int) -> float:

@@ -22,6 +22,7 @@ class ProfileError(ValueError):
 
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter")
+CURVE_BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block, calibrated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,11 @@ class Profile:
         numbers, not of the name)."""
         numbers = {k: v for k, v in self.as_json().items() if k not in ("name", "source")}
         return hashlib.sha256(json.dumps(numbers, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _points(seconds: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
+    """A curve's measured points at the block sizes ``calibrate`` measures."""
+    return tuple(zip(map(float, CURVE_BLOCK_BYTES), seconds, strict=True))
 
 
 RATES = ("matmul_flops", "memory_bytes_per_s", "link_bytes_per_s")  # divisors: > 0
@@ -160,7 +166,11 @@ BUILTIN = {
         "fp32 matmul 65 GFLOP/s; ring exchange of 16 MiB 8.8 ms (~2 GB/s); element-wise "
         "add 16-23 GB/s; a 2x8 all-gather -> matmul site 0.35 ms with its collective "
         "and 0.65-3.0 ms as a one-step ring (eager FX: ~1 ms per P2P step, ~0.25 ms per "
-        "collective call, 0.1 ms per hop inside it)",
+        "collective call, 0.1 ms per hop inside it); gloo's own all-gather and "
+        "reduce-scatter on 2 ranks and the matmul slowdown under a transfer measured by "
+        "`commfuse calibrate` (2026-12-01). No curves for more ranks: on 2 cores they "
+        "would be measured with ranks sharing a core, unlike the constants above; larger "
+        "groups use the ring formula, or a profile calibrated at their size",
         matmul_flops=6.5e10,
         matmul_latency_s=2e-5,
         memory_bytes_per_s=1.6e10,
@@ -168,6 +178,15 @@ BUILTIN = {
         link_bytes_per_s=2e9,
         step_overhead_s=1e-3,
         collective_overhead_s=2.5e-4,
+        overlap_slowdown=0.11,
+        collectives={
+            "all_gather": {
+                2: Curve(2.85e-4, 1.76e-09, _points((3.07e-4, 6.61e-4, 2.3e-3, 7.93e-3)))
+            },
+            "reduce_scatter": {
+                2: Curve(4.96e-4, 2.85e-09, _points((5.23e-4, 1.13e-3, 4.08e-3, 1.19e-2)))
+            },
+        },
     ),
 }
 

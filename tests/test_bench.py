@@ -75,7 +75,8 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     assert all(row["median_s"] > 0 for row in block["rows"])
     assert block["rows"][0]["sites"]["rewritten"] == 0
     assert next(r for r in block["rows"] if r["label"] == "ring")["sites"]["rewritten"] > 0
-    assert len(results["targets"]) == 5
+    texts = [t["target"] for t in results["targets"]]
+    assert len(texts) == 6 and texts[3].startswith("auto within") and texts[5].startswith("whole")
     assert all(t["reached"] in (True, False, None) for t in results["targets"])
 
     markdown = (out / "results.md").read_text()
