@@ -1,6 +1,6 @@
 """Compile time of the pass against the depth of the model (not a test: it times things).
 
-Traces the TP+SP transformer of ``commfuse_compile.training`` (front "tp") at several
+Traces the TP+SP transformer of ``commfuse_compile.tools.training`` (front "tp") at several
 depths on torch's fake process group (one process, rank 0 of 2: collectives and P2P
 complete at once without moving data), compiles one forward and backward with
 ``backend="commfuse"`` and Inductor, once with ``schedule="ring"`` and once with
@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse_compile.passes as passes
-from commfuse_compile import report, training
+from commfuse_compile import report
+from commfuse_compile.tools import training
 
 
 class Timers:

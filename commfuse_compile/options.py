@@ -71,7 +71,7 @@ class Options:
         given["disable"] = names
         profile = _path_or_env(given, "profile", PROFILE_ENV, "a profile name or a path")
         if profile is not None:
-            from .profiles import ProfileError, load
+            from .cost.profiles import ProfileError, load
 
             try:
                 load(profile)

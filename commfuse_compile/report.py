@@ -1,7 +1,8 @@
 """What the pass decided, per site: the report.json of a debug dump and the log.
 
 Every site found next to a matmul ends up as one ``SiteRecord``. Declines go through
-``decline`` only, so that every reason reaches the report and the log the same way.
+``passes.declines.decline`` only, so that every reason reaches the report and the log
+the same way.
 """
 
 from __future__ import annotations
@@ -35,21 +36,6 @@ DECLINE_KINDS = {
 }
 
 
-class Declined(Exception):
-    """Raised by ``decline``: carries the reason a site is left as it was."""
-
-    def __init__(self, reason: str, kind: str = "unsupported") -> None:
-        super().__init__(reason)
-        self.reason, self.kind = reason, kind
-
-
-def decline(reason: str, kind: str = "unsupported") -> Declined:
-    """The one way to decline a site: ``raise decline("why")``; ``kind`` is one of
-    ``DECLINE_KINDS``."""
-    assert kind in DECLINE_KINDS, kind
-    return Declined(reason, kind)
-
-
 @dataclasses.dataclass
 class SiteRecord:
     kind: str  # "ag_mm" | "mm_rs"
@@ -57,14 +43,30 @@ class SiteRecord:
     decision: str = "declined"  # "rewritten" | "declined"
     schedule: str = "off"
     reason: str = ""
+    decline_code: str = ""  # a code of passes.declines.REASONS when declined
     decline_kind: str = ""  # a key of DECLINE_KINDS when declined
     site: int = -1
-    nodes: list[str] = dataclasses.field(default_factory=list)
-    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    graph_index: int = -1  # the graph's number in this process (its files in the dump)
+    match: dict[str, Any] = dataclasses.field(default_factory=dict)  # the kind's describe()
+    nodes: list[str] = dataclasses.field(default_factory=list)  # created by the rewrite
+    # the cost model: every schedule's predicted time, on which profile, how it models the
+    # collective, and the chosen schedule's predicted timeline on this rank
+    predicted_us: dict[str, float] = dataclasses.field(default_factory=dict)
+    profile: str = ""
+    collective_model: str = ""
+    timeline: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    steps: int = 0  # overlap windows of the rewrite
+    p2p_ops: int = 0
+    exposed_steps: list[str] = dataclasses.field(default_factory=list)  # see program.py
+
+    def declined(self, why: Any) -> SiteRecord:
+        """Record the decline ``why`` (a ``passes.declines.Declined``)."""
+        self.reason, self.decline_code, self.decline_kind = why.reason, why.code, why.kind
+        return self
 
     def as_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.update(out.pop("details"))
+        out.update(out.pop("match"))  # report.json: the site's description at top level
         return out
 
 
@@ -89,7 +91,7 @@ class Report:
                 log.debug("%s rewritten (%s): %s", line, record.schedule, record.reason)
             else:
                 log.debug("%s declined: %s", line, record.reason)
-        from .groups import this_rank
+        from .runtime.groups import this_rank
 
         if records and (this_rank() == 0 or log.isEnabledFor(logging.DEBUG)):
             log.info("commfuse: %s", summary_line(records, graph))
@@ -104,7 +106,7 @@ class Report:
     def write_at_exit(self, debug_dir: str) -> None:
         """Write the report again when the process ends, with the measurements its runs
         made (``measure``); once per directory, as this rank."""
-        from .groups import this_rank
+        from .runtime.groups import this_rank
 
         if debug_dir not in self._at_exit:
             self._at_exit.add(debug_dir)
@@ -119,7 +121,7 @@ def _with_measurements(record: dict[str, Any]) -> dict[str, Any]:
     first P2P op's start to its last wait's end (the ``measure`` option). It leaves out
     the matmul before the first transfer (reduce-scatter) or after the last wait
     (all-gather) that ``predicted_us`` includes: one block's matmul."""
-    from .p2p import TIMINGS
+    from .runtime.p2p import TIMINGS
 
     spans = TIMINGS.get(record["site"])
     if record["decision"] != "rewritten" or not spans:
@@ -145,7 +147,7 @@ def summary_line(records: list[SiteRecord], graph: str) -> str:
 
 
 def rank_dir(debug_dir: str, rank: int | None = None) -> Path:
-    from .groups import this_rank
+    from .runtime.groups import this_rank
 
     path = Path(debug_dir) / f"rank{this_rank() if rank is None else rank}"
     path.mkdir(parents=True, exist_ok=True)

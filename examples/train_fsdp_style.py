@@ -21,7 +21,7 @@ import argparse
 
 import torch.distributed as dist
 
-from commfuse_compile import training
+from commfuse_compile.tools import training
 
 
 def main() -> None:

@@ -3,13 +3,13 @@
     torchrun --nproc-per-node 2 examples/train_tp_transformer.py --steps 3 --compare
         [--inner eager|inductor] [--schedule ring|auto|off] [--activation-checkpointing]
 
-Each block (RMSNorm, attention, SwiGLU) is sharded with ``commfuse_compile.models.block_plan``
+Each block (RMSNorm, attention, SwiGLU) is sharded with ``commfuse_compile.tools.models.block_plan``
 over all ranks; the final norm and the linear head are sequence / column parallel; the
 loss is the MSE to a fixed random target; AdamW. Rank 0 prints the loss and time of each
 step, then, per graph and kind, how many all-gather/reduce-scatter sites the pass found,
 rewrote and declined (and why). ``--compare`` also trains an identical copy without the
 pass (plain eager DTensor, same initialization and data) and prints the largest relative
-loss difference. The model, the step and the summary live in ``commfuse_compile.training``.
+loss difference. The model, the step and the summary live in ``commfuse_compile.tools.training``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 
 import torch.distributed as dist
 
-from commfuse_compile import training
+from commfuse_compile.tools import training
 
 
 def main() -> None:

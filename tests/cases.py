@@ -172,7 +172,7 @@ def run_case(
         assert records and all(r.decision == "rewritten" for r in records), records
         sliced = options.get("schedule") == "slicing"
         collectives_left = sum(options.get("slices", 2) if sliced else 0 for _ in records)
-        p2p = sum(r.details["p2p_ops"] for r in records)
+        p2p = sum(r.p2p_ops for r in records)
     else:
         gm = trace(case, n, inputs, tracing_mode)
         expected = gm(*inputs)

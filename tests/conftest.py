@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from commfuse_compile.ranks import RankPool
+from commfuse_compile.tools.ranks import RankPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

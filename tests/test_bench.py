@@ -16,8 +16,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from commfuse_compile.bench import variants
-from commfuse_compile.netns import PREFIX, can_throttle, remove_stale_namespaces
+from commfuse_compile.tools.bench import variants
+from commfuse_compile.tools.netns import PREFIX, can_throttle, remove_stale_namespaces
 
 ROOT_ONLY = pytest.mark.skipif(can_throttle() is not None, reason=str(can_throttle()))
 
@@ -46,7 +46,15 @@ def test_rows_follow_the_schedule_list():
 @pytest.mark.slow
 def test_bench_quick_writes_well_formed_results(tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "commfuse_compile.cli", "bench", "--quick", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "commfuse_compile.tools.cli",
+        "bench",
+        "--quick",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stdout, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout
@@ -93,7 +101,7 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
 HOLD_NETWORK = textwrap.dedent(
     """
     import sys
-    from commfuse_compile.netns import ThrottledNetwork
+    from commfuse_compile.tools.netns import ThrottledNetwork
     with ThrottledNetwork(2, "veth") as net:
         net.set_rate(1e8)
         print("ready", flush=True)

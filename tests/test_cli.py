@@ -12,7 +12,16 @@ import pytest
 
 def test_demo_runs_checks_and_reports():
     proc = subprocess.run(
-        [sys.executable, "-m", "commfuse_compile.cli", "demo", "--world-size", "2", "--steps", "2"],
+        [
+            sys.executable,
+            "-m",
+            "commfuse_compile.tools.cli",
+            "demo",
+            "--world-size",
+            "2",
+            "--steps",
+            "2",
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -31,7 +40,7 @@ def test_demo_runs_checks_and_reports():
 
 def test_demo_rejects_a_single_rank():
     proc = subprocess.run(
-        [sys.executable, "-m", "commfuse_compile.cli", "demo", "--world-size", "1"],
+        [sys.executable, "-m", "commfuse_compile.tools.cli", "demo", "--world-size", "1"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -41,9 +50,9 @@ def test_demo_rejects_a_single_rank():
 
 
 def test_sim_prints_every_schedule_and_writes_traces(tmp_path, capsys):
-    from commfuse_compile.cli import main
-    from commfuse_compile.layers import PRESETS, layer_sites
-    from commfuse_compile.simulator import SCHEDULES
+    from commfuse_compile.cost.simulator import SCHEDULES
+    from commfuse_compile.tools.cli import main
+    from commfuse_compile.tools.sim import PRESETS, layer_sites
 
     assert (
         main(["sim", "--model", "llama3-70b", "--group-size", "2,8", "--out", str(tmp_path)]) == 0
@@ -62,7 +71,7 @@ def test_sim_prints_every_schedule_and_writes_traces(tmp_path, capsys):
 
 
 def test_sim_rejects_an_unknown_profile(capsys):
-    from commfuse_compile.cli import main
+    from commfuse_compile.tools.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["sim", "--profile", "no-such-machine"])

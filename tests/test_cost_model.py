@@ -12,11 +12,7 @@ from cases import AgMm, MmRs, trace
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commfuse_compile import CommfuseOptionError, Options
-from commfuse_compile import calibrate as cal
-from commfuse_compile.options import PROFILE_ENV
-from commfuse_compile.passes import match
-from commfuse_compile.passes.plan import MIN_GAIN, plan, site_work
-from commfuse_compile.profiles import (
+from commfuse_compile.cost.profiles import (
     BUILTIN,
     COLLECTIVE_KINDS,
     Curve,
@@ -25,8 +21,7 @@ from commfuse_compile.profiles import (
     load,
     save,
 )
-from commfuse_compile.report import Declined
-from commfuse_compile.simulator import (
+from commfuse_compile.cost.simulator import (
     SCHEDULES,
     Event,
     Timeline,
@@ -36,6 +31,11 @@ from commfuse_compile.simulator import (
     predict,
     simulate,
 )
+from commfuse_compile.options import PROFILE_ENV
+from commfuse_compile.passes import match
+from commfuse_compile.passes.declines import Declined
+from commfuse_compile.passes.plan import MIN_GAIN, plan, site_work
+from commfuse_compile.tools import calibrate as cal
 
 PROFILES = [pytest.param(p, id=name) for name, p in BUILTIN.items()]
 KINDS = ("gather", "reduce")

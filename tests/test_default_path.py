@@ -27,7 +27,7 @@ import itertools
 
 import pytest
 
-from commfuse_compile import training
+from commfuse_compile.tools import training
 
 SCHEDULES = [("ring", 2), ("bidir", 2), ("push", 2), ("slicing", 2), ("slicing", 3)]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}

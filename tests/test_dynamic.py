@@ -105,7 +105,7 @@ def test_all_gather_matmul_with_symbolic_rows(case, schedule):
     other sizes must then keep equal."""
     fn = case.fn(N)
     traced, gm, records = traced_and_rewritten(fn, schedule, *case.inputs(RANK, 0, N))
-    assert any(dims_are_symbolic(r.details["gathered_shape"]) for r in records)
+    assert any(dims_are_symbolic(r.match["gathered_shape"]) for r in records)
     bigger = type(case)(**{**case.__dict__, "shard": (*[s + 3 for s in case.shard[:-1]], K)})
     assert_rewritten(gm, records, traced, bigger.inputs(RANK, 1, N))
 
@@ -167,7 +167,7 @@ def gather_mm_scatter(x, w1, w2):
 )
 def test_matmul_reduce_scatter_with_symbolic_rows(fn, shapes, other, schedule):
     traced, gm, records = traced_and_rewritten(fn, schedule, *(torch.randn(s) for s in shapes))
-    assert any(dims_are_symbolic(r.details.get("product_shape", [])) for r in records)
+    assert any(dims_are_symbolic(r.match.get("product_shape", [])) for r in records)
     assert_rewritten(gm, records, traced, [torch.randn(s) for s in other])
 
 
@@ -217,7 +217,7 @@ def test_cost_model_uses_hints():
     case = AgMm(shard=(6, K), dim=0, consumers=1)
     gm = symbolic(case.fn(N), *case.inputs(RANK, 0, N))
     (record,) = rewrite(gm, "auto")
-    predicted = record.details["predicted_us"]
+    predicted = record.predicted_us
     assert {"collective", "ring"} <= set(predicted)
     assert all(0 < t < float("inf") for t in predicted.values())
 

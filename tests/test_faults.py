@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from cases import AgMm, trace
 
 import commfuse_compile
-from commfuse_compile.p2p import P2PError
-from commfuse_compile.ranks import free_port, join_gloo
+from commfuse_compile.runtime.p2p import P2PError
+from commfuse_compile.tools.ranks import free_port, join_gloo
 
 TIMEOUT_S = 5.0  # the process group's timeout
 FAULTY = 1  # the rank that dies or stalls

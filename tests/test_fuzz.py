@@ -606,7 +606,7 @@ def check_rewrite(gm: GraphModule, schedule: str) -> list[SiteRecord]:
         assert record.decision in ("rewritten", "declined"), record
         if record.decision == "declined":
             assert record.reason and record.nodes == [] and record.schedule == "off", record
-            assert set(record.details.get("collectives", [])) <= left, record
+            assert set(record.match.get("collectives", [])) <= left, record
         else:
             assert record.schedule == schedule and record.nodes, record
     if not rewritten:
@@ -614,9 +614,9 @@ def check_rewrite(gm: GraphModule, schedule: str) -> list[SiteRecord]:
 
     # 4. rewritten sites: collectives gone, every transfer waited
     for record in rewritten:
-        assert not left & set(record.details["collectives"]), record
+        assert not left & set(record.match["collectives"]), record
     p2ps = calls(gm, P2P)
-    assert len(p2ps) == sum(r.details["p2p_ops"] for r in rewritten)
+    assert len(p2ps) == sum(r.p2p_ops for r in rewritten)
     order = {node: i for i, node in enumerate(gm.graph.nodes)}
     for node in p2ps:
         sends, _, recv_like, *_ = node.args
@@ -641,7 +641,7 @@ def check_rewrite(gm: GraphModule, schedule: str) -> list[SiteRecord]:
         assert values_of(gm) == recorded
 
     # 6. every collective next to a matmul has exactly one record
-    reported = collections.Counter(c for r in records for c in r.details.get("collectives", []))
+    reported = collections.Counter(c for r in records for c in r.match.get("collectives", []))
     assert {c: k for c, k in reported.items() if k > 1} == {}
     assert [c for c in must_report if c not in reported] == []
     return records

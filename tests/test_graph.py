@@ -25,9 +25,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse_compile
 from commfuse_compile import CommfuseOptionError, Options, report
+from commfuse_compile.cost.profiles import BUILTIN, save
 from commfuse_compile.options import DEBUG_DIR_ENV
 from commfuse_compile.passes import rewrite_and_compile, rewrite_graph
-from commfuse_compile.profiles import BUILTIN, save
 
 N, RANK = 4, 1
 PREV, NEXT = (RANK - 1) % N, (RANK + 1) % N
@@ -155,8 +155,8 @@ def test_site_becomes_n_minus_1_ring_steps(case, send_peer, recv_peer):
     assert record.reason == "schedule 'ring' requested"
     assert len(calls(gm, P2P)) == N - 1
     assert calls(gm, ALL_GATHER) == [] and calls(gm, REDUCE_SCATTER) == []
-    assert record.details["steps"] == N and record.details["p2p_ops"] == N - 1
-    assert record.details["group_size"] == N
+    assert record.steps == N and record.p2p_ops == N - 1
+    assert record.match["group_size"] == N
     gm.graph.lint()
 
 
@@ -240,8 +240,8 @@ def test_one_partial_matmul_per_step_and_consumer(case, send_peer, recv_peer):
 def test_mm_rs_block_kind(case, scatter_dim, blocks):
     gm = build(case)
     record = rewrite_one(gm)
-    assert record.details["scatter_dim"] == scatter_dim
-    assert record.details["blocks"] == blocks
+    assert record.match["scatter_dim"] == scatter_dim
+    assert record.match["blocks"] == blocks
     slices = [n for n in new_nodes(gm, record) if n.target is aten.slice.Tensor]
     assert len(slices) == N * (2 if blocks == "columns" else 1)
     # rows slice the activation (arg0_1, viewed to the scattered shape), columns slice
@@ -254,7 +254,7 @@ def test_ag_mm_consumers_keep_their_names_and_shapes():
     gm = build(AgMm())
     original = {n.name: n.meta["val"].shape for n in calls(gm, aten.addmm.default)}
     record = rewrite_one(gm)
-    assert record.details["matmuls"] == ["addmm", "addmm_1"]
+    assert record.match["matmuls"] == ["addmm", "addmm_1"]
     outputs = {n.name: n for n in gm.graph.output_node().args[0]}
     assert set(outputs) == set(original)
     for name, node in outputs.items():
@@ -295,7 +295,7 @@ def test_sub_group_ring_uses_global_ranks(ranks, prev, nxt):
     group = dist.new_group(ranks=ranks)
     gm = fx(gather_mm_on(group.group_name, len(ranks)), (2, 8), (8, 6))
     record = rewrite_one(gm)
-    assert record.decision == "rewritten" and record.details["group_size"] == len(ranks)
+    assert record.decision == "rewritten" and record.match["group_size"] == len(ranks)
     p2ps = calls(gm, P2P)
     assert len(p2ps) == len(ranks) - 1
     for node in p2ps:
@@ -307,8 +307,8 @@ def test_two_gathers_of_one_shard_share_one_ring():
     assert len(calls(gm, ALL_GATHER)) == 2
     record = rewrite_one(gm)
     assert record.decision == "rewritten"
-    assert record.details["collectives"] == ["all_gather_into_tensor", "all_gather_into_tensor_1"]
-    assert record.details["matmuls"] == ["mm", "mm_1"]
+    assert record.match["collectives"] == ["all_gather_into_tensor", "all_gather_into_tensor_1"]
+    assert record.match["matmuls"] == ["mm", "mm_1"]
     assert len(calls(gm, P2P)) == N - 1
     assert calls(gm, ALL_GATHER) == []
     gm.graph.lint()
@@ -325,8 +325,8 @@ def test_weight_gradient_shares_the_ring_and_accumulates_per_block(dtype):
     )
     record = rewrite_one(gm)
     assert record.decision == "rewritten"
-    assert record.details["matmuls"] == ["mm", "mm_1"]
-    assert record.details["roles"] == {"mm": "rows", "mm_1": "contract"}
+    assert record.match["matmuls"] == ["mm", "mm_1"]
+    assert record.match["roles"] == {"mm": "rows", "mm_1": "contract"}
     assert calls(gm, ALL_GATHER) == [] and len(calls(gm, P2P)) == N - 1
     created = new_nodes(gm, record)
     transposes = [n for n in created if n.target is aten.permute.default]
@@ -360,7 +360,7 @@ def test_reduce_scatter_of_a_sum_of_matmuls_sums_every_term_per_block():
     )
     record = rewrite_one(gm)
     assert record.decision == "rewritten"
-    assert record.details["matmuls"] == ["mm", "mm_1"]
+    assert record.match["matmuls"] == ["mm", "mm_1"]
     assert calls(gm, REDUCE_SCATTER) == [] and len(calls(gm, P2P)) == N - 1
     created = new_nodes(gm, record)
     assert sum(n.target is aten.mm.default for n in created) == 2 * N  # both terms, every block
@@ -372,7 +372,7 @@ def test_reduce_scatter_of_a_transposed_product_slices_without_copies():
     dY, so each block is a slice of dY transposed, never a copy."""
     gm = fx(lambda dy, x: scattered(dy.t() @ x, N, 0), (6, 8), (6, 5))
     record = rewrite_one(gm)
-    assert record.decision == "rewritten" and record.details["blocks"] == "rows"
+    assert record.decision == "rewritten" and record.match["blocks"] == "rows"
     created = new_nodes(gm, record)
     assert not [n for n in created if n.target is aten.clone.default]
     slices = [n for n in created if n.target is aten.slice.Tensor]
@@ -428,7 +428,7 @@ def test_weight_from_a_later_collective_declines_the_site():
     assert x_site.decision == "declined"
     assert x_site.reason == "input wait_tensor_1 is computed after the site and cannot move"
     assert w_site.decision == "rewritten"
-    assert w_site.details["roles"] == {"mm": "contract_left"}
+    assert w_site.match["roles"] == {"mm": "contract_left"}
     assert len(calls(gm, ALL_GATHER)) == 1 and len(calls(gm, P2P)) == N - 1
     gm.graph.lint()
 
@@ -478,7 +478,7 @@ def test_auto_rewrites_when_the_cost_model_predicts_a_win(case, tmp_path):
     save(dataclasses.replace(BUILTIN["gloo-loopback"], link_bytes_per_s=1e8), slow_link)
     gm = build(case)
     record = rewrite_one(gm, Options(schedule="auto", inner="eager", profile=str(slow_link)))
-    predicted = record.details["predicted_us"]
+    predicted = record.predicted_us
     best = min(predicted, key=predicted.get)
     assert record.decision == "rewritten" and record.schedule == best != "collective"
     assert record.reason.startswith(f"{best} predicted") and record.reason.endswith("x faster")
@@ -634,7 +634,7 @@ def _boom(*args, **kwargs):
 @pytest.mark.parametrize(
     ("module", "function", "inner", "warning"),
     [
-        pytest.param("lower", "_matmul", "eager", "declined, internal error", id="lower"),
+        pytest.param("kinds.ag_mm", "matmul", "eager", "declined, internal error", id="lower"),
         pytest.param(
             "verify", "check_committed", "eager", "graph left as it was", id="after-commit"
         ),
@@ -796,18 +796,18 @@ def test_inner_compiler_failure_falls_back_to_the_original_graph():
 def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
     """The graph's P2P peers must be this rank's steps of the schedule, and the schedule,
     run for all ranks, must match every receive with a send (no rank waits forever)."""
-    from commfuse_compile import groups
     from commfuse_compile.passes import match, verify
+    from commfuse_compile.passes.declines import Declined
     from commfuse_compile.passes.lower import lower, start
-    from commfuse_compile.report import Declined
-    from commfuse_compile.schedules import GatherStep, Transfer, ring
+    from commfuse_compile.runtime import groups
+    from commfuse_compile.schedules import GatherStep, Schedule, Transfer, by_name, ring
 
     gm = build(AgMm())
     (site,) = match.find_sites(gm.graph)
     group = groups.resolve(site.group_name, site.group_size)
     rewrite = start(site, 0, gm.graph)
-    lower(rewrite, group, ring)
-    verify.check_exchange(rewrite, group, ring)
+    lower(rewrite, group, by_name("ring"))
+    verify.check_exchange(rewrite, group, by_name("ring"))
 
     class Mirrored:  # a valid ring in the other direction: not what the graph does
         __name__ = "Mirrored"
@@ -821,7 +821,7 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
             ]
 
     with pytest.raises(Declined, match="are not the schedule's"):
-        verify.check_exchange(rewrite, group, Mirrored)
+        verify.check_exchange(rewrite, group, Schedule("mirrored", Mirrored, sliced=False))
     rewrite.discard()
 
     class Deadlocks:  # every rank receives from the rank that sends elsewhere
@@ -851,8 +851,8 @@ def test_bidir_exchanges_with_both_neighbours_in_half_the_rounds(case):
 def test_auto_predicts_every_schedule_and_keeps_the_collective_when_it_is_faster():
     gm = build(AgMm())
     record = rewrite_one(gm, Options(schedule="auto", inner="eager"))
-    assert set(record.details["predicted_us"]) == {"collective", "ring", "bidir", "push", "slicing"}
-    best = min(record.details["predicted_us"], key=record.details["predicted_us"].get)
+    assert set(record.predicted_us) == {"collective", "ring", "bidir", "push", "slicing"}
+    best = min(record.predicted_us, key=record.predicted_us.get)
     assert best == "collective" and record.decision == "declined"
 
 
@@ -869,8 +869,8 @@ def test_a_matmul_that_needs_the_sites_own_result_keeps_the_gathered_tensor():
     gm = fx(forward_then_backward, (3, 5), (2, 5))
     record = rewrite_one(gm)
     assert record.decision == "rewritten"
-    assert record.details["roles"] == {"mm": "columns"}
-    assert record.details["unmatched"] == [
+    assert record.match["roles"] == {"mm": "columns"}
+    assert record.match["unmatched"] == [
         "mm_1 (contract_left): its other operand is computed from this site's own result"
     ]
     assert calls(gm, ALL_GATHER) == []
@@ -895,7 +895,7 @@ def test_disable_switches_off_kinds_roles_and_schedules(disable, decision, reaso
     )
     assert (record.decision, record.reason) == (decision, reason)
     if roles is not None:
-        assert record.details["roles"] == roles
+        assert record.match["roles"] == roles
     else:
         assert gm.code == before
 

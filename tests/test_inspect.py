@@ -21,9 +21,9 @@ from cases import AgMm, MmRs, trace
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commfuse_compile import Options, report
-from commfuse_compile.cli import main
-from commfuse_compile.inspection import chrome_trace, inspect_dump, load, render_html, timeline
 from commfuse_compile.passes import rewrite_graph
+from commfuse_compile.tools.cli import main
+from commfuse_compile.tools.inspect import chrome_trace, inspect_dump, load, render_html, timeline
 
 BEFORE = """
 def forward(self, x, w):

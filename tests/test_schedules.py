@@ -10,9 +10,9 @@ from commfuse_compile.schedules import (
     ReduceStep,
     Transfer,
     bidir,
+    exchange,
     push,
     ring,
-    simulate,
     slicing,
 )
 
@@ -27,7 +27,7 @@ def test_gather_matches_all_gather_then_matmul(schedule, n):
     blocks = [torch.randn(3, 5, generator=gen) for _ in range(n)]
     weight = torch.randn(5, 4, generator=gen)
     expected = torch.cat(blocks) @ weight
-    for per_rank in simulate.gather(schedule, blocks, lambda b, x: x @ weight):
+    for per_rank in exchange.gather(schedule, blocks, lambda b, x: x @ weight):
         assert sorted(per_rank) == list(range(n))
         got = torch.cat([per_rank[b] for b in range(n)])
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
@@ -40,7 +40,7 @@ def test_reduce_matches_matmul_then_reduce_scatter(schedule, n):
     a = [torch.randn(2 * n, 5, generator=gen) for _ in range(n)]  # rank r's operand
     weight = torch.randn(5, 3, generator=gen)
     expected = sum(x @ weight for x in a).chunk(n)  # type: ignore[union-attr]
-    got = simulate.reduce(schedule, n, lambda r, b: a[r].chunk(n)[b] @ weight, torch.add)
+    got = exchange.reduce(schedule, n, lambda r, b: a[r].chunk(n)[b] @ weight, torch.add)
     for r in range(n):
         torch.testing.assert_close(got[r], expected[r])
 
@@ -78,8 +78,8 @@ def test_simulator_rejects_a_mismatched_exchange():
                 )
             ]
 
-    with pytest.raises(simulate.ScheduleError):
-        simulate.gather(Broken, [0, 1, 2], lambda b, x: x)
+    with pytest.raises(exchange.ScheduleError):
+        exchange.gather(Broken, [0, 1, 2], lambda b, x: x)
 
 
 def test_simulator_rejects_a_wrong_final_block():
@@ -88,8 +88,8 @@ def test_simulator_rejects_a_wrong_final_block():
         def reduce_steps(rank, n):
             return [ReduceStep(blocks=((rank + 1) % n,))]
 
-    with pytest.raises(simulate.ScheduleError):
-        simulate.reduce(Broken, 2, lambda r, b: 1, lambda x, y: x + y)
+    with pytest.raises(exchange.ScheduleError):
+        exchange.reduce(Broken, 2, lambda r, b: 1, lambda x, y: x + y)
 
 
 def test_simulator_rejects_an_add_before_its_receive():
@@ -98,8 +98,8 @@ def test_simulator_rejects_an_add_before_its_receive():
         def reduce_steps(rank, n):
             return [ReduceStep(blocks=(rank,), adds=(Transfer(rank, -1),))]
 
-    with pytest.raises(simulate.ScheduleError, match="before receiving it"):
-        simulate.reduce(Broken, 2, lambda r, b: 1, lambda x, y: x + y)
+    with pytest.raises(exchange.ScheduleError, match="before receiving it"):
+        exchange.reduce(Broken, 2, lambda r, b: 1, lambda x, y: x + y)
 
 
 @pytest.mark.parametrize("n", range(2, 9))
@@ -169,5 +169,5 @@ def _steps(*triples):
     ],
 )
 def test_slicing_check_rejects_a_broken_order(steps, gather, error):
-    with pytest.raises(simulate.ScheduleError, match=error):
+    with pytest.raises(exchange.ScheduleError, match=error):
         slicing.check(steps, 2, gather=gather)

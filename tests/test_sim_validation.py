@@ -18,10 +18,10 @@ import pytest
 import torch.distributed as dist
 from cases import AgMm, MmRs, trace
 
-from commfuse_compile import calibrate
+from commfuse_compile.cost.profiles import save
 from commfuse_compile.options import Options
 from commfuse_compile.passes import rewrite_graph
-from commfuse_compile.profiles import save
+from commfuse_compile.tools import calibrate
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def _time_sites(rank: int, n: int, profile_path: str) -> dict[str, dict[str, flo
             (record,) = rewrite_graph(gm, "export", options)
             assert record.decision == ("declined" if schedule == "off" else "rewritten")
             variants[schedule] = gm
-        predicted_us = record.details["predicted_us"]  # the ring's compile predicts them all
+        predicted_us = record.predicted_us  # the ring's compile predicts them all
         times: dict[str, list[float]] = {"off": [], "ring": []}
         for _ in range(REPS + 1):
             for schedule, gm in variants.items():

@@ -17,15 +17,19 @@ from typing import Any, TypeVar
 
 from torch.fx import Graph, GraphModule
 
-from .. import groups
+from ..cost.profiles import Profile
+from ..cost.simulator import collective_model, predict
 from ..options import Options
-from ..profiles import Profile
-from ..report import REPORT, Declined, SiteRecord, decline, dump_code
+from ..report import REPORT, SiteRecord, dump_code
+from ..runtime import groups
 from ..schedules import by_name
-from ..simulator import collective_model, predict
 from . import match, order, program, verify
-from .lower import Rewrite, lower, site_nodes, start
+from .declines import Declined, decline
+from .kinds import of
+from .lower import lower, site_nodes, start
 from .plan import plan, plan_options, profile_for, site_work
+from .rewrite import Rewrite
+from .site import Site
 
 _site_ids = itertools.count()
 T = TypeVar("T")
@@ -60,16 +64,12 @@ def rewrite_and_compile(
     except Exception as err:
         if not rewritten:
             raise
-        reason = (
-            err.reason
-            if isinstance(err, Declined)
-            else f"inner compiler failed on the rewritten graph: {_brief(err)}"
-        )
-        warnings.warn(f"commfuse: {reason}; compiling the original graph", stacklevel=2)
+        why = err if isinstance(err, Declined) else decline("compiler.failed", error=_brief(err))
+        warnings.warn(f"commfuse: {why.reason}; compiling the original graph", stacklevel=2)
         result.original.restore()
         for record in rewritten:
-            record.decision, record.schedule, record.reason = "declined", "off", reason
-            record.decline_kind = "compiler"
+            record.decision, record.schedule = "declined", "off"
+            record.declined(why)
         if options.debug_dir:
             REPORT.write(options.debug_dir)
         compiled = compile_fn(gm)
@@ -133,18 +133,18 @@ def _check_program(
     """Decline the graph's rewrites unless the generated program keeps every transfer's
     memory intact until its wait; record the steps whose overlap the compiler lost."""
     if code is None:
-        raise decline("the inner compiler's program cannot be read, so it cannot be verified")
+        raise decline("compiler.unreadable")
     dump_code(options.debug_dir, result.graph_index, result.graph_kind, "inductor", lambda: code)
     try:
         checked = program.check(code)
     except Exception as err:  # noqa: BLE001 - unreadable code, or a fault of the check
-        raise decline(f"the inner compiler's program cannot be verified: {_brief(err)}") from None
+        raise decline("compiler.unverifiable", error=_brief(err)) from None
     if checked.violations:
         shown = "; ".join(checked.violations[:3])
-        raise decline(f"the inner compiler's program breaks a transfer's buffer: {shown}")
+        raise decline("compiler.breaks_buffer", violations=shown)
     for record in rewritten:
         prefix = f"site {record.site} "
-        record.details["exposed_steps"] = [e for e in checked.exposed if e.startswith(prefix)]
+        record.exposed_steps = [e for e in checked.exposed if e.startswith(prefix)]
 
 
 def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
@@ -165,14 +165,9 @@ def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
         )
         result.original.restore()
         result.groups.clear()
+        why = decline("internal.error", error=_brief(err))
         result.records = [
-            SiteRecord(
-                kind=s.kind,
-                graph=graph_kind,
-                reason=f"internal error: {_brief(err)}",
-                decline_kind="internal",
-            )
-            for s in _sites_or_none(gm)
+            SiteRecord(kind=s.kind, graph=graph_kind).declined(why) for s in _sites_or_none(gm)
         ]
     for record in result.records:
         REPORT.add(record)
@@ -200,36 +195,35 @@ def _rewrite_sites(gm: GraphModule, options: Options, result: _Result) -> list[R
             kind=site.kind,
             graph=result.graph_kind,
             site=next(_site_ids),
-            details={"graph_index": result.graph_index, **site.describe()},
+            graph_index=result.graph_index,
+            match=site.describe(),
         )
         result.records.append(record)
         rewrite = None
         try:
             if site.declined:
-                raise Declined(site.declined)
+                raise site.declined.error()
             group = _group(site)
             profile = profile_for(site, options)
             result.groups[record.site] = (group, _inputs(options, profile))
-            _apply_disable(site, options.disable)
+            site = _without_disabled(site, options.disable)
             plan_options(options)
             work = site_work(site, group.size)
             predicted = predict(work, profile, options.slices)
-            record.details["predicted_us"] = {
-                k: round(t.end_s * 1e6, 2) for k, t in predicted.items()
-            }
-            record.details["profile"] = profile.name
-            record.details["collective_model"] = collective_model(work, profile)
+            record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in predicted.items()}
+            record.profile = profile.name
+            record.collective_model = collective_model(work, profile)
             chosen = plan(predicted, options)
-            record.details["timeline"] = predicted[chosen.schedule].as_json(group.rank)
+            record.timeline = predicted[chosen.schedule].as_json(group.rank)
             result.original.keep()
             rewrite = start(site, record.site, gm.graph)
             rewrite.timed = options.measure
-            record.details.update(site.describe())  # start may leave some matmuls out
+            record.match = rewrite.site.describe()  # some matmuls may be left out
             schedule = by_name(chosen.schedule)
             lower(rewrite, group, schedule, options.slices)
             verify.check_emitted(rewrite)
             verify.check_exchange(rewrite, group, schedule, options.slices)
-            rewrite.commit(site_nodes(site))
+            rewrite.commit(site_nodes(rewrite.site))
             verify.check_committed(rewrite)
         except Exception as err:  # noqa: BLE001 - declines and internal errors alike
             if rewrite is not None and rewrite.committing:
@@ -237,27 +231,25 @@ def _rewrite_sites(gm: GraphModule, options: Options, result: _Result) -> list[R
             if rewrite is not None:
                 rewrite.discard()
             if isinstance(err, Declined):
-                record.reason, record.decline_kind = err.reason, err.kind
+                record.declined(err)
             else:
-                record.reason, record.decline_kind = f"internal error: {_brief(err)}", "internal"
+                record.declined(decline("internal.error", error=_brief(err)))
                 warnings.warn(
                     f"commfuse: site {record.site} declined, {record.reason}", stacklevel=2
                 )
             continue
         record.decision, record.schedule, record.reason = "rewritten", chosen.schedule, chosen.why
         record.nodes = [n.name for n in rewrite.created]
-        record.details.update(
-            steps=len(rewrite.steps), p2p_ops=rewrite.p2p_ops, group_size=group.size
-        )
+        record.steps, record.p2p_ops = len(rewrite.steps), rewrite.p2p_ops
         rewrites.append(rewrite)
     return rewrites
 
 
-def _group(site: match.Site) -> groups.Group:
+def _group(site: Site) -> groups.Group:
     try:
         return groups.resolve(site.group_name, site.group_size)
     except groups.GroupError as err:
-        raise decline(str(err)) from None
+        raise decline("site.group", error=err) from None
 
 
 def _inputs(options: Options, profile: Profile) -> dict[str, Any]:
@@ -270,20 +262,14 @@ def _inputs(options: Options, profile: Profile) -> dict[str, Any]:
     }
 
 
-def _apply_disable(site: match.Site, disabled: frozenset[str]) -> None:
-    """``disable``: decline a disabled kind; leave matmuls of a disabled role out."""
+def _without_disabled(site: Site, disabled: frozenset[str]) -> Site:
+    """``disable``: decline a disabled kind; leave out the parts of a site it names."""
     if site.kind in disabled:
-        raise decline(f"{site.kind} is disabled", "disabled")
-    if isinstance(site, match.AgMmSite) and any(u.role in disabled for u in site.uses):
-        site.unmatched += [
-            f"{u.mm.node.name} ({u.role}): disabled" for u in site.uses if u.role in disabled
-        ]
-        site.uses = [u for u in site.uses if u.role not in disabled]
-        if not site.uses:
-            raise decline("; ".join(site.unmatched), "disabled")
+        raise decline("plan.kind_disabled", kind=site.kind)
+    return of(site).without(site, disabled)
 
 
-def _sites_or_none(gm: GraphModule) -> list[match.Site]:
+def _sites_or_none(gm: GraphModule) -> list[Site]:
     """The sites of a restored graph, for the report; none if even matching fails."""
     try:
         return match.find_sites(gm.graph)

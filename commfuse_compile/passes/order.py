@@ -17,7 +17,7 @@ from torch._inductor.fx_passes.control_dependencies import preserve_node_orderin
 from torch.fx import Graph, Node
 from torch.utils._ordered_set import OrderedSet
 
-from .lower import Step
+from .rewrite import Step
 
 
 def keep_overlap_order(graph: Graph, steps: Iterable[Step]) -> None:

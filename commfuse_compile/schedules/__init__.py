@@ -1,7 +1,8 @@
 """Decomposition schedules: pure descriptions of who sends which block when.
 
 A schedule is a module with ``gather_steps(rank, n)`` (all-gather then matmul) and
-``reduce_steps(rank, n)`` (matmul then reduce-scatter). Steps name blocks and ring
+``reduce_steps(rank, n)`` (matmul then reduce-scatter); ``slicing``'s take the chunk
+count instead, and ``Schedule.steps`` gives both one signature. Steps name blocks and ring
 offsets only, so the same description drives the graph lowering, the simulator that
 checks it against an unfused reference, and every rank's view of the exchange.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import ModuleType
+from typing import Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +41,26 @@ class ReduceStep:
     recvs: tuple[Transfer, ...] = ()
 
 
-P2P_SCHEDULES = ("ring", "bidir", "push")  # step lists of point-to-point transfers
-# ``slicing`` (k collectives on chunks) is described by ``slicing.gather_steps(k)``.
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A schedule as the stages use it: one rank's steps, whatever they are made of."""
+
+    name: str
+    module: ModuleType  # gather_steps / reduce_steps of (rank, n), or of (k) if sliced
+    sliced: bool  # k collectives on chunks (``slicing.SliceStep``), not P2P steps
+
+    def steps(self, direction: str, rank: int, n: int, slices: int) -> list[Any]:
+        """``direction`` ("gather" or "reduce") steps of ``rank`` of ``n``; ``slices``
+        is the chunk count of a sliced schedule."""
+        make = getattr(self.module, f"{direction}_steps")
+        return list(make(slices) if self.sliced else make(rank, n))
 
 
-def by_name(name: str) -> ModuleType:
+NAMES = ("ring", "bidir", "push", "slicing")  # every schedule, in the order reports list them
+
+
+def by_name(name: str) -> Schedule:
     from . import bidir, push, ring, slicing
 
-    return {"ring": ring, "bidir": bidir, "push": push, "slicing": slicing}[name]
+    modules = {"ring": ring, "bidir": bidir, "push": push, "slicing": slicing}
+    return Schedule(name, modules[name], sliced=name == "slicing")

@@ -46,7 +46,7 @@ def check(steps: list[SliceStep], k: int, gather: bool) -> None:
     """Every chunk is collected once and computed once, in an order that can run:
     a gathered chunk is waited before its matmul, a reduced chunk computed before its
     collective starts."""
-    from .simulate import ScheduleError
+    from .exchange import ScheduleError
 
     done: set[int] = set()  # gathered (waited) or computed chunks
     issued, waited, computed = [], [], []

@@ -15,8 +15,8 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from ..schedules import Transfer, by_name, slicing
 from .profiles import Profile
-from .schedules import Transfer, by_name, slicing
 
 SCHEDULES = ("collective", "ring", "bidir", "push", "slicing")
 
@@ -208,7 +208,7 @@ def _send(
 
 def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
     n, events = work.n, list[Event]()
-    plans = [by_name(schedule).gather_steps(r, n) for r in range(n)]
+    plans = [by_name(schedule).steps("gather", r, n, 0) for r in range(n)]
     c = _block_compute_s(work, p)
     now = [0.0] * n
     for s in range(len(plans[0])):
@@ -232,7 +232,7 @@ def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
 
 def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
     n, events = work.n, list[Event]()
-    plans = [by_name(schedule).reduce_steps(r, n) for r in range(n)]
+    plans = [by_name(schedule).steps("reduce", r, n, 0) for r in range(n)]
     c, a = _block_compute_s(work, p), p.add_s(work.block_bytes)
     now = [0.0] * n
     arrivals: list[float] = [0.0] * n  # when the messages a rank waits on next have landed

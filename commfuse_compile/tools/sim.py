@@ -15,9 +15,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .passes.plan import MIN_GAIN
-from .profiles import Profile
-from .simulator import SCHEDULES, Event, Timeline, Work, chrome_trace, simulate
+from ..cost.profiles import Profile
+from ..cost.simulator import SCHEDULES, Event, Timeline, Work, chrome_trace, simulate
+from ..passes.plan import auto_choice
 
 TRACE_RANKS = 8  # ranks written to a Chrome trace (all of them for n <= 8)
 
@@ -116,15 +116,11 @@ class LayerResult:
         return sum(timelines[schedule].end_s for _, timelines in self.sites)
 
     def auto_s(self) -> float:
-        """Per site, what ``schedule="auto"`` picks on this profile: the fastest schedule
-        if it gains at least ``MIN_GAIN`` over the collective, else the collective."""
+        """Per site, what ``schedule="auto"`` picks on this profile (``plan.auto_choice``)."""
         total = 0.0
         for _, timelines in self.sites:
-            collective, best = (
-                timelines["collective"].end_s,
-                min(t.end_s for t in timelines.values()),
-            )
-            total += best if best * MIN_GAIN <= collective else collective
+            times = {k: t.end_s for k, t in timelines.items()}
+            total += times[auto_choice(times)]
         return total
 
 

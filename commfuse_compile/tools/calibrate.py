@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .profiles import CURVE_BLOCK_BYTES, Curve, Profile
-from .simulator import Work, simulate
+from ..cost.profiles import CURVE_BLOCK_BYTES, Curve, Profile
+from ..cost.simulator import Work, simulate
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -213,7 +213,7 @@ def _tiny_site_times(n: int, reps: int) -> tuple[float, float]:
     collective)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from .api import apply
+    from ..api import apply
 
     c10d = torch.ops._c10d_functional
     group = dist.group.WORLD.group_name  # type: ignore[union-attr]
@@ -237,7 +237,7 @@ def _tiny_site_times(n: int, reps: int) -> tuple[float, float]:
 
 def run(world_size: int, out: str, reps: int) -> Profile:
     """Calibrate on ``world_size`` local gloo ranks and write the profile to ``out``."""
-    from .profiles import save
+    from ..cost.profiles import save
     from .ranks import RankPool
 
     with RankPool(world_size) as pool:

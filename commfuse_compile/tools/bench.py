@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import math
 import os
 import platform
@@ -33,9 +34,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import report
-from .options import SCHEDULES
-from .profiles import Curve
+from .. import report
+from ..cost.profiles import Curve
+from ..options import SCHEDULES
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -321,7 +322,7 @@ class _NodeClock(torch.fx.Interpreter):
 def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
     """Job: every row of one cell, plus the matmul and the collective alone, interleaved;
     then, per row, where a call's time goes (node by node, median of a few calls)."""
-    from .api import apply
+    from ..api import apply
 
     site = _site(job.kind, job.shape, n, rank)
     fns: dict[str, Callable[[], object]] = {
@@ -338,7 +339,7 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
         records = report.REPORT.sites[first:]
         graphs[row.label] = gm
         fns[row.label] = _bind(gm, site.inputs)
-        rows[row.label] = _row_record(records)
+        rows[row.label] = _row_record(records) | {"program": program_key(gm)}
     times = _interleaved(fns, job.warmup, job.reps)
     breakdown = {}
     for label, gm in graphs.items():
@@ -350,6 +351,25 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
             runs.append(clock.spent)
         breakdown[label] = {c: statistics.median(r[c] for r in runs) for c in NODE_CATEGORIES}
     return {"times": times, "rows": rows, "breakdown": breakdown}
+
+
+def program_key(gm: torch.fx.GraphModule) -> str:
+    """What a row runs, without names, tags or labels: rows with one key run the same
+    program (at n = 2 the ring and push send the same block to the same peer), so any
+    gap between their times is the run's noise."""
+    nodes = {node: i for i, node in enumerate(gm.graph.nodes)}
+    p2p = torch.ops.commfuse.p2p.default
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return f"%{nodes[a]}"
+        return [arg(x) for x in a] if isinstance(a, (list, tuple)) else a
+
+    lines = []
+    for node in gm.graph.nodes:
+        args = list(node.args[:4]) if node.target is p2p else node.args  # not tag or label
+        lines.append(f"{node.op} {node.target} {arg(args)} {arg(dict(node.kwargs))}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
 
 
 def _bind(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[[], object]:
@@ -365,7 +385,7 @@ def _row_record(records: list[report.SiteRecord]) -> dict[str, Any]:
         "schedule": record.schedule if record.decision == "rewritten" else "off",
         "decision": record.decision,
         "reason": record.reason,
-        "predicted_us": dict(record.details.get("predicted_us", {})),
+        "predicted_us": dict(record.predicted_us),
     }
 
 
@@ -518,7 +538,7 @@ class LinkProfiles:
         )
 
     def file(self, rate: float, path: Path) -> str:
-        from .profiles import save
+        from ..cost.profiles import save
 
         path.parent.mkdir(parents=True, exist_ok=True)
         save(self.at(rate), path)

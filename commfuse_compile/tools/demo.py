@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import report
+from .. import report
 from .models import Block, block_plan
 from .ranks import RankPool
 

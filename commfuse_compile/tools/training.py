@@ -3,7 +3,7 @@
 Shared by ``examples/train_tp_transformer.py``, ``examples/train_fsdp_style.py`` and
 ``tests/test_training.py``. Two front ends put collectives next to matmuls:
 
-* ``"tp"``: a stack of :class:`~commfuse_compile.models.Block` sharded with DTensor's
+* ``"tp"``: a stack of :class:`~commfuse_compile.tools.models.Block` sharded with DTensor's
   ``parallelize_module`` (tensor + sequence parallel over the whole world): activations
   are all-gathered into the column-parallel projections and reduce-scattered out of the
   row-parallel ones.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -33,7 +32,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from . import report
+from .. import report
+from ..passes.declines import REASONS
 from .models import Block, block_plan
 
 FRONT_ENDS = ("tp", "fsdp")
@@ -328,16 +328,7 @@ class SiteSummary:
     found: int = 0
     rewritten: int = 0
     declined: int = 0
-    reasons: dict[str, int] = dataclasses.field(default_factory=dict)  # generic reason -> n
-
-
-def generic_reason(reason: str) -> str:
-    """A reason with node numbers (``mm_3``, ``mm`` -> ``mm_*``) and predicted times
-    (``1252.4 us`` -> ``* us``) dropped, so that the same reason on other nodes counts once."""
-    reason = re.sub(r"\b([a-z]+(?:_[a-z]+)*)_\d+\b", r"\1_*", reason)
-    reason = re.sub(r"\b\d+(?:\.\d+)? us\b", "* us", reason)
-    reason = re.sub(r"\bsite \d+\b", "site *", reason)
-    return re.sub(r"\b(mm|addmm|wait_tensor)\b(?!_)", r"\1_*", reason)
+    reasons: dict[str, int] = dataclasses.field(default_factory=dict)  # decline code -> n
 
 
 def summarize(sites: Iterable[Mapping[str, Any]]) -> list[SiteSummary]:
@@ -351,8 +342,8 @@ def summarize(sites: Iterable[Mapping[str, Any]]) -> list[SiteSummary]:
             row.rewritten += 1
         else:
             row.declined += 1
-            why = generic_reason(site["reason"])
-            row.reasons[why] = row.reasons.get(why, 0) + 1
+            code = site["decline_code"]
+            row.reasons[code] = row.reasons.get(code, 0) + 1
     return sorted(rows.values(), key=lambda r: (r.graph != "forward", r.graph, r.kind))
 
 
@@ -363,7 +354,10 @@ def format_summary(rows: Iterable[SiteSummary]) -> str:
         lines.append(
             f"{row.graph:<9} {row.kind:<6} {row.found:>5} {row.rewritten:>9} {row.declined:>8}"
         )
-        lines += [f"    {n} x declined: {why}" for why, n in sorted(row.reasons.items())]
+        lines += [
+            f"    {n} x declined {code}: {REASONS[code].template}"
+            for code, n in sorted(row.reasons.items())
+        ]
     return "\n".join(lines)
 
 
@@ -373,7 +367,7 @@ def format_summary(rows: Iterable[SiteSummary]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every training example takes."""
-    from .options import SCHEDULES
+    from ..options import SCHEDULES
 
     parser.add_argument("--steps", type=int, default=5, help="AdamW steps (default 5)")
     parser.add_argument(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .layers import PRESETS
-from .options import INNER_COMPILERS, SCHEDULES
+from ..options import INNER_COMPILERS, SCHEDULES
+from .sim import PRESETS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.command == "inspect":
-        from .inspection import NotADumpError, inspect_dump
+        from .inspect import NotADumpError, inspect_dump
 
         try:
             written = inspect_dump(args.dir)
@@ -123,8 +123,8 @@ def _sim(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
-    from .layers import format_table, simulate_layer, write_traces
-    from .profiles import ProfileError, load
+    from ..cost.profiles import ProfileError, load
+    from .sim import format_table, simulate_layer, write_traces
 
     try:
         profile = load(args.profile)

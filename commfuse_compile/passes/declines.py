@@ -1,0 +1,210 @@
+"""Why a site is left as it was: every reason the pass can give, as data.
+
+A reason has a stable code (``rs.not_sum``), the kind the graph's summary counts it
+under (``report.DECLINE_KINDS``) and a message template filled with the site's names and
+sizes. ``decline`` is the one way to decline a site; report.json carries the code and
+the message; the README's table of reasons is generated from ``REASONS``
+(``python -m commfuse_compile.passes.declines``) and a test keeps the two in sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..report import DECLINE_KINDS
+
+
+@dataclasses.dataclass(frozen=True)
+class Reason:
+    code: str
+    kind: str  # a key of report.DECLINE_KINDS
+    template: str  # str.format over the fields ``decline`` is given
+
+
+_REASONS = (
+    # options and the cost model: expected, never a warning
+    Reason("plan.off", "off", "schedule 'off' keeps every collective"),
+    Reason("plan.kind_disabled", "disabled", "{kind} is disabled"),
+    Reason("plan.roles_disabled", "disabled", "{unmatched}"),
+    Reason("plan.schedule_disabled", "disabled", "schedule {schedule!r} is disabled"),
+    Reason("plan.all_disabled", "disabled", "every schedule is disabled"),
+    Reason(
+        "plan.not_profitable",
+        "not_profitable",
+        "not profitable: {runner_up} predicted {runner_up_us:.1f} us, collective "
+        "{collective_us:.1f} us (a schedule must gain {gain:.0%})",
+    ),
+    # patterns the pass does not rewrite
+    Reason("site.no_value", "unsupported", "node {node} has no tensor metadata (meta['val'])"),
+    Reason(
+        "site.dtype", "unsupported", "{what} has dtype {dtype}; only floating point is decomposed"
+    ),
+    Reason("site.group_of_one", "unsupported", "group of size 1: nothing to communicate"),
+    Reason("site.group", "unsupported", "{error}"),
+    Reason("site.wait", "unsupported", "{node} is used without exactly one wait_tensor"),
+    Reason("site.lost", "unsupported", "no longer next to a matmul"),
+    Reason(
+        "ag.dims_differ",
+        "unsupported",
+        "the gathers of {shard} are reassembled along different dims",
+    ),
+    Reason("ag.mutated", "unsupported", "gathered tensor is mutated in place by {node}"),
+    Reason("ag.no_matmul", "unsupported", "no matmul consumes the gathered rows"),
+    Reason("ag.matmuls_left_out", "unsupported", "{unmatched}"),
+    Reason("ag.no_reader", "unsupported", "gathered value has no reader"),
+    Reason("rs.unread", "unsupported", "the result of {node} is never read"),
+    Reason("rs.taken", "unsupported", "its matmul was rewritten by all-gather site {site}"),
+    Reason(
+        "rs.padded",
+        "unsupported",
+        "uneven shards: the product is padded to a multiple of the group size",
+    ),
+    Reason(
+        "rs.not_matmul",
+        "unsupported",
+        "reduce-scatter input is {node} ({op}) of a matmul, not a matmul or a sum of matmuls",
+    ),
+    Reason("rs.not_sum", "unsupported", "reduce op {op!r} is not 'sum'"),
+    Reason(
+        "rs.indivisible",
+        "unsupported",
+        "scattered dim {dim} of size {size} is not divisible by {n}",
+    ),
+    Reason(
+        "rs.not_provably_divisible",
+        "unsupported",
+        "scattered dim {dim} of symbolic size {size} is not provably divisible by {n} "
+        "(no guard is added)",
+    ),
+    Reason(
+        "rs.product_shared", "unsupported", "product {node} is also used outside the reduce-scatter"
+    ),
+    Reason("rs.empty", "unsupported", "{node} has a zero-size dim: nothing to overlap"),
+    Reason("rs.shapes_differ", "unsupported", "the summed matmuls have different shapes ({node})"),
+    Reason("rs.bias_rows", "unsupported", "bias of {node} has a row dim"),
+    Reason(
+        "rs.not_a_block",
+        "unsupported",
+        "scattered dim {dim} of {shape} is neither a row block nor the column dim of the "
+        "[{rows}, {cols}] product",
+    ),
+    Reason(
+        "lower.not_fake",
+        "unsupported",
+        "graph values are not fake tensors; cannot compute new node metadata",
+    ),
+    Reason(
+        "lower.late_input", "unsupported", "input {node} is computed after the site and cannot move"
+    ),
+    Reason(
+        "lower.slices",
+        "unsupported",
+        "slicing: {k} chunks do not{provably} divide {what} of size {size}",
+    ),
+    Reason(
+        "size.expression", "unsupported", "cannot compute the symbolic size {expr} in the graph"
+    ),
+    Reason("size.no_source", "unsupported", "no graph input holds the symbolic size {symbol}"),
+    Reason("size.computed", "unsupported", "size {node} is computed from a replaced tensor"),
+    Reason("size.not_symint", "unsupported", "size {node} of a replaced tensor is not a SymInt"),
+    Reason("size.constant", "unsupported", "size {node} of a replaced tensor is a constant"),
+    # the compiler below the pass
+    Reason("compiler.failed", "compiler", "inner compiler failed on the rewritten graph: {error}"),
+    Reason(
+        "compiler.unreadable",
+        "compiler",
+        "the inner compiler's program cannot be read, so it cannot be verified",
+    ),
+    Reason(
+        "compiler.unverifiable",
+        "compiler",
+        "the inner compiler's program cannot be verified: {error}",
+    ),
+    Reason(
+        "compiler.breaks_buffer",
+        "compiler",
+        "the inner compiler's program breaks a transfer's buffer: {violations}",
+    ),
+    # faults of the pass itself (each one also warns)
+    Reason("internal.error", "internal", "internal error: {error}"),
+    Reason("internal.unpacked", "internal", "internal: {node} outputs are not all unpacked"),
+    Reason(
+        "internal.recv_wait",
+        "internal",
+        "internal: a tensor {node} receives is not waited exactly once",
+    ),
+    Reason(
+        "internal.send_wait", "internal", "internal: a buffer {node} sends is not waited after it"
+    ),
+    Reason("internal.collective_wait", "internal", "internal: {node} is not waited exactly once"),
+    Reason(
+        "internal.replacement",
+        "internal",
+        "internal: replacement of {node} changes its value's shape/dtype",
+    ),
+    Reason(
+        "internal.collective_left",
+        "internal",
+        "internal: a rewritten site still has its collective",
+    ),
+    Reason(
+        "internal.dead", "internal", "internal: the rewrite computes values nothing reads: {nodes}"
+    ),
+    Reason(
+        "internal.peers",
+        "internal",
+        "internal: P2P peers {emitted} are not the schedule's {expected}",
+    ),
+    Reason(
+        "internal.shapes",
+        "internal",
+        "internal: {node} sends and receives different shapes {shapes}",
+    ),
+    Reason("internal.schedule", "internal", "internal: schedule {schedule} on {n} ranks: {error}"),
+    Reason("internal.slicing", "internal", "internal: slicing with {k} chunks: {error}"),
+)
+REASONS = {reason.code: reason for reason in _REASONS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decline:
+    """A found site's decline, kept on the (frozen) site until the pipeline reports it."""
+
+    code: str
+    reason: str
+
+    def error(self) -> Declined:
+        return Declined(self.code, self.reason, REASONS[self.code].kind)
+
+
+class Declined(Exception):
+    """Raised by ``decline``: the site is left as it was, for ``reason``."""
+
+    def __init__(self, code: str, reason: str, kind: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason, self.kind = code, reason, kind
+
+    def kept(self) -> Decline:
+        return Decline(self.code, self.reason)
+
+
+def decline(code: str, **fields: Any) -> Declined:
+    """The one way to decline a site: ``raise decline("rs.not_sum", op=op)``."""
+    reason = REASONS[code]
+    return Declined(code, reason.template.format(**fields), reason.kind)
+
+
+def markdown_table() -> str:
+    """The README's table of reasons, one row per code."""
+    rows = ["| code | counted as | message |", "|---|---|---|"]
+    for reason in _REASONS:
+        message = reason.template.replace("|", "\\|")
+        rows.append(f"| `{reason.code}` | {DECLINE_KINDS[reason.kind]} | {message} |")
+    return "\n".join(rows)
+
+
+assert all(r.kind in DECLINE_KINDS for r in _REASONS)
+
+if __name__ == "__main__":
+    print(markdown_table())

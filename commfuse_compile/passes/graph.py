@@ -1,0 +1,246 @@
+"""The FX vocabulary every site kind matches with: matmuls, views and transposes, the
+users that read data, and where a node stands. Nothing here changes a graph."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.fx import Node
+
+from . import dims
+from .declines import decline
+
+aten = torch.ops.aten
+
+VIEWS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+
+
+# read a tensor's metadata, not its data (dynamic-shape graphs take sizes with these)
+SIZE_READERS = frozenset(
+    {
+        aten.sym_size.int,
+        aten.sym_stride.int,
+        aten.sym_numel.default,
+        aten.sym_storage_offset.default,
+    }
+)
+
+
+TRANSPOSES = frozenset({aten.t.default, aten.permute.default, aten.transpose.int})
+
+
+PASS_THROUGH = (
+    VIEWS
+    | TRANSPOSES
+    | {
+        aten.split.Tensor,
+        operator.getitem,
+        aten.cat.default,
+        aten.clone.default,
+        aten._to_copy.default,
+        aten.contiguous.default,
+        aten.slice.Tensor,  # DTensor unpads an uneven gather with a slice ...
+        aten.constant_pad_nd.default,  # ... and pads an uneven reduce-scatter
+    }
+)
+
+
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulForm:
+    """Where the operands of a matmul op sit in its args (patterns as data)."""
+
+    a: int
+    b: int
+    bias: int | None
+
+
+MATMULS = {
+    aten.addmm.default: MatmulForm(a=1, b=2, bias=0),
+    aten.mm.default: MatmulForm(a=0, b=1, bias=None),
+}
+
+
+OTHER_MATMULS = frozenset({aten.bmm.default, aten.baddbmm.default, aten.matmul.default})
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    node: Node
+    a: Node
+    b: Node
+    bias: Node | None
+
+    @staticmethod
+    def of(node: Node) -> Matmul | None:
+        form = MATMULS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
+        if form is None:
+            return None
+        bias = node_arg(node, form.bias, "self") if form.bias is not None else None
+        return Matmul(node, node_arg(node, form.a, "mat1"), node_arg(node, form.b, "mat2"), bias)
+
+    @property
+    def out_shape(self) -> tuple[dims.Size, ...]:
+        return dims.sizes(val(self.node).shape)
+
+
+def val(node: Node) -> torch.Tensor:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        raise decline("site.no_value", node=node.name)
+    return value
+
+
+def is_matmul(node: Node) -> bool:
+    return node.op == "call_function" and (node.target in MATMULS or node.target in OTHER_MATMULS)
+
+
+def data_users(node: Node) -> list[Node]:
+    """The users that read ``node``'s values, not only its sizes."""
+    return [user for user in node.users if user.target not in SIZE_READERS]
+
+
+def is_full_slice(node: Node) -> bool:
+    """``x[:, 0:size]``, the whole of a dim: DTensor's unpadding of a gather whose size
+    it cannot prove even (dynamic shapes) when the size is, after all, the whole dim."""
+    if node.target is not aten.slice.Tensor or not isinstance(node.args[0], Node):
+        return False
+    dim, start, end, step = (node_arg(node, i, name, d) for i, name, d in SLICE_ARGS)
+    if start not in (None, 0) or step != 1:
+        return False
+    size = val(node.args[0]).shape[dim]
+    end_value = end.meta.get("val") if isinstance(end, Node) else end
+    return (
+        end_value is None
+        or dims.equal(end_value, size)
+        or (isinstance(end_value, int) and isinstance(size, int) and end_value >= size)
+    )
+
+
+SLICE_ARGS = ((1, "dim", 0), (2, "start", None), (3, "end", None), (4, "step", 1))
+
+
+def is_transpose_2d(node: Node) -> bool:
+    if node.target is aten.t.default:
+        return True
+    if node.target is aten.permute.default:
+        return list(node_arg(node, 1, "dims")) == [1, 0]
+    if node.target is aten.transpose.int:
+        return sorted(int(node_arg(node, i, "")) % 2 for i in (1, 2)) == [0, 1]
+    return False
+
+
+def between_note(user: Node) -> str:
+    return f"{user.name} ({op_name(user)}) sits between the gathered tensor and a matmul"
+
+
+def ordered_getitems(split: Node, n: int) -> list[Node] | None:
+    parts: dict[int, Node] = {}
+    for u in split.users:
+        if u.target is not operator.getitem or len(data_users(u)) != 1:
+            return None
+        parts[node_arg(u, 1, "index")] = u
+    if sorted(parts) != list(range(n)):
+        return None
+    return [parts[i] for i in range(n)]
+
+
+def reaches_matmul(node: Node) -> bool:
+    """Does the value flow into a matmul through layout, copy or reassembly ops only?
+
+    With ``comes_from_matmul``, decides what counts as "next to a matmul", so that every
+    such collective is reported (rewritten or declined with a reason), never silently
+    skipped, however long the chain.
+    """
+    return _matmul_through_pass_through(list(node.users), lambda n: list(n.users))
+
+
+def comes_from_matmul(node: Node) -> bool:
+    """Is ``node`` (a reduce-scatter's input) a matmul, or computed from one through layout,
+    copy or reassembly ops only (a cast and a transpose, say)?"""
+    return _matmul_through_pass_through([node], lambda n: n.all_input_nodes)
+
+
+def _matmul_through_pass_through(
+    frontier: list[Node], neighbours: Callable[[Node], list[Node]]
+) -> bool:
+    """Is a matmul in ``frontier`` or beyond it, following ``neighbours`` (users or inputs)
+    through ``PASS_THROUGH`` ops only?"""
+    seen: set[Node] = set()
+    while frontier:
+        node = frontier.pop()
+        if is_matmul(node):
+            return True
+        if node.target in PASS_THROUGH and node not in seen:
+            seen.add(node)
+            frontier += neighbours(node)
+    return False
+
+
+def view_sources(node: Node) -> Iterable[Node]:
+    """Producers of ``node``'s inputs, looking through views (one level of a sum of matmuls)."""
+    for arg in node.all_input_nodes:
+        while arg.target in VIEWS:
+            arg = node_arg(arg, 0, "self")
+        yield arg
+
+
+def bias_is_row_broadcast(bias: Node) -> bool:
+    shape = val(bias).shape
+    return len(shape) < 2 or dims.equal(shape[0], 1)
+
+
+def has_zero_size_dim(mm: Matmul) -> bool:
+    """An empty operand or product: no work to hide a transfer behind (and no blocks).
+    Symbolic sizes are never 0 (torch specializes sizes 0 and 1)."""
+    shapes = (val(node).shape for node in (mm.node, mm.a, mm.b))
+    return any(isinstance(size, int) and size == 0 for shape in shapes for size in shape)
+
+
+def check_tensor(node: Node, what: str) -> None:
+    value = val(node)
+    if value.dtype not in FLOAT_DTYPES:
+        raise decline("site.dtype", what=what, dtype=value.dtype)
+
+
+def is_mutating(node: Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def normalized_dim(node: Node, dim: int) -> int:
+    """``dim`` of ``node``'s value made non-negative (kept as is when the rank is unknown)."""
+    value = node.meta.get("val")
+    return int(dim) % value.dim() if isinstance(value, torch.Tensor) else int(dim)
+
+
+def node_arg(node: Node, index: int, name: str, default: Any = None) -> Any:
+    """Argument ``index`` (or keyword ``name``) of a call node, untyped like FX args are."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def op_name(node: Node) -> str:
+    target = node.target
+    return getattr(target, "__name__", str(target)) if node.op == "call_function" else node.op
+
+
+def position(node: Node) -> Any:
+    """Where ``node`` stands in its graph, comparable in O(1) (FX keeps these keys in
+    graph order as nodes are inserted): no walk over the graph per site."""
+    return node._sort_key
+
+
+def in_graph_order(nodes: Iterable[Node]) -> list[Node]:
+    return sorted(set(nodes), key=position)
+
+
+def numel(node: Node) -> int:
+    """Elements of ``node``'s value, symbolic sizes at their hints."""
+    return math.prod(dims.hint(size) for size in val(node).shape)

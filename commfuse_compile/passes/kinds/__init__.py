@@ -1,0 +1,12 @@
+"""The site kinds the pass knows, one module each, longest pattern first."""
+
+from __future__ import annotations
+
+from ..site import Site, SiteKind
+from . import ag_mm, mm_rs
+
+KINDS: dict[str, SiteKind] = {kind.name: kind for kind in (ag_mm.KIND, mm_rs.KIND)}
+
+
+def of(site: Site) -> SiteKind:
+    return KINDS[site.kind]

@@ -1,0 +1,540 @@
+"""All-gather -> matmul: a matmul reads the gathered tensor, so each block of it can be
+multiplied as soon as it arrives.
+
+The collective's dim is followed through the reassembly DTensor emits (split + cat) and
+through view/reshape into the matmul's rows, where any block of rows is an independent
+piece of the product; transposed uses (weight gradients, gathered weights) contract or
+fill columns block by block (``GatherUse.role``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+from torch._prims_common import is_contiguous_or_false
+from torch.fx import Graph, Node
+
+from ...cost.simulator import Work
+from ...runtime.groups import Group
+from ...schedules import Schedule
+from .. import dims
+from ..declines import Declined, decline
+from ..graph import (
+    VIEWS,
+    Matmul,
+    between_note,
+    bias_is_row_broadcast,
+    check_tensor,
+    data_users,
+    has_zero_size_dim,
+    is_full_slice,
+    is_mutating,
+    is_transpose_2d,
+    node_arg,
+    normalized_dim,
+    numel,
+    ordered_getitems,
+    position,
+    reaches_matmul,
+    val,
+)
+from ..rewrite import (
+    Rewrite,
+    Step,
+    accumulate,
+    chunk_width,
+    column_block,
+    contiguous,
+    finish_sum,
+    matmul,
+    new_tag,
+    rows_of_block,
+    slice_block,
+    start_transfers,
+    transposed,
+    viewed,
+    wait_transfers,
+)
+from ..site import Direction, Site
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+ROLES = ("rows", "contract", "columns", "contract_left")
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherUse:
+    """A matmul reading the gathered tensor G, viewed 2-D with the gathered dim in its rows.
+
+    Where G2d sits decides what a block of it computes (``role``):
+    ``rows``:      ``G2d @ W``    (column-parallel input): a block of the product's rows.
+    ``contract``:  ``G2d^T @ X``  (weight gradient): adds ``G2d_b^T @ X_b``.
+    ``columns``:   ``X @ G2d^T``  (a gathered weight, FSDP): a block of the product's columns.
+    ``contract_left``: ``Y @ G2d`` (input gradient of a gathered weight): adds ``Y_b @ G2d_b``.
+    """
+
+    mm: Matmul
+    row_dims: int  # the gathered tensor's dims [:row_dims] fold into G2d's rows
+    role: str = "rows"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgMmSite(Site):
+    kind: ClassVar[str] = "ag_mm"
+    gathers: tuple[Node, ...]  # all-gathers of one shard on one group (merged: one ring)
+    waits: tuple[Node, ...]
+    shard: Node
+    gather_dim: int  # dim of the logical gathered tensor the shards are concatenated on
+    gathered_shape: tuple[dims.Size, ...] = ()
+    uses: tuple[GatherUse, ...] = ()
+    chain: tuple[Node, ...] = ()  # nodes between the waits and the matmuls
+    unmatched: tuple[str, ...] = ()  # matmul users left on the gathered tensor, and why
+
+    @property
+    def anchor(self) -> Node:
+        return self.gathers[0]
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "collectives": [n.name for n in self.gathers],
+            "group": self.group_name,
+            "group_size": self.group_size,
+            "gather_dim": self.gather_dim,
+            "gathered_shape": dims.as_json(self.gathered_shape),
+            "matmuls": [u.mm.node.name for u in self.uses],
+            "roles": {u.mm.node.name: u.role for u in self.uses},
+            "unmatched": list(self.unmatched),
+        }
+
+    def leaving_out(self, left: dict[GatherUse, str]) -> AgMmSite:
+        """This site without the uses in ``left`` (use -> why), which are noted; declined
+        (``ag.matmuls_left_out``) if no use is left."""
+        unmatched = (
+            *self.unmatched,
+            *(f"{u.mm.node.name} ({u.role}): {why}" for u, why in left.items()),
+        )
+        uses = tuple(u for u in self.uses if u not in left)
+        site = dataclasses.replace(self, uses=uses, unmatched=unmatched)
+        if not uses:
+            raise decline("ag.matmuls_left_out", unmatched="; ".join(unmatched))
+        return site
+
+
+class AgMm:
+    name = "ag_mm"
+    direction: Direction = "gather"
+
+    def find(self, graph: Graph) -> list[Site]:
+        found: list[Site] = []
+        for key, gathers in _gathers_by_shard(graph).items():
+            site = _match(key, gathers)
+            if site is not None:
+                found.append(site)
+        return found
+
+    def rematch(self, site: Site) -> Site | None:
+        assert isinstance(site, AgMmSite)
+        gathers = [g for g in site.gathers if not g._erased]
+        shard, n, group_name = gathers[0].args[:3]
+        return _match((shard, int(n), str(group_name)), gathers)  # type: ignore[arg-type]
+
+    def without(self, site: Site, disabled: frozenset[str]) -> Site:
+        assert isinstance(site, AgMmSite)
+        left = {u: "disabled" for u in site.uses if u.role in disabled}
+        if not left:
+            return site
+        try:
+            return site.leaving_out(left)
+        except Declined as why:
+            raise decline("plan.roles_disabled", unmatched=why.reason) from None
+
+    def work(self, site: Site, n: int) -> Work:
+        assert isinstance(site, AgMmSite)
+        flops = sum(2 * numel(u.mm.node) * dims.hint(val(u.mm.a).shape[1]) for u in site.uses)
+        shard_bytes = numel(site.shard) * val(site.shard).element_size()
+        return Work("gather", n, flops / n, shard_bytes, len(site.uses))
+
+    def start(self, site: Site) -> tuple[Site, Node]:
+        assert isinstance(site, AgMmSite)
+        before = _first_consumer(site)
+        return _without_uses_needing_own_result(site, before), before
+
+    def lower(self, rw: Rewrite, group: Group, schedule: Schedule, slices: int) -> None:
+        assert isinstance(rw.site, AgMmSite)
+        if schedule.sliced:
+            _lower_sliced(rw, rw.site, group, schedule, slices)
+        else:
+            _lower(rw, rw.site, group, schedule)
+
+    def replaced(self, site: Site) -> Sequence[Node]:
+        assert isinstance(site, AgMmSite)
+        return [*site.gathers, *site.waits, *site.chain, *(u.mm.node for u in site.uses)]
+
+    def collectives(self, site: Site) -> Sequence[Node]:
+        assert isinstance(site, AgMmSite)
+        return site.gathers
+
+
+KIND = AgMm()
+
+
+# ----------------------------------------------------------------------------------------
+# find
+
+
+def _gathers_by_shard(graph: Graph) -> dict[tuple[Node, int, str], list[Node]]:
+    """Gathers of one shard on one group compute one value: DTensor emits one per consumer."""
+    groups: dict[tuple[Node, int, str], list[Node]] = {}
+    for node in graph.find_nodes(op="call_function", target=c10d.all_gather_into_tensor.default):
+        if "commfuse" in node.meta:  # the slicing schedule's own chunk collectives
+            continue
+        shard, size, name = node.args[:3]
+        groups.setdefault((shard, int(size), str(name)), []).append(node)  # type: ignore[arg-type]
+    return groups
+
+
+@dataclasses.dataclass
+class _Uses:
+    """What following the gathered tensor found (frozen into the site at the end)."""
+
+    gathered_shape: tuple[dims.Size, ...]
+    gather_dim: int
+    chain: list[Node] = dataclasses.field(default_factory=list)
+    uses: list[GatherUse] = dataclasses.field(default_factory=list)
+    unmatched: list[str] = dataclasses.field(default_factory=list)
+
+
+def _match(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite | None:
+    shard, n, group_name = key
+    waits: list[Node] = []
+    gathered: list[tuple[Node, int, list[Node]]] = []
+    problem = None
+    for ag in gathers:
+        users = data_users(ag)
+        if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
+            problem = ag.name
+            continue
+        waits.append(users[0])
+        gathered.append(_reassembled(users[0], n))
+    if not any(reaches_matmul(g) for g, _, _ in gathered) and not any(
+        reaches_matmul(user) for ag in gathers for user in ag.users
+    ):
+        return None
+    g_dims = {g for _, g, _ in gathered}
+    found = _Uses(gathered_shape=(), gather_dim=min(g_dims) if g_dims else 0)
+    declined = None
+    try:
+        if problem:
+            raise decline("site.wait", node=problem)
+        if len(g_dims) != 1:
+            raise decline("ag.dims_differ", shard=shard.name)
+        check_tensor(shard, "gathered shard")
+        if n < 2:
+            raise decline("site.group_of_one")
+        found.gathered_shape = dims.sizes(val(gathered[0][0]).shape)
+        for node, _, chain in gathered:
+            found.chain += chain
+            _collect_uses(found, node)
+        _drop_matmuls_reading_it_twice(found, {*waits, *found.chain})
+        if not found.uses and found.unmatched:
+            raise decline("ag.matmuls_left_out", unmatched="; ".join(found.unmatched))
+        if not found.uses:
+            raise decline("ag.no_matmul")
+    except Declined as why:
+        declined = why.kept()
+    return AgMmSite(
+        gathers=tuple(gathers),
+        waits=tuple(waits),
+        shard=shard,
+        group_name=group_name,
+        group_size=n,
+        gather_dim=found.gather_dim,
+        gathered_shape=found.gathered_shape,
+        uses=tuple(found.uses),
+        chain=tuple(found.chain),
+        unmatched=tuple(found.unmatched),
+        declined=declined,
+    )
+
+
+def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
+    """(logical gathered tensor, gather dim, reassembly nodes) after a gather's wait.
+
+    all_gather_into_tensor concatenates on dim 0; DTensor gathers any other dim g by
+    ``cat(split(out, s0), dim=g)``. Longest form first; otherwise the gather dim is 0.
+    """
+    users = data_users(wait)
+    if len(users) == 1 and users[0].target is aten.split.Tensor:
+        split = users[0]
+        parts = ordered_getitems(split, n)
+        dim = node_arg(split, 2, "dim", 0)
+        if parts is not None and dim == 0:
+            cats = {u for p in parts for u in data_users(p)}
+            if len(cats) == 1:
+                cat = cats.pop()
+                if cat.target is aten.cat.default and list(node_arg(cat, 0, "tensors")) == parts:
+                    g = normalized_dim(cat, node_arg(cat, 1, "dim", 0))
+                    return cat, g, [split, *parts, cat]
+    return wait, 0, []
+
+
+def _collect_uses(site: _Uses, gathered: Node) -> None:
+    """Follow view/reshape users of the gathered tensor to the matmuls that read its rows."""
+    frontier = [gathered]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.op == "call_function" and is_mutating(user):
+                raise decline("ag.mutated", node=user.name)
+            mm = Matmul.of(user)
+            if (user.target in VIEWS or is_full_slice(user)) and user.args[0] is node:
+                site.chain.append(user)
+                frontier.append(user)
+            elif mm is not None and node not in (mm.a, mm.b):
+                site.unmatched.append(f"{mm.node.name}: the gathered tensor is its bias")
+            elif mm is not None:
+                _add_use(site, node, mm, "rows" if mm.a is node else "contract_left")
+            elif is_transpose_2d(user) and user.args[0] is node:
+                site.chain.append(user)
+                for consumer in user.users:
+                    mm = Matmul.of(consumer)
+                    if mm is not None:
+                        _add_use(site, node, mm, "contract" if mm.a is user else "columns")
+                    elif is_transpose_2d(consumer):  # t(t(G)) is G
+                        site.chain.append(consumer)
+                        frontier.append(consumer)
+                    elif reaches_matmul(consumer):
+                        site.unmatched.append(between_note(consumer))
+            elif reaches_matmul(user):
+                site.unmatched.append(between_note(user))
+
+
+def _drop_matmuls_reading_it_twice(site: _Uses, own: set[Node]) -> None:
+    """``G @ G^T`` (the gathered tensor as both operands) is not a sum or a concatenation
+    of products of one operand's blocks: such a matmul keeps reading G."""
+    twice = {u.mm.node for u in site.uses if _other_operand(u) in own}
+    site.unmatched += [
+        f"{node.name}: reads the gathered tensor as both operands"
+        for node in dict.fromkeys(u.mm.node for u in site.uses if u.mm.node in twice)
+    ]
+    site.uses = [u for u in site.uses if u.mm.node not in twice]
+
+
+def _other_operand(use: GatherUse) -> Node:
+    """The matmul operand that is not (a view or transpose of) the gathered tensor."""
+    return use.mm.b if use.role in ("rows", "contract") else use.mm.a
+
+
+def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str) -> None:
+    """Record ``mm`` as a use if the gathered dim lands in the rows of ``g2d``."""
+    rows, cols = dims.sizes(val(g2d).shape)
+    j = dims.row_split(site.gathered_shape, rows, cols)
+    contiguous = dims.equal(math.prod(site.gathered_shape[: site.gather_dim]), 1)
+    problem = None
+    if not mm.node.users:
+        problem = "its product is never read"
+    elif has_zero_size_dim(mm):
+        problem = "a zero-size dim: nothing to overlap"
+    elif j is None or site.gather_dim >= j:
+        problem = (
+            f"gathered dim {site.gather_dim} of {list(site.gathered_shape)} does not fold "
+            f"into the rows of [{rows}, {cols}]"
+        )
+    elif role in ("columns", "contract_left") and not contiguous:
+        problem = f"gathered dim {site.gather_dim} is not the outermost: blocks not contiguous"
+    elif role in ("contract", "contract_left") and mm.bias is not None:
+        problem = "a bias on a contracted product"
+    elif role == "rows" and mm.bias is not None and not bias_is_row_broadcast(mm.bias):
+        problem = "bias has a row dim"
+    elif role == "contract" and not dims.equal(val(mm.b).shape[0], rows):
+        problem = f"its other operand does not have {rows} rows"
+    if problem:
+        site.unmatched.append(f"{mm.node.name} ({role}): {problem}")
+        return
+    check_tensor(mm.node, "matmul output")
+    assert j is not None
+    site.uses.append(GatherUse(mm=mm, row_dims=j, role=role))
+
+
+# ----------------------------------------------------------------------------------------
+# lower
+
+
+class _GatherProducts:
+    """What every use of the gathered tensor computes from one piece of it.
+
+    A piece is block ``index`` of ``count`` equal blocks along the gathered dim (a shard,
+    or a chunk of a shard under slicing); rows/columns uses keep a product block per
+    piece, contracting uses add the piece's partial product to a running sum."""
+
+    def __init__(self, rw: Rewrite, site: AgMmSite) -> None:
+        self.rw, self.site = rw, site
+        self.blocks: list[dict[int, Node]] = [{} for _ in site.uses]
+        self.sums: list[Node | None] = [None for _ in site.uses]
+        self.others: dict[int, Node] = {}  # contract: the other operand viewed like G
+
+    def add(self, piece: Node, index: int, shape: Sequence[dims.Size], s: int) -> None:
+        rw, site = self.rw, self.site
+        width = shape[site.gather_dim]
+        views: dict[tuple[int | str, ...], Node] = {}  # one 2-D view of the piece per shape
+        for i, use in enumerate(site.uses):
+            mm, lead = use.mm, shape[: use.row_dims]
+            shape2d = (math.prod(lead), math.prod(shape[use.row_dims :]))
+            key = tuple(dims.as_json(shape2d))
+            if key not in views:
+                views[key] = rw.emit(
+                    aten.view.default, (piece, rw.shape(shape2d, s)), step=s, lane="compute"
+                )
+            g2d = views[key]
+            if use.role == "rows":
+                part = matmul(rw, mm, g2d, mm.b, mm.bias, s)
+                self.blocks[i][index] = viewed(rw, part, [*lead, val(part).shape[1]], s)
+            elif use.role == "columns":
+                bias = mm.bias and column_block(rw, mm.bias, index, shape2d[0], s)
+                self.blocks[i][index] = matmul(rw, mm, mm.a, transposed(rw, g2d, s), bias, s)
+            elif use.role == "contract":
+                if i not in self.others:
+                    k = val(mm.b).shape[1]
+                    self.others[i] = viewed(rw, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
+                x_b = rows_of_block(rw, self.others[i], site.gather_dim, index, width, s)
+                self.sums[i] = accumulate(rw, self.sums[i], transposed(rw, g2d, s), x_b, s)
+            else:  # contract_left
+                y_b = column_block(rw, mm.a, index, shape2d[0], s)
+                self.sums[i] = accumulate(rw, self.sums[i], y_b, g2d, s)
+
+    def finish(self, count: int, step: int) -> None:
+        """Assemble the ``count`` pieces' products into each matmul's replacement."""
+        rw, site = self.rw, self.site
+        for i, use in enumerate(site.uses):
+            total = self.sums[i]
+            if total is not None:
+                rw.replace[use.mm.node] = finish_sum(rw, total, use.mm.node, step)
+                continue
+            dim = site.gather_dim if use.role == "rows" else 1
+            pieces = [self.blocks[i][b] for b in range(count)]
+            full = rw.emit(aten.cat.default, (pieces, dim), step=step, lane="compute")
+            rw.replace[use.mm.node] = viewed(rw, full, list(val(use.mm.node).shape), step)
+
+
+def _lower(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule) -> None:
+    n, tag = group.size, new_tag()
+    shard_shape = dims.sizes(val(site.shard).shape)
+    held: dict[int, Node] = {group.rank: _local_shard(rw, site)}
+    products = _GatherProducts(rw, site)
+    for s, step in enumerate(schedule.steps("gather", group.rank, n, 0)):
+        started, recvs, sent = start_transfers(
+            rw, group, tag, s, step.sends, step.recvs, held, recv_like=site.shard
+        )
+        for b in step.compute:
+            products.add(held[b], b, shard_shape, s)
+        waits = wait_transfers(rw, s, recvs, sent, held)
+        rw.steps.append(Step(started, rw.matmuls.get(s, []), waits))
+    last = len(rw.steps)
+    products.finish(n, last)
+    _rebuild_gathered(rw, site, [held[b] for b in range(n)], last)
+
+
+def _lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, k: int) -> None:
+    """k all-gathers of shard chunks along the gathered dim, chunk i-1's matmuls under
+    chunk i's all-gather; piece (b, i) is block b*k + i of the gathered dim."""
+    n, dim = group.size, site.gather_dim
+    shard_shape = dims.sizes(val(site.shard).shape)
+    width = chunk_width(shard_shape[dim], k, f"the shard's dim {dim}")
+    chunk_shape = [*shard_shape[:dim], width, *shard_shape[dim + 1 :]]
+    gathering: dict[int, Node] = {}
+    pieces: dict[tuple[int, int], Node] = {}  # (block, chunk) -> gathered piece
+    products = _GatherProducts(rw, site)
+    for s, step in enumerate(schedule.steps("gather", group.rank, n, k)):
+        issue = None
+        if step.issue is not None:
+            chunk = contiguous(
+                rw, slice_block(rw, site.shard, dim, step.issue, width, s, "comm"), s
+            )
+            issue = gathering[step.issue] = rw.emit(
+                c10d.all_gather_into_tensor.default, (chunk, n, group.name), step=s, lane="comm"
+            )
+        if step.compute is not None:
+            for b in range(n):
+                index = b * k + step.compute
+                products.add(pieces[b, step.compute], index, chunk_shape, s)
+        waits = []
+        if step.wait is not None:
+            gathered = rw.emit(
+                c10d.wait_tensor.default, (gathering[step.wait],), step=s, lane="comm"
+            )
+            waits.append(gathered)
+            for b in range(n):
+                pieces[b, step.wait] = slice_block(rw, gathered, 0, b, chunk_shape[0], s, "comm")
+        rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
+    last = len(rw.steps)
+    products.finish(n * k, last)
+    if _gathered_outlives(site):
+        shards = [
+            rw.emit(
+                aten.cat.default, ([pieces[b, i] for i in range(k)], dim), step=last, lane="comm"
+            )
+            for b in range(n)
+        ]
+        _rebuild_gathered(rw, site, shards, last)
+
+
+def _local_shard(rw: Rewrite, site: AgMmSite) -> Node:
+    """The shard as every block is viewed (2-D rows): copied once if it is neither
+    contiguous nor 2-D already (received blocks always are contiguous)."""
+    shard = val(site.shard)
+    if shard.dim() == 2 or is_contiguous_or_false(shard):
+        return site.shard
+    return contiguous(rw, site.shard, 0)
+
+
+def _rebuild_gathered(rw: Rewrite, site: AgMmSite, shards: list[Node], step: int) -> None:
+    """all_gather_into_tensor's value, rebuilt from the shards: never gather twice."""
+    if _gathered_outlives(site):
+        rebuilt = rw.emit(aten.cat.default, (shards, 0), step=step, lane="comm")
+        for wait in site.waits:
+            rw.replace[wait] = rebuilt
+
+
+def _gathered_outlives(site: AgMmSite) -> bool:
+    """Is the gathered value read by anything other than the rewritten matmuls?"""
+    inside = set(site.chain) | {u.mm.node for u in site.uses}
+    nodes = (*site.waits, *site.chain)
+    return any(user not in inside for node in nodes for user in data_users(node))
+
+
+def _first_consumer(site: AgMmSite) -> Node:
+    """Earliest node that reads a gathered value: the ring must be done by then."""
+    readers = [u for wait in site.waits for u in wait.users]
+    if not readers:  # pragma: no cover - matched sites have one
+        raise decline("ag.no_reader")
+    return min(readers, key=position)
+
+
+def _without_uses_needing_own_result(site: AgMmSite, before: Node) -> AgMmSite:
+    """A matmul whose other operand is computed from this site's own result (a consumer
+    reached again later, e.g. dX = dY @ W where dY comes from W's recomputed forward)
+    cannot share the ring: it keeps reading the (rebuilt) gathered tensor instead."""
+    own = {*site.waits, *site.chain, *(u.mm.node for u in site.uses)}
+    start = position(before)
+
+    def depends(node: Node) -> bool:
+        stack, seen = [node], set()
+        while stack:
+            current = stack.pop()
+            if current in own:
+                return True
+            if position(current) >= start and current not in seen:
+                seen.add(current)
+                stack += current.all_input_nodes
+        return False
+
+    left = {}
+    for use in site.uses:
+        operands = [use.mm.a, use.mm.b] + ([use.mm.bias] if use.mm.bias is not None else [])
+        if any(depends(op) for op in operands if op not in own):
+            left[use] = "its other operand is computed from this site's own result"
+    return site.leaving_out(left) if left else site

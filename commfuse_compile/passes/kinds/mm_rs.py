@@ -1,0 +1,383 @@
+"""Matmul -> reduce-scatter: the reduce-scatter sums a product (or a sum of products of
+one shape) over ranks, so each block of it can be sent on while the next is computed.
+
+The scattered dim is followed back through the split + cat DTensor emits and through
+views to the product, where it is a block of its rows or of its columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch.fx import Graph, Node
+
+from ...cost.simulator import Work
+from ...runtime.groups import Group
+from ...schedules import Schedule
+from .. import dims
+from ..declines import Declined, decline
+from ..graph import (
+    VIEWS,
+    Matmul,
+    bias_is_row_broadcast,
+    check_tensor,
+    comes_from_matmul,
+    data_users,
+    has_zero_size_dim,
+    is_matmul,
+    is_transpose_2d,
+    node_arg,
+    normalized_dim,
+    numel,
+    op_name,
+    ordered_getitems,
+    val,
+    view_sources,
+)
+from ..rewrite import (
+    Pending,
+    Rewrite,
+    Step,
+    chunk_width,
+    column_block,
+    matmul,
+    new_tag,
+    rows_of_block,
+    slice_block,
+    start_transfers,
+    viewed,
+    wait_transfers,
+)
+from ..site import Direction, Site
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MmRsSite(Site):
+    """reduce_scatter(sum of ``terms``): one matmul, or the sum of several with one shape
+    (the backward of an input shared by several linears, e.g. gate and up)."""
+
+    kind: ClassVar[str] = "mm_rs"
+    reduce_scatter: Node
+    wait: Node
+    terms: tuple[Matmul, ...]
+    scatter_dim: int  # dim of the product's (viewed) shape that is scattered
+    product_shape: tuple[dims.Size, ...] = ()  # the product as the reduce-scatter sees it
+    columns: bool = False  # scatter dim is the product's last (N) dim
+    chain: tuple[Node, ...] = ()
+
+    @property
+    def anchor(self) -> Node:
+        return self.reduce_scatter
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "collectives": [self.reduce_scatter.name],
+            "group": self.group_name,
+            "group_size": self.group_size,
+            "scatter_dim": self.scatter_dim,
+            "product_shape": dims.as_json(self.product_shape),
+            "matmuls": [t.node.name for t in self.terms],
+            "blocks": "columns" if self.columns else "rows",
+        }
+
+
+class MmRs:
+    name = "mm_rs"
+    direction: Direction = "reduce"
+
+    def find(self, graph: Graph) -> list[Site]:
+        found: list[Site] = []
+        for node in graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default):
+            if "commfuse" in node.meta:  # the slicing schedule's own chunk collectives
+                continue
+            site = _match(node)
+            if site is not None:
+                found.append(site)
+        return found
+
+    def rematch(self, site: Site) -> Site | None:
+        assert isinstance(site, MmRsSite)
+        return _match(site.reduce_scatter)
+
+    def without(self, site: Site, disabled: frozenset[str]) -> Site:
+        return site  # one product: nothing to leave out but the whole site
+
+    def work(self, site: Site, n: int) -> Work:
+        assert isinstance(site, MmRsSite)
+        out = site.terms[0].node
+        flops = sum(2 * numel(out) * dims.hint(val(t.a).shape[1]) for t in site.terms)
+        out_bytes = numel(out) * val(out).element_size()
+        return Work("reduce", n, flops / n, out_bytes / n, len(site.terms))
+
+    def start(self, site: Site) -> tuple[Site, Node]:
+        assert isinstance(site, MmRsSite)
+        return site, site.reduce_scatter
+
+    def lower(self, rw: Rewrite, group: Group, schedule: Schedule, slices: int) -> None:
+        assert isinstance(rw.site, MmRsSite)
+        if schedule.sliced:
+            _lower_sliced(rw, rw.site, group, schedule, slices)
+        else:
+            _lower(rw, rw.site, group, schedule)
+
+    def replaced(self, site: Site) -> Sequence[Node]:
+        assert isinstance(site, MmRsSite)
+        return [site.reduce_scatter, site.wait, *site.chain, *(t.node for t in site.terms)]
+
+    def collectives(self, site: Site) -> Sequence[Node]:
+        assert isinstance(site, MmRsSite)
+        return (site.reduce_scatter,)
+
+
+KIND = MmRs()
+
+
+# ----------------------------------------------------------------------------------------
+# find
+
+
+def _match(rs: Node) -> MmRsSite | None:
+    inp, reduce_op, n, group_name = (node_arg(rs, i, "") for i in range(4))
+    users = list(rs.users)
+    wait = users[0] if len(users) == 1 else None
+    scattered, g, chain = _scattered(inp, int(n))
+    product = _through_views(scattered, chain)
+    terms, between = _sum_of_matmuls(product)
+    rewritten = "commfuse" in product.meta  # a matmul an all-gather site already rewrote
+    from_matmul = comes_from_matmul(inp) or any(is_matmul(a) for a in view_sources(product))
+    if not terms and not from_matmul and not rewritten:
+        return None
+    fields: dict[str, Any] = {}
+    declined = None
+    try:
+        fields = _checked(rs, wait, inp, reduce_op, int(n), scattered, g, product, terms)
+    except Declined as why:
+        declined = why.kept()
+    return MmRsSite(
+        reduce_scatter=rs,
+        wait=wait or rs,
+        terms=tuple(terms),
+        group_name=str(group_name),
+        group_size=int(n),
+        scatter_dim=g,
+        chain=tuple(chain + between),
+        declined=declined,
+        **fields,
+    )
+
+
+def _checked(
+    rs: Node,
+    wait: Node | None,
+    inp: Node,
+    reduce_op: str,
+    n: int,
+    scattered: Node,
+    g: int,
+    product: Node,
+    terms: list[Matmul],
+) -> dict[str, Any]:
+    """The site's product shape and block layout, or the first reason it cannot be
+    rewritten (in the order a user would fix them)."""
+    if wait is None or wait.target is not c10d.wait_tensor.default:
+        raise decline("site.wait", node=rs.name)
+    if not wait.users:
+        raise decline("rs.unread", node=rs.name)
+    if "commfuse" in product.meta:
+        raise decline("rs.taken", site=product.meta["commfuse"]["site"])
+    if any(a.target is aten.constant_pad_nd.default for a in (inp, *inp.all_input_nodes)):
+        raise decline("rs.padded")
+    if not terms:
+        raise decline("rs.not_matmul", node=product.name, op=op_name(product))
+    if reduce_op != "sum":
+        raise decline("rs.not_sum", op=reduce_op)
+    if n < 2:
+        raise decline("site.group_of_one")
+    shape = dims.sizes(val(scattered).shape)
+    if not dims.divisible(shape[g], n):
+        symbolic = dims.is_symbolic(shape[g : g + 1])
+        code = "rs.not_provably_divisible" if symbolic else "rs.indivisible"
+        raise decline(code, dim=g, size=shape[g], n=n)
+    rows, cols = terms[0].out_shape
+    for term in terms:
+        name = term.node.name
+        if len(data_users(term.node)) != 1:
+            raise decline("rs.product_shared", node=name)
+        check_tensor(term.node, "matmul output")
+        if has_zero_size_dim(term):
+            raise decline("rs.empty", node=name)
+        if not dims.same_shape(term.out_shape, (rows, cols)):
+            raise decline("rs.shapes_differ", node=name)
+        if term.bias is not None and not bias_is_row_broadcast(term.bias):
+            raise decline("rs.bias_rows", node=name)
+    columns = g == len(shape) - 1 and dims.equal(shape[-1], cols)
+    rows_match = dims.equal(shape[-1], cols) and dims.equal(math.prod(shape[:-1]), rows)
+    if not columns and not rows_match:
+        raise decline("rs.not_a_block", dim=g, shape=list(shape), rows=rows, cols=cols)
+    return {"product_shape": shape, "columns": columns}
+
+
+def _through_views(node: Node, chain: list[Node]) -> Node:
+    """The producer of ``node`` behind single-user views and transposes that cancel in
+    pairs (AOTAutograd writes a weight gradient as ``t(t(mm(...)))``), added to ``chain``."""
+    while len(data_users(node)) == 1:
+        source = node_arg(node, 0, "self")
+        if node.target in VIEWS:
+            chain.append(node)
+            node = source
+        elif is_transpose_2d(node) and is_transpose_2d(source) and len(data_users(source)) == 1:
+            chain += [node, source]
+            node = node_arg(source, 0, "self")
+        else:
+            break
+    return node
+
+
+def _sum_of_matmuls(node: Node) -> tuple[list[Matmul], list[Node]]:
+    """(matmul terms, add/view nodes between) if ``node`` is a matmul or a sum of them."""
+    mm = Matmul.of(node)
+    if mm is not None:
+        return [mm], []
+    plain_add = node.target is aten.add.Tensor and node_arg(node, 2, "alpha", 1) == 1
+    if not plain_add or not all(isinstance(a, Node) for a in node.args[:2]):
+        return [], []
+    terms, between = [], [node]
+    for arg in node.args[:2]:
+        source = _through_views(arg, between)  # type: ignore[arg-type]
+        single = len(data_users(source)) == 1
+        sub_terms, sub_between = _sum_of_matmuls(source) if single else ([], [])
+        if not sub_terms:
+            return [], []
+        terms += sub_terms
+        between += sub_between
+    return terms, between
+
+
+def _scattered(inp: Node, n: int) -> tuple[Node, int, list[Node]]:
+    """(product as scattered, scatter dim, nodes): DTensor scatters dim g via split + cat."""
+    if inp.target is aten.cat.default:
+        parts: list[Node] = list(node_arg(inp, 0, "tensors"))
+        sources = {node_arg(p, 0, "self") for p in parts if p.target is operator.getitem}
+        if node_arg(inp, 1, "dim", 0) == 0 and len(sources) == 1 and len(parts) == n:
+            split: Node = sources.pop()
+            if split.target is aten.split.Tensor and ordered_getitems(split, n) == parts:
+                product: Node = node_arg(split, 0, "self")
+                g = normalized_dim(product, node_arg(split, 2, "dim", 0))
+                return product, g, [inp, split, *parts]
+    return inp, 0, []
+
+
+# ----------------------------------------------------------------------------------------
+# lower
+
+
+def _lower(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule) -> None:
+    n, tag = group.size, new_tag()
+    width = site.product_shape[site.scatter_dim] // n
+    pending: Pending = (None, [], [])
+    received: dict[tuple[int, int], Node] = {}  # (block, peer) -> partial sum from that peer
+    sums: dict[int, Node] = {}
+    for s, step in enumerate(schedule.steps("reduce", group.rank, n, 0)):
+        parts = {b: _reduce_part(rw, site, b, width, s) for b in step.blocks}
+        started, recvs, sent = pending
+        waits = wait_transfers(rw, s, recvs, sent, received, by_peer=True)
+        rw.steps.append(Step(started, rw.matmuls.get(s, []), waits))
+        sums = dict(parts)
+        for t in step.adds:
+            sums[t.block] = rw.emit(
+                aten.add.Tensor,
+                (sums[t.block], received.pop((t.block, t.peer))),
+                step=s,
+                lane="compute",
+            )
+        like = next(iter(parts.values()))
+        pending = start_transfers(rw, group, tag, s, step.sends, step.recvs, sums, recv_like=like)
+    assert not pending[1] and not pending[2] and not received
+    out_shape = rw.shape(val(site.wait).shape, n)
+    rw.replace[site.wait] = rw.emit(
+        aten.view.default, (sums[group.rank], out_shape), step=n, lane="compute"
+    )
+
+
+def _lower_sliced(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, k: int) -> None:
+    """Chunk i of every block is computed, stacked and reduce-scattered while chunk i+1
+    is computed; this rank's k reduced chunks are its block."""
+    n, dim = group.size, site.scatter_dim
+    width = chunk_width(site.product_shape[dim] // n, k, f"a block's dim {dim}")
+    parts: dict[tuple[int, int], Node] = {}  # (block, chunk) -> this rank's partial
+    reducing: dict[int, Node] = {}
+    own: dict[int, Node] = {}
+    for s, step in enumerate(schedule.steps("reduce", group.rank, n, k)):
+        issue = None
+        if step.issue is not None:
+            stacked = rw.emit(
+                aten.cat.default,
+                ([parts[b, step.issue] for b in range(n)], 0),
+                step=s,
+                lane="comm",
+            )
+            issue = reducing[step.issue] = rw.emit(
+                c10d.reduce_scatter_tensor.default,
+                (stacked, "sum", n, group.name),
+                step=s,
+                lane="comm",
+            )
+        if step.compute is not None:
+            for b in range(n):
+                parts[b, step.compute] = _reduce_part(rw, site, b * k + step.compute, width, s)
+        waits = []
+        if step.wait is not None:
+            own[step.wait] = rw.emit(
+                c10d.wait_tensor.default, (reducing[step.wait],), step=s, lane="comm"
+            )
+            waits.append(own[step.wait])
+        rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
+    last = len(rw.steps)
+    if site.columns:
+        chunks, cat_dim = [own[i] for i in range(k)], 1
+    else:
+        shape = [*site.product_shape[:dim], width, *site.product_shape[dim + 1 :]]
+        chunks, cat_dim = [viewed(rw, own[i], shape, last) for i in range(k)], dim
+    block = rw.emit(aten.cat.default, (chunks, cat_dim), step=last, lane="compute")
+    rw.replace[site.wait] = viewed(rw, block, val(site.wait).shape, last)
+
+
+def _reduce_part(rw: Rewrite, site: MmRsSite, b: int, width: dims.Size, step: int) -> Node:
+    """This rank's partial of block ``b`` of the product: the sum over the site's terms."""
+    part = None
+    for term in site.terms:
+        term_part = _reduce_block(rw, site, term, b, width, step)
+        part = (
+            term_part
+            if part is None
+            else rw.emit(aten.add.Tensor, (part, term_part), step=step, lane="compute")
+        )
+    assert part is not None
+    return part
+
+
+def _reduce_block(
+    rw: Rewrite, site: MmRsSite, mm: Matmul, b: int, width: dims.Size, step: int
+) -> Node:
+    """This rank's partial of block ``b`` of the product ``mm``."""
+    if site.columns:
+        w = column_block(rw, mm.b, b, width, step)
+        bias = mm.bias and column_block(rw, mm.bias, b, width, step)
+        return matmul(rw, mm, mm.a, w, bias, step)
+    if len(site.product_shape) == 2 and is_transpose_2d(mm.a):
+        # rows of t(Z) are columns of Z: slice Z and transpose the block, no copy
+        cols = slice_block(rw, mm.a.args[0], 1, b, width, step, "compute")  # type: ignore[arg-type]
+        rows = rw.emit(aten.permute.default, (cols, [1, 0]), step=step, lane="compute")
+    else:
+        k = val(mm.a).shape[1]
+        a = viewed(rw, mm.a, [*site.product_shape[:-1], k], step)
+        rows = rows_of_block(rw, a, site.scatter_dim, b, width, step)
+    return matmul(rw, mm, rows, mm.b, mm.bias, step)

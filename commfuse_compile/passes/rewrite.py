@@ -1,0 +1,419 @@
+"""Emitting a site's rewrite: new nodes with their fake values and their step and lane,
+the helpers every site kind lowers with, and the commit that swaps the results in.
+
+Lowering only adds nodes (before the site's first consumer) until ``Rewrite.commit``
+swaps the results in and erases the collective; anything that fails before that is
+undone by ``Rewrite.discard``, which leaves the graph as it was.
+
+Every new node gets ``meta["val"]`` (computed on fake tensors) and
+``meta["commfuse"] = {"site", "step", "lane"}``; ``Rewrite.steps`` records, per step,
+which P2P op must start before which matmuls and which waits must follow them.
+
+Under dynamic shapes a size may be a SymInt, which an FX argument cannot hold: it is
+computed in the graph from the symbols' sources (SymInt inputs, sizes of tensor inputs)
+with ``sym_size``/``operator`` nodes, and a view with one symbolic size takes -1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import sympy
+import torch
+from torch._prims_common import is_contiguous_or_false
+from torch.fx import Graph, Node
+from torch.fx.proxy import GraphAppendingTracer, Proxy
+from torch.utils._sympy.interp import sympy_interp
+from torch.utils._sympy.reference import PythonReferenceAnalysis
+
+from ..runtime.groups import Group
+from ..runtime.p2p import p2p_fake  # (importing it registers commfuse::p2p)
+from ..schedules import Transfer
+from . import dims
+from .declines import decline
+from .graph import Matmul, in_graph_order, position, val
+from .site import Site
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+P2P = torch.ops.commfuse.p2p.default
+# ops that only view their input: one such node per (input, arguments) and rewrite
+VIEW_OPS = frozenset({aten.view.default, aten.permute.default, aten.slice.Tensor})
+
+
+# a dtype conversion as the graphs Inductor compiles spell it (``_to_copy`` is decomposed
+# before them, and Inductor has no lowering for it)
+CONVERT = torch.ops.prims.convert_element_type.default
+
+
+# One tag per site, the same sequence on every rank (SPMD compile), counted from high up
+# so that a user's own send/recv on the same group (small tags) never matches ours.
+TAG_BASE = 0x43460000
+
+
+_tags = itertools.count(TAG_BASE)
+
+
+@dataclasses.dataclass
+class Step:
+    """One overlap window: ``issue`` starts, ``compute`` (every matmul of the window) runs,
+    then ``waits`` complete."""
+
+    issue: Node | None
+    compute: list[Node]
+    waits: list[Node]
+
+
+@dataclasses.dataclass
+class Rewrite:
+    site: Site
+    site_id: int
+    graph: Graph
+    before: Node  # new nodes are inserted before this node
+    created: list[Node] = dataclasses.field(default_factory=list)
+    replace: dict[Node, Node] = dataclasses.field(default_factory=dict)
+    steps: list[Step] = dataclasses.field(default_factory=list)
+    fake_mode: Any = None
+    matmuls: dict[int, list[Node]] = dataclasses.field(default_factory=dict)  # by step
+    p2p_ops: int = 0
+    committing: bool = False  # past this point the graph cannot be restored site by site
+    timed: bool = False  # P2P ops record the site's span (the ``measure`` option)
+    # size computations of the old graph that only fed the site's erased nodes
+    erased_sizes: list[Node] = dataclasses.field(default_factory=list)
+    # size readers of erased nodes, recomputed before their own place (not at ``before``)
+    moved_sizes: list[Node] = dataclasses.field(default_factory=list)
+    _size_nodes: dict[tuple[Any, Node], int | Node] = dataclasses.field(default_factory=dict)
+    _views: dict[tuple[Any, ...], Node] = dataclasses.field(default_factory=dict)
+
+    def emit(
+        self,
+        target: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        *,
+        step: int,
+        lane: str,
+        before: Node | None = None,
+    ) -> Node:
+        """A new node before ``before`` (default: the site's first consumer). A view of a
+        value this rewrite already viewed the same way, at the same place, is reused."""
+        key = (target, _hashable(args), _hashable(kwargs)) if target in VIEW_OPS else None
+        if key is not None and before is None and key in self._views:
+            return self._views[key]
+        with self.graph.inserting_before(before or self.before):
+            node = self.graph.call_function(target, args, kwargs or {})
+        self._adopt(node, step, lane, before)
+        if key is not None and before is None:
+            self._views[key] = node
+        return node
+
+    def _adopt(self, node: Node, step: int, lane: str, before: Node | None) -> None:
+        """A new node of this rewrite: its fake value, its site/step/lane, undo record."""
+        self.created.append(node)
+        if before is not None and before is not self.before:
+            self.moved_sizes.append(node)
+        node.meta["val"] = _fake_eval(self.fake_mode, node.target, node.args, node.kwargs)  # type: ignore[arg-type]
+        node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
+        if node.target in (aten.mm.default, aten.addmm.default):
+            self.matmuls.setdefault(step, []).append(node)
+
+    def size(self, size: dims.Size, step: int, before: Node | None = None) -> int | Node:
+        """``size`` as an FX argument: the int, or a node computing the symbolic size."""
+        if not isinstance(size, torch.SymInt) or size.node.maybe_as_int() is not None:
+            return int(size)
+        return self._expr(size.node.expr, step, before or self.before)
+
+    def shape(self, shape: Sequence[dims.Size], step: int) -> list[int | Node]:
+        """A view's shape argument: -1 stands for the one symbolic size, if only one is."""
+        sizes = dims.sizes(shape)
+        if [isinstance(s, torch.SymInt) for s in sizes].count(True) == 1:
+            return [s if isinstance(s, int) else -1 for s in sizes]
+        return [self.size(s, step) for s in sizes]
+
+    def _expr(self, expr: sympy.Expr, step: int, before: Node) -> int | Node:
+        if expr.is_Integer:
+            return int(expr)
+        key = (expr, before)
+        if key not in self._size_nodes:
+            self._size_nodes[key] = self._expr_node(expr, step, before)
+        return self._size_nodes[key]
+
+    def _expr_node(self, expr: sympy.Expr, step: int, before: Node) -> int | Node:
+        """Nodes computing ``expr`` from the graph's inputs, built by torch's own sympy
+        interpreter on FX proxies, then adopted like emitted nodes."""
+        tracer = GraphAppendingTracer(self.graph)
+        existing = set(self.graph.nodes)
+        with self.graph.inserting_before(before):
+            env = {}
+            for symbol in expr.free_symbols:
+                node, dim = _symbol_source(self.graph, symbol)
+                if dim is not None:
+                    node = self.graph.call_function(aten.sym_size.int, (node, dim))
+                env[symbol] = Proxy(node, tracer)
+            try:
+                result = sympy_interp(PythonReferenceAnalysis, env, expr)
+            except Exception as err:  # noqa: BLE001 - any expression it cannot build
+                new = [node for node in self.graph.nodes if node not in existing]
+                for node in reversed(new):
+                    self.graph.erase_node(node)
+                raise decline("size.expression", expr=expr) from err
+        for node in [node for node in self.graph.nodes if node not in existing]:
+            self._adopt(node, step, "compute", before)
+        return result.node if isinstance(result, Proxy) else int(result)
+
+    def discard(self) -> None:
+        for node in reversed(self.created):
+            self.graph.erase_node(node)
+        self.created.clear()
+
+    def commit(self, dead: Sequence[Node]) -> None:
+        """Swap the results in, erase what became dead, keep the replaced nodes' names."""
+        moved = set(self.moved_sizes)
+        at_site = [node for node in self.created if node not in moved]
+        first, moves = _inputs_to_hoist(at_site)
+        self.committing = True
+        for node in moves:
+            first.prepend(node)
+        for old, new in self.replace.items():
+            old.replace_all_uses_with(new)
+        erased = [*dead, *self.erased_sizes, *self.replace]
+        for node in reversed(in_graph_order(erased)):
+            if not node.users:
+                self.graph.erase_node(node)
+        for old, new in self.replace.items():
+            if old._erased:
+                new.name = old.name
+
+
+Pending = tuple[Node | None, list[tuple[Transfer, Node]], list[Node]]
+
+
+def start_transfers(
+    rw: Rewrite,
+    group: Group,
+    tag: int,
+    step: int,
+    sends: Sequence[Any],
+    recvs: Sequence[Any],
+    held: dict[int, Node],
+    recv_like: Node,
+) -> Pending:
+    """Start one batch of sends and receives; returns (p2p node, pending receives, the
+    buffers sent, each once)."""
+    if not sends and not recvs:
+        return None, [], []
+    buffers = [held[t.block] for t in sends]
+    p2p = rw.emit(
+        P2P,
+        (
+            buffers,
+            [group.peer(t.peer) for t in sends],
+            [recv_like] * len(recvs),
+            [group.peer(t.peer) for t in recvs],
+            tag,
+            group.name,
+            f"site {rw.site_id} step {step} ({rw.site.kind})",
+            *((True,) if rw.timed else ()),
+        ),
+        step=step,
+        lane="comm",
+    )
+    rw.p2p_ops += 1
+    received = [
+        rw.emit(operator.getitem, (p2p, i), step=step, lane="comm") for i in range(len(recvs))
+    ]
+    return p2p, list(zip(recvs, received, strict=True)), list(dict.fromkeys(buffers))
+
+
+def wait_transfers(
+    rw: Rewrite,
+    step: int,
+    recvs: list[tuple[Transfer, Node]],
+    sent: list[Node],
+    held: dict[Any, Node],
+    by_peer: bool = False,
+) -> list[Node]:
+    """Wait every transfer of a P2P batch: each received tensor, which becomes held (by
+    block, or by (block, peer) where partial sums of one block arrive from both sides),
+    and each buffer sent, on which its send is registered (see ``p2p.py``): no compiler
+    may reuse or write that memory before this wait."""
+    waits = []
+    for t, out in recvs:
+        key = (t.block, t.peer) if by_peer else t.block
+        held[key] = rw.emit(c10d.wait_tensor.default, (out,), step=step, lane="comm")
+        waits.append(held[key])
+    for buffer in sent:
+        waits.append(rw.emit(c10d.wait_tensor.default, (buffer,), step=step, lane="comm"))
+    return waits
+
+
+def matmul(rw: Rewrite, mm: Matmul, a: Node, b: Node, bias: Node | None, step: int) -> Node:
+    if bias is None:
+        return rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
+    return rw.emit(
+        aten.addmm.default, (bias, a, b), dict(mm.node.kwargs), step=step, lane="compute"
+    )
+
+
+def chunk_width(width: dims.Size, k: int, what: str) -> dims.Size:
+    if not dims.divisible(width, k):
+        provably = " provably" if dims.is_symbolic([width]) else ""
+        raise decline("lower.slices", k=k, provably=provably, what=what, size=width)
+    return width // k
+
+
+def slice_block(
+    rw: Rewrite, node: Node, dim: int, index: int, width: dims.Size, step: int, lane: str
+) -> Node:
+    bounds = (rw.size(index * width, step), rw.size((index + 1) * width, step))
+    return rw.emit(aten.slice.Tensor, (node, dim, *bounds), step=step, lane=lane)
+
+
+def contiguous(rw: Rewrite, node: Node, step: int) -> Node:
+    value = val(node)
+    symbolic = dims.is_symbolic([*value.shape, *value.stride()])
+    if is_contiguous_or_false(value) if symbolic else value.is_contiguous():
+        return node
+    return rw.emit(
+        aten.clone.default,
+        (node,),
+        {"memory_format": torch.contiguous_format},
+        step=step,
+        lane="compute",
+    )
+
+
+def transposed(rw: Rewrite, node: Node, step: int) -> Node:
+    # permute, not t: the graphs Inductor compiles have t decomposed
+    return rw.emit(aten.permute.default, (node, [1, 0]), step=step, lane="compute")
+
+
+def column_block(rw: Rewrite, node: Node, b: int, width: dims.Size, step: int) -> Node:
+    """Columns [b*width, (b+1)*width) of ``node`` (kept whole if broadcast along them)."""
+    if val(node).dim() == 0 or dims.equal(val(node).shape[-1], 1):
+        return node
+    return slice_block(rw, node, -1, b, width, step, "compute")
+
+
+def accumulate(rw: Rewrite, total: Node | None, a: Node, b: Node, step: int) -> Node:
+    """``total + a @ b``: one addmm in float32/64; half-precision partials are summed in
+    float32 (as one matmul would accumulate them), see ``finish_sum``."""
+    if val(a).dtype in (torch.float32, torch.float64):
+        if total is None:
+            return rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
+        return rw.emit(aten.addmm.default, (total, a, b), step=step, lane="compute")
+    part = rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
+    part = rw.emit(CONVERT, (part, torch.float32), step=step, lane="compute")
+    if total is None:
+        return part
+    return rw.emit(aten.add.Tensor, (total, part), step=step, lane="compute")
+
+
+def finish_sum(rw: Rewrite, total: Node, like: Node, step: int) -> Node:
+    if val(total).dtype == val(like).dtype:
+        return total
+    return rw.emit(CONVERT, (total, val(like).dtype), step=step, lane="compute")
+
+
+def viewed(rw: Rewrite, node: Node, shape: Sequence[dims.Size], step: int) -> Node:
+    if dims.same_shape(val(node).shape, shape):
+        return node
+    return rw.emit(aten.view.default, (node, rw.shape(shape, step)), step=step, lane="compute")
+
+
+def rows_of_block(rw: Rewrite, x: Node, dim: int, b: int, width: dims.Size, step: int) -> Node:
+    """Block ``b`` along ``dim`` of ``x`` (shaped lead + [K]), as contiguous 2-D rows."""
+    rows = contiguous(rw, slice_block(rw, x, dim, b, width, step, "compute"), step)
+    k = val(rows).shape[-1]
+    return viewed(rw, rows, [val(rows).numel() // k, k], step)
+
+
+def _inputs_to_hoist(created: list[Node]) -> tuple[Node, list[Node]]:
+    """Pure producers (weights, biases) that sit after the first new node, to move before it."""
+    first = min(created, key=position)
+    new, moves = set(created), dict[Node, None]()
+
+    def visit(node: Node) -> None:
+        if node in new or node in moves or position(node) < position(first):
+            return
+        if (
+            node.op != "call_function"
+            or node.is_impure()
+            or node.target is c10d.wait_tensor.default
+        ):
+            raise decline("lower.late_input", node=node.name)
+        for arg in node.all_input_nodes:
+            visit(arg)
+        moves[node] = None
+
+    for node in created:
+        for arg in node.all_input_nodes:
+            visit(arg)
+    return first, list(moves)
+
+
+def _symbol_source(graph: Graph, symbol: sympy.Symbol) -> tuple[Node, int | None]:
+    """A graph input that holds ``symbol``: a SymInt input, or (tensor input, its dim)."""
+    if graph not in _SYMBOL_SOURCES:
+        sources: dict[sympy.Symbol, tuple[Node, int | None]] = {}
+        for node in graph.find_nodes(op="placeholder"):
+            value = node.meta.get("val")
+            if isinstance(value, torch.SymInt):
+                sources.setdefault(value.node.expr, (node, None))
+            elif isinstance(value, torch.Tensor):
+                for dim, size in enumerate(value.shape):
+                    if isinstance(size, torch.SymInt):
+                        sources.setdefault(size.node.expr, (node, dim))
+        _SYMBOL_SOURCES[graph] = sources
+    if symbol not in _SYMBOL_SOURCES[graph]:
+        raise decline("size.no_source", symbol=symbol)
+    return _SYMBOL_SOURCES[graph][symbol]
+
+
+# the inputs of a graph, read once per graph (they do not change during the pass)
+_SYMBOL_SOURCES: weakref.WeakKeyDictionary[Graph, dict[sympy.Symbol, tuple[Node, int | None]]]
+_SYMBOL_SOURCES = weakref.WeakKeyDictionary()
+
+
+def _fake_eval(
+    fake_mode: Any, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The node's value on fake tensors, from its inputs' ``meta['val']``. Unpacking an
+    output and waiting a tensor (which returns it) need no fake dispatch."""
+    values = tuple(_value(a) for a in args)
+    if target is operator.getitem:
+        return values[0][values[1]]
+    if target is c10d.wait_tensor.default:
+        return values[0]
+    with fake_mode:
+        if target is P2P:  # its fake implementation, without the custom op's dispatch
+            return p2p_fake(*values)
+        return target(*values, **{k: _value(v) for k, v in kwargs.items()})
+
+
+def _value(arg: Any) -> Any:
+    """An FX argument with every node replaced by its ``meta['val']``."""
+    if isinstance(arg, Node):
+        return arg.meta.get("val")
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_value(a) for a in arg)
+    return arg
+
+
+def _hashable(arg: Any) -> Any:
+    if isinstance(arg, (list, tuple)):
+        return tuple(_hashable(a) for a in arg)
+    if isinstance(arg, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in arg.items()))
+    return arg
+
+
+def new_tag() -> int:
+    """The next site's P2P tag (see ``TAG_BASE``)."""
+    return next(_tags)

@@ -1,0 +1,54 @@
+"""Decline reasons as data: every code the pass raises is registered, every registered
+code is raised somewhere, and the README's table is the registry's."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import commfuse_compile
+from commfuse_compile.passes.declines import REASONS, Declined, decline, markdown_table
+
+PACKAGE = Path(commfuse_compile.__file__).parent
+README = PACKAGE.parent / "README.md"
+RAISED = re.compile(r"""decline\(\s*["']([a-z_]+\.[a-z_]+)["']""")
+CHOSEN = re.compile(r"""["']((?:rs|ag|site|plan|lower|size|compiler|internal)\.[a-z_]+)["']""")
+
+
+def _codes_in_code() -> set[str]:
+    codes = set()
+    for path in (PACKAGE / "passes").rglob("*.py"):
+        if path.name == "declines.py":
+            continue
+        text = path.read_text()
+        codes |= set(RAISED.findall(text)) | set(CHOSEN.findall(text))
+    return codes
+
+
+def test_every_code_raised_is_registered_and_every_registered_code_is_raised():
+    used = _codes_in_code()
+    assert used - set(REASONS) == set()
+    assert set(REASONS) - used == set()
+
+
+def test_readme_table_is_generated_from_the_registry():
+    text = README.read_text()
+    begin, end = "<!-- declines: begin -->\n", "<!-- declines: end -->"
+    assert begin in text and end in text
+    table = text.split(begin)[1].split(end)[0].strip()
+    assert table == markdown_table(), "run: python -m commfuse_compile.passes.declines"
+
+
+def test_decline_fills_the_template_and_carries_code_and_kind():
+    err = decline("rs.not_sum", op="avg")
+    assert isinstance(err, Declined)
+    assert (err.code, err.kind, err.reason) == (
+        "rs.not_sum",
+        "unsupported",
+        "reduce op 'avg' is not 'sum'",
+    )
+    assert decline("plan.off").kind == "off"
+    with pytest.raises(KeyError):
+        decline("rs.no_such_code")
