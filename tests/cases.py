@@ -157,10 +157,13 @@ def run_case(
     ``"inductor"``: the program compiled with ``backend="commfuse"`` (Inductor after the
     pass; ``tracing_mode="symbolic"`` compiles with dynamic shapes)."""
     inputs = case.inputs(rank, seed, n) if isinstance(case, AgMm) else case.inputs(rank, seed)
+    # gloo has no "avg": the reference is the sum, divided by n as the collective would
+    averaged = getattr(case, "op", "sum") == "avg"
+    reference = dataclasses.replace(case, op="sum") if averaged else case
     if inner == "inductor":
         commfuse_compile.report.reset()
         torch._dynamo.reset()
-        expected = case.fn(n)(*inputs)
+        expected = reference.fn(n)(*inputs)
         compiled = torch.compile(
             case.fn(n),
             backend="commfuse",
@@ -175,7 +178,7 @@ def run_case(
         p2p = sum(r.p2p_ops for r in records)
     else:
         gm = trace(case, n, inputs, tracing_mode)
-        expected = gm(*inputs)
+        expected = trace(reference, n, inputs, tracing_mode)(*inputs) if averaged else gm(*inputs)
         rewritten = commfuse_compile.apply(copy.deepcopy(gm), **options)
         actual = rewritten(*inputs)
         kinds = [n.target for n in rewritten.graph.nodes if n.op == "call_function"]
@@ -184,6 +187,8 @@ def run_case(
             for k in kinds
         )
         p2p = sum(k is torch.ops.commfuse.p2p.default for k in kinds)
+    if averaged:
+        expected = [t / n for t in expected]
     return {
         "expected": [t.float() for t in expected],
         "actual": [t.float() for t in actual],

@@ -42,12 +42,12 @@ def test_readme_table_is_generated_from_the_registry():
 
 
 def test_decline_fills_the_template_and_carries_code_and_kind():
-    err = decline("rs.not_sum", op="avg")
+    err = decline("rs.not_sum", op="max")
     assert isinstance(err, Declined)
     assert (err.code, err.kind, err.reason) == (
         "rs.not_sum",
         "unsupported",
-        "reduce op 'avg' is not 'sum'",
+        "reduce op 'max' is neither 'sum' nor 'avg'",
     )
     assert decline("plan.off").kind == "off"
     with pytest.raises(KeyError):

@@ -367,6 +367,19 @@ def test_reduce_scatter_of_a_sum_of_matmuls_sums_every_term_per_block():
     gm.graph.lint()
 
 
+@pytest.mark.parametrize("schedule", ["ring", "slicing"])
+def test_averaging_reduce_scatter_sums_the_blocks_and_divides_its_own_once(schedule):
+    """reduce op "avg" (Partial("avg")): the sum over ranks, as for "sum", then this rank's
+    block divided by n once; the slicing schedule's chunks are reduced with "sum"."""
+    gm = build(MmRs(lead=(2, 8), op="avg"))
+    record = rewrite_one(gm, Options(schedule=schedule))
+    assert record.decision == "rewritten" and record.match["reduce_op"] == "avg"
+    divisions = [n for n in new_nodes(gm, record) if n.target is aten.div.Tensor]
+    assert [d.args[1] for d in divisions] == [N]
+    assert all(n.args[1] == "sum" for n in calls(gm, REDUCE_SCATTER))
+    gm.graph.lint()
+
+
 def test_reduce_scatter_of_a_transposed_product_slices_without_copies():
     """RS(t(dY) @ X) (sharded data parallel's weight gradient): rows of t(dY) are columns of
     dY, so each block is a slice of dY transposed, never a copy."""
@@ -493,7 +506,12 @@ DECLINES = [
     pytest.param(lambda: build(AgMm()), "off", "schedule 'off' keeps every collective", id="off"),
     pytest.param(lambda: build(AgMm()), "auto", "not profitable: ", id="auto-ag"),
     pytest.param(lambda: build(MmRs()), "auto", "not profitable: ", id="auto-rs"),
-    pytest.param(lambda: build(MmRs(op="avg")), "ring", "reduce op 'avg' is not 'sum'", id="avg"),
+    pytest.param(
+        lambda: build(MmRs(op="max")),
+        "ring",
+        "reduce op 'max' is neither 'sum' nor 'avg'",
+        id="max",
+    ),
     pytest.param(
         lambda: build(MmRs(lead=(2, 4), dim=0)),
         "ring",

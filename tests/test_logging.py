@@ -20,7 +20,7 @@ PROGRAM = textwrap.dedent(
     from commfuse_compile.passes import rewrite_graph
 
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
-    for case in (AgMm(), MmRs(op="avg")):
+    for case in (AgMm(), MmRs(op="max")):
         rewrite_graph(trace(case, 2, case.inputs(0, 0, 2) if isinstance(case, AgMm)
                             else case.inputs(0, 0)), "forward",
                       Options(schedule="ring", inner="eager"))
@@ -48,7 +48,7 @@ def test_quiet_by_default_and_one_line_per_graph_at_info(tmp_path):
 def test_torch_logs_and_structured_trace(tmp_path):
     stderr = run(tmp_path, TORCH_LOGS="+commfuse", TORCH_TRACE=str(tmp_path))
     assert "commfuse: ag_mm site" in stderr and "rewritten (ring)" in stderr
-    assert "declined: reduce op 'avg' is not 'sum'" in stderr
+    assert "declined: reduce op 'max' is neither 'sum' nor 'avg'" in stderr
     trace = "".join(path.read_text() for path in tmp_path.iterdir())
     for stage in ("before", "after"):
         assert f"commfuse_graph000_forward_{stage}" in trace

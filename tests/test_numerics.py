@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
 import torch
 from cases import AgMm, MmRs, run_case
 from hypothesis import HealthCheck, assume, given, settings
@@ -99,6 +100,7 @@ def scatter_cases(draw):
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
         terms=draw(st.integers(1, 3)),
         transposed=draw(st.booleans()),
+        op=draw(st.sampled_from(["sum", "avg"])),
     )
     return n, case, draw(st.integers(0, 10_000)), schedule, k, draw(INNER)
 
@@ -145,3 +147,15 @@ def test_exact_for_two_ranks_reduce_scatter(ranks):
     """With n=2 each block is one addition of the same two partials: equal bit for bit."""
     for out in _run(ranks(2), MmRs(lead=(2, 4), dim=1), seed=3):
         torch.testing.assert_close(out["actual"][0], out["expected"][0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "inner"), [("ring", "inductor"), ("push", "eager"), ("slicing", "eager")]
+)
+def test_averaging_reduce_scatter_on_three_ranks(ranks, schedule, inner):
+    """reduce op "avg", which gloo itself cannot run: the rewrite sums over P2P (or chunk
+    collectives with "sum") and divides once; the reference is the sum divided by n."""
+    case = MmRs(lead=(2, 12), k=5, n_out=4, dim=1, op="avg", terms=2)
+    for out in _run(ranks(3), case, seed=5, schedule=schedule, inner=inner):
+        (actual,), (expected,) = out["actual"], out["expected"]
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

@@ -65,7 +65,7 @@ _REASONS = (
         "unsupported",
         "reduce-scatter input is {node} ({op}) of a matmul, not a matmul or a sum of matmuls",
     ),
-    Reason("rs.not_sum", "unsupported", "reduce op {op!r} is not 'sum'"),
+    Reason("rs.not_sum", "unsupported", "reduce op {op!r} is neither 'sum' nor 'avg'"),
     Reason(
         "rs.indivisible",
         "unsupported",

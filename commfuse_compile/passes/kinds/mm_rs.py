@@ -57,6 +57,9 @@ from ..site import Direction, Site
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+# "avg" is the sum divided by the group size (``Partial("avg")``, hand-written functional
+# code): the blocks are summed as for "sum" and this rank's block is scaled once.
+REDUCE_OPS = ("sum", "avg")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,6 +74,7 @@ class MmRsSite(Site):
     scatter_dim: int  # dim of the product's (viewed) shape that is scattered
     product_shape: tuple[dims.Size, ...] = ()  # the product as the reduce-scatter sees it
     columns: bool = False  # scatter dim is the product's last (N) dim
+    reduce_op: str = "sum"  # or "avg": the sum, scaled by 1/n once, on this rank's block
     chain: tuple[Node, ...] = ()
 
     @property
@@ -86,6 +90,7 @@ class MmRsSite(Site):
             "product_shape": dims.as_json(self.product_shape),
             "matmuls": [t.node.name for t in self.terms],
             "blocks": "columns" if self.columns else "rows",
+            "reduce_op": self.reduce_op,
         }
 
 
@@ -168,6 +173,7 @@ def _match(rs: Node) -> MmRsSite | None:
         group_name=str(group_name),
         group_size=int(n),
         scatter_dim=g,
+        reduce_op=str(reduce_op),
         chain=tuple(chain + between),
         declined=declined,
         **fields,
@@ -197,7 +203,7 @@ def _checked(
         raise decline("rs.padded")
     if not terms:
         raise decline("rs.not_matmul", node=product.name, op=op_name(product))
-    if reduce_op != "sum":
+    if reduce_op not in REDUCE_OPS:
         raise decline("rs.not_sum", op=reduce_op)
     if n < 2:
         raise decline("site.group_of_one")
@@ -301,10 +307,9 @@ def _lower(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule) -> Non
         like = next(iter(parts.values()))
         pending = start_transfers(rw, group, tag, s, step.sends, step.recvs, sums, recv_like=like)
     assert not pending[1] and not pending[2] and not received
+    own = _averaged(rw, site, sums[group.rank], n, n)
     out_shape = rw.shape(val(site.wait).shape, n)
-    rw.replace[site.wait] = rw.emit(
-        aten.view.default, (sums[group.rank], out_shape), step=n, lane="compute"
-    )
+    rw.replace[site.wait] = rw.emit(aten.view.default, (own, out_shape), step=n, lane="compute")
 
 
 def _lower_sliced(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, k: int) -> None:
@@ -346,8 +351,19 @@ def _lower_sliced(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule,
     else:
         shape = [*site.product_shape[:dim], width, *site.product_shape[dim + 1 :]]
         chunks, cat_dim = [viewed(rw, own[i], shape, last) for i in range(k)], dim
-    block = rw.emit(aten.cat.default, (chunks, cat_dim), step=last, lane="compute")
+    block = _averaged(
+        rw, site, rw.emit(aten.cat.default, (chunks, cat_dim), step=last, lane="compute"), n, last
+    )
     rw.replace[site.wait] = viewed(rw, block, val(site.wait).shape, last)
+
+
+def _averaged(rw: Rewrite, site: MmRsSite, block: Node, n: int, step: int) -> Node:
+    """This rank's reduced block as the collective returns it: under "avg", the sum over
+    ranks divided by n (the chunks are reduced with "sum": gloo has no "avg", and one
+    division of the whole block is what the collective computes)."""
+    if site.reduce_op != "avg":
+        return block
+    return rw.emit(aten.div.Tensor, (block, n), step=step, lane="compute")
 
 
 def _reduce_part(rw: Rewrite, site: MmRsSite, b: int, width: dims.Size, step: int) -> Node:
