@@ -15,6 +15,8 @@ DISABLE_ENV = "COMMFUSE_DISABLE"
 DISABLEABLE = (
     "ag_mm",
     "mm_rs",
+    "a2a_mm",
+    "mm_a2a",
     "rows",
     "contract",
     "columns",

@@ -20,6 +20,11 @@ import commfuse_compile
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
+COLLECTIVES = (
+    c10d.all_gather_into_tensor.default,
+    c10d.reduce_scatter_tensor.default,
+    c10d.all_to_all_single.default,
+)
 
 
 def gathered(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
@@ -135,6 +140,69 @@ class MmRs:
         return program
 
 
+def exchanged(x: torch.Tensor, n: int) -> torch.Tensor:
+    """all_to_all_single of n equal blocks of dim 0 (block j to rank j), as Ulysses does."""
+    group = dist.group.WORLD.group_name
+    m = x.shape[0] // n
+    return c10d.wait_tensor(c10d.all_to_all_single(x, [m] * n, [m] * n, group))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ulysses:
+    """Ulysses attention's two all-to-alls around a projection: ``side="in"``: q = x @ Wq
+    (+ b), heads scattered and the sequence gathered (matmul -> all-to-all); ``"out"``:
+    attention output [B, S, h/n, d], the sequence scattered and the heads gathered, then
+    @ Wo (all-to-all -> matmul, contracting over the heads); ``"grad"``: the weight
+    gradient x^T @ dQ of a gathered dQ (all-to-all -> matmul, columns)."""
+
+    side: str = "in"
+    batch: int = 2
+    seq_per_rank: int = 2
+    heads_per_rank: int = 2
+    head_dim: int = 3
+    dim: int = 5
+    bias: bool = False
+    dtype: torch.dtype = torch.float32
+
+    def inputs(self, rank: int, seed: int, n: int = 1) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        wgen = torch.Generator().manual_seed(seed * 1000 + 999)  # same weights on every rank
+        b, s, h, d = self.batch, self.seq_per_rank, self.heads_per_rank * n, self.head_dim
+        if self.side == "in":
+            xs = [
+                torch.randn(b * s, self.dim, generator=gen),
+                torch.randn(self.dim, h * d, generator=wgen),
+            ]
+            xs += [torch.randn(h * d, generator=wgen)] if self.bias else []
+        elif self.side == "out":
+            xs = [torch.randn(b, s * n, self.heads_per_rank, d, generator=gen)]
+            xs += [torch.randn(h * d, self.dim, generator=wgen)]
+        else:
+            xs = [torch.randn(b, s * n, self.heads_per_rank, d, generator=gen)]
+            xs += [torch.randn(b * s, self.dim, generator=gen)]
+        return [x.to(self.dtype) for x in xs]
+
+    def fn(self, n: int):
+        b, s, hl, d = self.batch, self.seq_per_rank, self.heads_per_rank, self.head_dim
+
+        def heads_gathered(t: torch.Tensor) -> torch.Tensor:
+            """[B, S, h/n, d] (the sequence whole) to [B*S/n, h*d] (the heads whole)."""
+            v = t.reshape(b, n, s, hl, d).permute(1, 0, 2, 3, 4).contiguous()
+            return exchanged(v, n).permute(1, 2, 0, 3, 4).reshape(b * s, n * hl * d)
+
+        def program(*xs):
+            if self.side == "in":
+                q = torch.addmm(xs[2], xs[0], xs[1]) if self.bias else xs[0] @ xs[1]
+                v = q.view(b, s, n, hl, d).permute(2, 0, 1, 3, 4).contiguous()
+                o = exchanged(v, n).permute(1, 0, 2, 3, 4).reshape(b, n * s, hl, d)
+                return (o * 2,)
+            if self.side == "out":
+                return (heads_gathered(xs[0]) @ xs[1],)
+            return (xs[1].t() @ heads_gathered(xs[0]),)
+
+        return program
+
+
 def trace(
     case, n: int, inputs: list[torch.Tensor], tracing_mode: str = "fake"
 ) -> torch.fx.GraphModule:
@@ -156,7 +224,8 @@ def run_case(
     ``inner="eager"``: the traced aten graph rewritten by ``apply`` and run as it is;
     ``"inductor"``: the program compiled with ``backend="commfuse"`` (Inductor after the
     pass; ``tracing_mode="symbolic"`` compiles with dynamic shapes)."""
-    inputs = case.inputs(rank, seed, n) if isinstance(case, AgMm) else case.inputs(rank, seed)
+    takes_n = isinstance(case, AgMm | Ulysses)
+    inputs = case.inputs(rank, seed, n) if takes_n else case.inputs(rank, seed)
     # gloo has no "avg": the reference is the sum, divided by n as the collective would
     averaged = getattr(case, "op", "sum") == "avg"
     reference = dataclasses.replace(case, op="sum") if averaged else case
@@ -182,10 +251,7 @@ def run_case(
         rewritten = commfuse_compile.apply(copy.deepcopy(gm), **options)
         actual = rewritten(*inputs)
         kinds = [n.target for n in rewritten.graph.nodes if n.op == "call_function"]
-        collectives_left = sum(
-            k in (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
-            for k in kinds
-        )
+        collectives_left = sum(k in COLLECTIVES for k in kinds)
         p2p = sum(k is torch.ops.commfuse.p2p.default for k in kinds)
     if averaged:
         expected = [t / n for t in expected]

@@ -14,7 +14,7 @@ from commfuse_compile.passes.declines import REASONS, Declined, decline, markdow
 PACKAGE = Path(commfuse_compile.__file__).parent
 README = PACKAGE.parent / "README.md"
 RAISED = re.compile(r"""decline\(\s*["']([a-z_]+\.[a-z_]+)["']""")
-CHOSEN = re.compile(r"""["']((?:rs|ag|site|plan|lower|size|compiler|internal)\.[a-z_]+)["']""")
+CHOSEN = re.compile(r"""["']((?:rs|ag|a2a|site|plan|lower|size|compiler|internal)\.[a-z_]+)["']""")
 
 
 def _codes_in_code() -> set[str]:

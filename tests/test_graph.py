@@ -17,7 +17,7 @@ import operator
 import pytest
 import torch
 import torch.distributed as dist
-from cases import AgMm, MmRs, gathered, scattered, trace
+from cases import AgMm, MmRs, Ulysses, exchanged, gathered, scattered, trace
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -850,7 +850,7 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
             return [GatherStep((rank,), (Transfer(rank, +1),), (Transfer((rank + 1) % n, +1),))]
 
     with pytest.raises(Declined, match="schedule Deadlocks on 3 ranks"):
-        verify._check_schedule_all_ranks(Deadlocks, 3, True)
+        verify._check_schedule_all_ranks(Deadlocks, 3, "gather")
 
 
 @pytest.mark.parametrize("case", [AgMm(), MmRs()], ids=["ag_mm", "mm_rs"])
@@ -925,3 +925,66 @@ def test_disable_from_the_environment_and_bad_names(monkeypatch):
         Options.from_mapping({"disable": ["ringg"]})
     with pytest.raises(CommfuseOptionError, match="must be a list of names"):
         Options.from_mapping({"disable": "ring"})
+
+
+# ----------------------------------------------------------------------------------------
+# all-to-all (Ulysses)
+
+ALL_TO_ALL = c10d.all_to_all_single.default
+
+
+def ulysses(side: str, **fields) -> GraphModule:
+    case = Ulysses(side=side, **fields)
+    return trace(case, N, case.inputs(RANK, 0, N))
+
+
+@pytest.mark.parametrize(
+    ("side", "kind", "layout"),
+    [
+        ("in", "mm_a2a", {"blocks": "columns"}),
+        ("out", "a2a_mm", {"roles": {"mm": "contract"}}),
+        ("grad", "a2a_mm", {"roles": {"mm": "columns"}}),
+    ],
+)
+def test_all_to_all_next_to_a_projection_becomes_pairwise_steps(side, kind, layout):
+    """q = x @ Wq sends each rank its heads' column block as soon as it is computed; the
+    output projection adds each arriving head block's product (never a partial sum sent);
+    the weight gradient fills one column block per arriving block."""
+    gm = ulysses(side)
+    record = rewrite_one(gm)
+    assert (record.kind, record.decision) == (kind, "rewritten")
+    assert {k: record.match[k] for k in layout} == layout
+    assert calls(gm, ALL_TO_ALL) == [] and len(calls(gm, P2P)) == N - 1
+    assert record.steps == N and record.p2p_ops == N - 1
+    matmuls = [n for n in new_nodes(gm, record) if n.target in MATMULS]
+    assert len(matmuls) == N  # one block per step, the same FLOPs as the one matmul
+    peers = [(list(p.args[1]), list(p.args[3])) for p in calls(gm, P2P)]
+    assert peers == [([(RANK + s) % N], [(RANK - s) % N]) for s in range(1, N)]
+    gm.graph.lint()
+
+
+def test_all_to_all_declines_say_why():
+    """A schedule with no all-to-all steps, uneven blocks, and blocks that a reshape
+    interleaves (no longer one block of the product) are declined with their codes."""
+    bidir = rewrite_one(ulysses("in"), Options(schedule="bidir", inner="eager"))
+    assert bidir.decline_code == "plan.schedule_not_for_kind"
+
+    def uneven(x, w):
+        group = dist.group.WORLD.group_name
+        sizes = [2, 2, 2, 6]
+        return (c10d.wait_tensor(c10d.all_to_all_single(x @ w, sizes, sizes, group)),)
+
+    assert rewrite_one(fx(uneven, (12, 5), (5, 4))).decline_code == "a2a.uneven"
+
+    def interleaved(x, w):  # rows of the product interleaved across the blocks
+        p = (x @ w).view(2, N, 3).permute(1, 0, 2).reshape(N * 2, 3)
+        return (exchanged(p.t().contiguous().t().contiguous(), N) * 1,)
+
+    record = rewrite_one(fx(interleaved, (2 * N, 5), (5, 3)))
+    assert (record.decision, record.decline_code) == ("declined", "a2a.not_a_block")
+    assert record.reason.endswith("do not stay blocks through view (view.default)")
+
+
+def test_all_to_all_away_from_matmuls_is_no_site():
+    gm = fx(lambda x: (exchanged(x * 2, N) + 1,), (N * 2, 3))
+    assert rewrite_graph(gm, "forward", RING) == []

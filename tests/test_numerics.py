@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from cases import AgMm, MmRs, run_case
+from cases import AgMm, MmRs, Ulysses, run_case
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -159,3 +159,34 @@ def test_averaging_reduce_scatter_on_three_ranks(ranks, schedule, inner):
     for out in _run(ranks(3), case, seed=5, schedule=schedule, inner=inner):
         (actual,), (expected,) = out["actual"], out["expected"]
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@st.composite
+def exchange_cases(draw):
+    side = draw(st.sampled_from(["in", "out", "grad"]))
+    case = Ulysses(
+        side=side,
+        batch=draw(st.integers(1, 2)),
+        seq_per_rank=draw(st.integers(1, 3)),
+        heads_per_rank=draw(st.integers(1, 2)),
+        head_dim=draw(st.integers(2, 4)),
+        dim=draw(st.integers(2, 6)),
+        bias=side == "in" and draw(st.booleans()),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+    )
+    return draw(st.sampled_from([2, 3, 4])), case, draw(st.integers(0, 10_000)), draw(INNER)
+
+
+@settings(PROPERTY, max_examples=16)
+@given(exchange_cases())
+def test_all_to_all_matmul_matches(ranks, example):
+    """Ulysses' all-to-alls next to a projection, both directions, in the pairwise order:
+    blocks of the product are sent (never partial sums), so only the contracting side
+    ("out") changes the summation order."""
+    n, case, seed, inner = example
+    assume(inner == "eager" or min(case.dim, case.head_dim, case.batch * case.seq_per_rank) > 1)
+    rtol, atol = SUM_TOLERANCE[case.dtype]
+    for out in _run(ranks(n), case, seed, "ring", inner=inner):
+        (actual,), (expected,) = out["actual"], out["expected"]
+        scale = expected.abs().max().item() if case.dtype == torch.bfloat16 else 0.0
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol + scale * 2**-5)

@@ -171,3 +171,25 @@ def _steps(*triples):
 def test_slicing_check_rejects_a_broken_order(steps, gather, error):
     with pytest.raises(exchange.ScheduleError, match=error):
         slicing.check(steps, 2, gather=gather)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("direction", ["exchange_in", "exchange_out"])
+def test_pairwise_all_to_all_meets_every_send_and_ends_with_every_block(n, direction):
+    exchange.all_to_all(ring, n, direction)
+    # the ring's pairwise order is the one all-to-all schedule
+    assert not any(hasattr(s, f"{direction}_steps") for s in (bidir, push, slicing))
+
+
+def test_all_to_all_check_catches_a_block_sent_to_the_wrong_rank():
+    class Wrong:
+        @staticmethod
+        def exchange_out_steps(rank, n):  # the block meant for rank+1 goes to rank-1
+            steps = ring.exchange_out_steps(rank, n)
+            first = steps[0]
+            flipped = tuple(Transfer(t.block, -t.peer) for t in first.sends)
+            back = tuple(Transfer(t.block, -t.peer) for t in first.recvs)
+            return [ReduceStep(first.blocks, (), flipped, back), *steps[1:]]
+
+    with pytest.raises(exchange.ScheduleError):
+        exchange.all_to_all(Wrong, 3, "exchange_out")

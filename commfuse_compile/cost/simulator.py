@@ -25,7 +25,10 @@ SCHEDULES = ("collective", "ring", "bidir", "push", "slicing")
 class Work:
     """One site as the simulator sees it: n blocks, each a matmul and a message."""
 
-    kind: str  # "gather" (all-gather -> matmul) | "reduce" (matmul -> reduce-scatter)
+    # the site's direction: "gather" (all-gather -> matmul), "reduce" (matmul ->
+    # reduce-scatter), "exchange_in" (all-to-all -> matmul), "exchange_out" (matmul ->
+    # all-to-all); the exchanges time like a gather or a reduce without adds
+    kind: str
     n: int
     block_flops: float  # FLOPs of one block's matmuls (all the site's matmuls)
     block_bytes: float  # bytes of one block's message (a shard, or a partial sum)
@@ -78,14 +81,19 @@ def simulate(work: Work, schedule: str, profile: Profile, slices: int = 2) -> Ti
         return _collective(work, profile)
     if schedule == "slicing":
         return _sliced(work, profile, slices)
-    if work.kind == "gather":
+    if work.kind in GATHER_LIKE:
         return _p2p_gather(work, schedule, profile)
     return _p2p_reduce(work, schedule, profile)
 
 
 def predict(work: Work, profile: Profile, slices: int = 2) -> dict[str, Timeline]:
-    """Every schedule's timeline for ``work`` (slicing only where it applies)."""
-    names = [s for s in SCHEDULES if s != "slicing" or slices > 1]
+    """Every schedule's timeline for ``work`` (those with steps for its direction;
+    slicing only with more than one chunk)."""
+    names = ["collective"] + [
+        s
+        for s in SCHEDULES[1:]
+        if by_name(s).supports(work.kind) and (s != "slicing" or slices > 1)
+    ]
     return {s: simulate(work, s, profile, slices) for s in names}
 
 
@@ -94,7 +102,13 @@ def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> flo
     return calls * profile.matmul_s(work.block_flops * fraction / calls)
 
 
-COLLECTIVE_OF = {"gather": "all_gather", "reduce": "reduce_scatter"}
+COLLECTIVE_OF = {
+    "gather": "all_gather",
+    "reduce": "reduce_scatter",
+    "exchange_in": "all_to_all",
+    "exchange_out": "all_to_all",
+}
+GATHER_LIKE = ("gather", "exchange_in")  # the collective runs before the matmul
 
 
 def collective_model(work: Work, p: Profile) -> str:
@@ -118,7 +132,8 @@ def _collective_s(work: Work, p: Profile) -> float:
         return curve.seconds(work.block_bytes)
     messages_only = dataclasses.replace(p, matmul_latency_s=0.0, step_overhead_s=0.0)
     no_matmul = dataclasses.replace(work, block_flops=0.0)
-    rounds = min(simulate(no_matmul, s, messages_only).end_s for s in ("ring", "bidir"))
+    algorithms = [s for s in ("ring", "bidir") if by_name(s).supports(work.kind)]
+    rounds = min(simulate(no_matmul, s, messages_only).end_s for s in algorithms)
     return p.collective_overhead_s + rounds
 
 
@@ -128,16 +143,17 @@ def _collective(work: Work, p: Profile) -> Timeline:
     n, events = work.n, list[Event]()
     matmul = work.matmuls_per_block * p.matmul_s(work.block_flops * n / work.matmuls_per_block)
     comm = _collective_s(work, p)
+    name = COLLECTIVE_OF[work.kind]
     for r in range(n):
-        if work.kind == "gather":
+        if work.kind in GATHER_LIKE:
             events += [
-                Event(r, "comm", 0, "all_gather", 0.0, comm),
+                Event(r, "comm", 0, name, 0.0, comm),
                 Event(r, "compute", 0, "matmul", comm, comm + matmul),
             ]
         else:
             events += [
                 Event(r, "compute", 0, "matmul", 0.0, matmul),
-                Event(r, "comm", 0, "reduce_scatter", matmul, matmul + comm),
+                Event(r, "comm", 0, name, matmul, matmul + comm),
             ]
     return Timeline("collective", events)
 
@@ -208,7 +224,7 @@ def _send(
 
 def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
     n, events = work.n, list[Event]()
-    plans = [by_name(schedule).steps("gather", r, n, 0) for r in range(n)]
+    plans = [by_name(schedule).steps(work.kind, r, n, 0) for r in range(n)]
     c = _block_compute_s(work, p)
     now = [0.0] * n
     for s in range(len(plans[0])):
@@ -232,7 +248,7 @@ def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
 
 def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
     n, events = work.n, list[Event]()
-    plans = [by_name(schedule).steps("reduce", r, n, 0) for r in range(n)]
+    plans = [by_name(schedule).steps(work.kind, r, n, 0) for r in range(n)]
     c, a = _block_compute_s(work, p), p.add_s(work.block_bytes)
     now = [0.0] * n
     arrivals: list[float] = [0.0] * n  # when the messages a rank waits on next have landed

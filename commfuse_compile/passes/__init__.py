@@ -27,7 +27,7 @@ from . import match, order, program, verify
 from .declines import Declined, decline
 from .kinds import of
 from .lower import lower, site_nodes, start
-from .plan import plan, plan_options, profile_for, site_work
+from .plan import check_applies, plan, plan_options, profile_for, site_work
 from .rewrite import Rewrite
 from .site import Site
 
@@ -213,6 +213,7 @@ def _rewrite_sites(gm: GraphModule, options: Options, result: _Result) -> list[R
             record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in predicted.items()}
             record.profile = profile.name
             record.collective_model = collective_model(work, profile)
+            check_applies(predicted, options, site.kind)
             chosen = plan(predicted, options)
             record.timeline = predicted[chosen.schedule].as_json(group.rank)
             result.original.keep()

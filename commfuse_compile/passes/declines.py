@@ -30,6 +30,12 @@ _REASONS = (
     Reason("plan.schedule_disabled", "disabled", "schedule {schedule!r} is disabled"),
     Reason("plan.all_disabled", "disabled", "every schedule is disabled"),
     Reason(
+        "plan.schedule_not_for_kind",
+        "unsupported",
+        "schedule {schedule!r} has no steps for {kind} sites (all-to-all sites run 'ring', "
+        "the pairwise order, or 'auto')",
+    ),
+    Reason(
         "plan.not_profitable",
         "not_profitable",
         "not profitable: {runner_up} predicted {runner_up_us:.1f} us, collective "
@@ -89,6 +95,29 @@ _REASONS = (
         "scattered dim {dim} of {shape} is neither a row block nor the column dim of the "
         "[{rows}, {cols}] product",
     ),
+    Reason(
+        "a2a.uneven",
+        "unsupported",
+        "{node} splits dim 0 unevenly ({splits}): the blocks are not one shape",
+    ),
+    Reason(
+        "a2a.not_a_block",
+        "unsupported",
+        "the all-to-all's n blocks do not stay blocks through {node} ({op})",
+    ),
+    Reason(
+        "a2a.product_shared",
+        "unsupported",
+        "product {node} is also used outside the all-to-all",
+    ),
+    Reason(
+        "a2a.both_sides",
+        "unsupported",
+        "its result feeds a matmul too: the all-to-all -> matmul site rewrites it",
+    ),
+    Reason("a2a.bias_rows", "unsupported", "bias of {node} has a row dim"),
+    Reason("a2a.no_matmul", "unsupported", "no matmul reads the all-to-all's blocks"),
+    Reason("a2a.matmuls_left_out", "unsupported", "{unmatched}"),
     Reason(
         "lower.not_fake",
         "unsupported",

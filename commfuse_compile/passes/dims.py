@@ -71,3 +71,16 @@ def row_split(shape: Sequence[Size], rows: Size, cols: Size) -> int | None:
         if equal(math.prod(shape[:j]), rows) and equal(math.prod(shape[j:]), cols):
             return j
     return None
+
+
+def outer_split(src: Sequence[Size], dim: int, dst: Sequence[Size], n: int) -> int | None:
+    """A reshape of ``src`` into ``dst``: the dim of ``dst`` whose outermost ``n``-way split
+    is that of ``src``'s ``dim`` (the same elements in the same n blocks), or None. Both
+    dims start at the same offset (equal products before them) and ``n`` divides both."""
+    if not divisible(src[dim], n):
+        return None
+    before = math.prod(src[:dim])
+    for d in range(len(dst)):
+        if equal(math.prod(dst[:d]), before) and divisible(dst[d], n) and not equal(dst[d], 1):
+            return d
+    return None

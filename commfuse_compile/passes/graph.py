@@ -244,3 +244,53 @@ def in_graph_order(nodes: Iterable[Node]) -> list[Node]:
 def numel(node: Node) -> int:
     """Elements of ``node``'s value, symbolic sizes at their hints."""
     return math.prod(dims.hint(size) for size in val(node).shape)
+
+
+# ops that only lay a tensor out anew: its n blocks along a dim stay n blocks of the result
+LAYOUT_OPS = VIEWS | TRANSPOSES | {aten.clone.default, aten.alias.default}
+
+
+def split_dim_in_input(node: Node, dim: int, n: int) -> int | None:
+    """``node`` lays out its input anew (``LAYOUT_OPS``): the input dim whose outermost
+    n-way split gives the same blocks as that of ``dim`` of its output, or None."""
+    source = node_arg(node, 0, "self")
+    shape, source_shape = val(node).shape, val(source).shape
+    if node.target in VIEWS:
+        return dims.outer_split(dims.sizes(shape), dim, dims.sizes(source_shape), n)
+    return _moved_dim(node, dim, len(shape), to_input=True)
+
+
+def split_dim_in_output(node: Node, dim: int, n: int) -> int | None:
+    """The inverse of ``split_dim_in_input``: from ``node``'s input dim to its output's."""
+    source = node_arg(node, 0, "self")
+    shape, source_shape = val(node).shape, val(source).shape
+    if node.target in VIEWS:
+        return dims.outer_split(dims.sizes(source_shape), dim, dims.sizes(shape), n)
+    return _moved_dim(node, dim, len(shape), to_input=False)
+
+
+def _moved_dim(node: Node, dim: int, rank: int, to_input: bool) -> int | None:
+    """Where a permute or transpose moves ``dim`` (a copy moves nothing)."""
+    if node.target in (aten.clone.default, aten.alias.default):
+        return dim
+    if node.target is aten.permute.default:
+        perm = [int(d) % rank for d in node_arg(node, 1, "dims")]
+        return perm[dim] if to_input else perm.index(dim)
+    if node.target is aten.t.default:
+        return (1 - dim) if rank == 2 else dim
+    if node.target is aten.transpose.int:
+        a, b = (int(node_arg(node, i, "")) % rank for i in (1, 2))
+        return b if dim == a else a if dim == b else dim
+    return None
+
+
+ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+
+
+def equal_splits(a2a: Node) -> int | None:
+    """n, if the all-to-all sends and receives n equal blocks of dim 0 (else None)."""
+    out_splits, in_splits = node_arg(a2a, 1, "output_split_sizes"), node_arg(a2a, 2, "")
+    n = len(out_splits)
+    rows = val(node_arg(a2a, 0, "input")).shape[0]
+    same = list(out_splits) == list(in_splits) and len(set(map(str, out_splits))) == 1
+    return n if same and n and dims.equal(out_splits[0] * n, rows) else None

@@ -40,6 +40,13 @@ def plan_options(options: Options) -> None:
         raise decline("plan.schedule_disabled", schedule=options.schedule)
 
 
+def check_applies(predicted: dict[str, Timeline], options: Options, kind: str) -> None:
+    """A requested schedule must have steps for the site's kind (``predict`` times only
+    those that do): an all-to-all has no ring to forward along, nor chunks to slice."""
+    if options.schedule not in ("auto", "off") and options.schedule not in predicted:
+        raise decline("plan.schedule_not_for_kind", schedule=options.schedule, kind=kind)
+
+
 def plan(predicted: dict[str, Timeline], options: Options) -> Plan:
     """The schedule for a site with these predicted timelines (by schedule)."""
     plan_options(options)

@@ -36,7 +36,7 @@ from ..runtime.p2p import p2p_fake  # (importing it registers commfuse::p2p)
 from ..schedules import Transfer
 from . import dims
 from .declines import decline
-from .graph import Matmul, in_graph_order, position, val
+from .graph import VIEWS, Matmul, in_graph_order, position, split_dim_in_input, val
 from .site import Site
 
 aten = torch.ops.aten
@@ -412,6 +412,36 @@ def _hashable(arg: Any) -> Any:
     if isinstance(arg, dict):
         return tuple(sorted((k, _hashable(v)) for k, v in arg.items()))
     return arg
+
+
+def replay(
+    rw: Rewrite, block: Node, chain: Sequence[tuple[Node, int]], n: int, step: int, lane: str
+) -> Node:
+    """``chain`` (layout ops, each with the dim of its output that holds the n blocks)
+    applied to one block instead of the whole tensor: the same permutes, and views with
+    that dim's size divided by n (copying first where the block's strides forbid one)."""
+    for node, dim in chain:
+        shape = list(val(node).shape)
+        if node.target in VIEWS:
+            shape[dim] = shape[dim] // n
+            with rw.fake_mode:
+                if not _can_view(val(block), shape):
+                    block = contiguous(rw, block, step)
+            block = rw.emit(aten.view.default, (block, rw.shape(shape, step)), step=step, lane=lane)
+        elif node.target in (aten.clone.default, aten.alias.default):
+            block = contiguous(rw, block, step)
+        else:  # a permute or transpose, written as a permute
+            perm = [split_dim_in_input(node, d, n) for d in range(len(shape))]
+            block = rw.emit(aten.permute.default, (block, perm), step=step, lane=lane)
+    return block
+
+
+def _can_view(value: torch.Tensor, shape: Sequence[Any]) -> bool:
+    try:
+        value.view(dims.sizes(shape))
+    except RuntimeError:
+        return False
+    return True
 
 
 def new_tag() -> int:

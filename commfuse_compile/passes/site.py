@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..schedules import Schedule
     from .rewrite import Rewrite
 
-Direction = Literal["gather", "reduce"]
+Direction = Literal["gather", "reduce", "exchange_in", "exchange_out"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,7 +47,7 @@ class Site:
 
 class SiteKind(Protocol):
     name: str
-    direction: Direction  # which steps of a schedule run it: its data gathered or reduced
+    direction: Direction  # which steps of a schedule run it (``Schedule.steps``)
 
     def find(self, graph: Graph) -> list[Site]:
         """Every site of this kind in the graph, matched or declined (nothing rewritten)."""

@@ -100,13 +100,15 @@ def check_exchange(rw: Rewrite, group: Group, schedule: Schedule, slices: int = 
         shapes = {tuple(dims.as_json(val(t).shape)) for t in buffers}
         if len(shapes) != 1:
             raise decline("internal.shapes", node=node.name, shapes=shapes)
-    _check_schedule_all_ranks(schedule.module, n, direction == "gather")
+    _check_schedule_all_ranks(schedule.module, n, direction)
 
 
 @functools.cache
-def _check_schedule_all_ranks(schedule: ModuleType, n: int, gather: bool) -> None:
+def _check_schedule_all_ranks(schedule: ModuleType, n: int, direction: str) -> None:
     try:
-        if gather:
+        if direction in ("exchange_in", "exchange_out"):
+            exchange.all_to_all(schedule, n, direction)
+        elif direction == "gather":
             held = exchange.gather(schedule, list(range(n)), lambda b, x: x)
             if any(sorted(h) != list(range(n)) for h in held):
                 raise exchange.ScheduleError("a rank does not multiply every block")

@@ -49,9 +49,14 @@ class Schedule:
     module: ModuleType  # gather_steps / reduce_steps of (rank, n), or of (k) if sliced
     sliced: bool  # k collectives on chunks (``slicing.SliceStep``), not P2P steps
 
+    def supports(self, direction: str) -> bool:
+        """Has it steps for ``direction`` ("gather", "reduce", "exchange_in" (all-to-all
+        then matmul), "exchange_out" (matmul then all-to-all))?"""
+        return hasattr(self.module, f"{direction}_steps")
+
     def steps(self, direction: str, rank: int, n: int, slices: int) -> list[Any]:
-        """``direction`` ("gather" or "reduce") steps of ``rank`` of ``n``; ``slices``
-        is the chunk count of a sliced schedule."""
+        """``direction`` steps of ``rank`` of ``n``; ``slices`` is the chunk count of a
+        sliced schedule."""
         make = getattr(self.module, f"{direction}_steps")
         return list(make(slices) if self.sliced else make(rank, n))
 

@@ -100,3 +100,37 @@ def reduce(
         if r not in sums[r] or inbox[r]:
             raise ScheduleError(f"rank {r} does not end holding exactly its own block")
     return [sums[r][r] for r in range(n)]
+
+
+def all_to_all(schedule: ModuleType, n: int, direction: str) -> None:
+    """Check an all-to-all schedule for all n ranks: every message meets its receive in
+    the same step, carries the block meant for its receiver, and every rank ends with the
+    n blocks of the all-to-all's output, each multiplied once (``exchange_in``: as they
+    arrive; ``exchange_out``: each computed before it is sent, its own one too)."""
+    plans = [getattr(schedule, f"{direction}_steps")(r, n) for r in range(n)]
+    held = [{r} for r in range(n)]  # exchange_in: output blocks (by source rank) at hand
+    done: list[list[int]] = [[] for _ in range(n)]  # blocks multiplied, in order
+    for s in range(len(plans[0])):
+        steps = [plans[r][s] for r in range(n)]
+        _exchange(
+            n,
+            s,
+            {r: st.sends for r, st in enumerate(steps)},
+            {r: st.recvs for r, st in enumerate(steps)},
+        )
+        for r, st in enumerate(steps):
+            if any(t.block != (r + t.peer) % n for t in st.sends):
+                raise ScheduleError(f"step {s}: rank {r} sends a block meant for another rank")
+            computing = st.compute if direction == "exchange_in" else st.blocks
+            if direction == "exchange_in" and not set(computing) <= held[r]:
+                raise ScheduleError(f"step {s}: rank {r} multiplies a block before it arrived")
+            if direction == "exchange_out" and any(
+                t.block not in done[r] + list(computing) for t in st.sends
+            ):
+                raise ScheduleError(f"step {s}: rank {r} sends a block before computing it")
+            done[r] += computing
+        for r, st in enumerate(steps):
+            held[r] |= {(r + t.peer) % n for t in st.recvs}
+    for r in range(n):
+        if sorted(done[r]) != list(range(n)) or held[r] != set(range(n)):
+            raise ScheduleError(f"rank {r} does not end with every block exactly once")

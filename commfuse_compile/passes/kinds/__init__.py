@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from ..site import Site, SiteKind
-from . import ag_mm, mm_rs
+from . import a2a_mm, ag_mm, mm_a2a, mm_rs
 
-KINDS: dict[str, SiteKind] = {kind.name: kind for kind in (ag_mm.KIND, mm_rs.KIND)}
+KINDS: dict[str, SiteKind] = {
+    kind.name: kind for kind in (ag_mm.KIND, mm_rs.KIND, a2a_mm.KIND, mm_a2a.KIND)
+}
 
 
 def of(site: Site) -> SiteKind:
