@@ -21,6 +21,7 @@ DISABLEABLE = (
     "contract",
     "columns",
     "contract_left",
+    "contract_k",
     "ring",
     "bidir",
     "push",

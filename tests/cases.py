@@ -63,7 +63,7 @@ class AgMm:
     def inputs(self, rank: int, seed: int, n: int = 1) -> list[torch.Tensor]:
         """This rank's shard and the parameters (``n``: group size, for the X_i rows)."""
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
-        k = self.shard[-1]
+        k = self.shard[-1] * (n if self.dim == len(self.shard) - 1 else 1)  # K gathered too
         xs = [torch.randn(self.shard, generator=gen)]
         for i in range(self.consumers):
             wgen = torch.Generator().manual_seed(seed * 1000 + 999 - i)  # same on every rank

@@ -548,13 +548,11 @@ DECLINES = [
         "clone (clone.default) sits between the gathered tensor and a matmul",
         id="transposed-copy",
     ),
-    pytest.param(
-        lambda: fx(
-            lambda x, w: torch.mm(gathered(x, N, 2).reshape(-1, 8 * N), w), (2, 3, 8), (32, 6)
-        ),
+    pytest.param(  # the gathered dim inside K, not its outermost factor: blocks interleave
+        lambda: fx(lambda x, w: torch.mm(gathered(x, N, 2).reshape(2, -1), w), (2, 3, 8), (96, 6)),
         "ring",
-        "mm (rows): gathered dim 2 of [2, 3, 32] does not fold into the rows of [6, 32]",
-        id="contracting-dim",
+        "mm (rows): gathered dim 2 of [2, 3, 32] does not fold into the rows of [2, 96]",
+        id="contracting-dim-inner",
     ),
     pytest.param(
         lambda: fx(lambda x, y: torch.mm(y, gathered(x, N, 1)), (6, 2), (3, 6)),
@@ -988,3 +986,16 @@ def test_all_to_all_declines_say_why():
 def test_all_to_all_away_from_matmuls_is_no_site():
     gm = fx(lambda x: (exchanged(x * 2, N) + 1,), (N * 2, 3))
     assert rewrite_graph(gm, "forward", RING) == []
+
+
+def test_gather_on_the_contracting_dim_adds_one_partial_product_per_block():
+    """X gathered on its last dim, then @ W: block b of K multiplies rows K_b of W and the
+    partial products are added (role ``contract_k``); a bias would be added n times."""
+    gm = fx(lambda x, w: (torch.mm(gathered(x, N, 2).reshape(6, -1), w),), (2, 3, 8), (32, 5))
+    record = rewrite_one(gm)
+    assert record.decision == "rewritten" and record.match["roles"] == {"mm": "contract_k"}
+    created = new_nodes(gm, record)
+    assert sum(n.target in MATMULS for n in created) == N
+    w_rows = [n for n in created if n.target is aten.slice.Tensor and n.args[1] == 0]
+    assert len(w_rows) == N  # W's rows of each block
+    gm.graph.lint()

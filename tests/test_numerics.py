@@ -190,3 +190,16 @@ def test_all_to_all_matmul_matches(ranks, example):
         (actual,), (expected,) = out["actual"], out["expected"]
         scale = expected.abs().max().item() if case.dtype == torch.bfloat16 else 0.0
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol + scale * 2**-5)
+
+
+@pytest.mark.parametrize(
+    ("n", "schedule", "inner"),
+    [(3, "ring", "inductor"), (4, "bidir", "eager"), (2, "push", "eager"), (3, "slicing", "eager")],
+)
+def test_gather_on_the_contracting_dim_sums_a_product_per_block(ranks, n, schedule, inner):
+    """An activation gathered on its last dim, then @ W: the product is the sum over blocks
+    of X_b @ W[rows of b] (role ``contract_k``), each added as its block arrives."""
+    case = AgMm(shard=(2, 3, 4), dim=2, n_out=5, consumers=2, bias=False)
+    for out in _run(ranks(n), case, seed=7, schedule=schedule, inner=inner):
+        for actual, expected in zip(out["actual"], out["expected"], strict=True):
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

@@ -63,7 +63,7 @@ from ..site import Direction, Site
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-ROLES = ("rows", "contract", "columns", "contract_left")
+ROLES = ("rows", "contract", "columns", "contract_left", "contract_k")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,8 @@ class GatherUse:
     ``contract``:  ``G2d^T @ X``  (weight gradient): adds ``G2d_b^T @ X_b``.
     ``columns``:   ``X @ G2d^T``  (a gathered weight, FSDP): a block of the product's columns.
     ``contract_left``: ``Y @ G2d`` (input gradient of a gathered weight): adds ``Y_b @ G2d_b``.
+    ``contract_k``: ``G2d @ W`` with the gathered dim in G2d's columns (an activation
+    gathered on its last dim): adds ``G2d_b @ W[K_b]``.
     """
 
     mm: Matmul
@@ -203,6 +205,7 @@ class _Uses:
 
     gathered_shape: tuple[dims.Size, ...]
     gather_dim: int
+    n: int
     chain: list[Node] = dataclasses.field(default_factory=list)
     uses: list[GatherUse] = dataclasses.field(default_factory=list)
     unmatched: list[str] = dataclasses.field(default_factory=list)
@@ -225,7 +228,7 @@ def _match(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite | None:
     ):
         return None
     g_dims = {g for _, g, _ in gathered}
-    found = _Uses(gathered_shape=(), gather_dim=min(g_dims) if g_dims else 0)
+    found = _Uses(gathered_shape=(), gather_dim=min(g_dims) if g_dims else 0, n=n)
     declined = None
     try:
         if problem:
@@ -326,7 +329,7 @@ def _drop_matmuls_reading_it_twice(site: _Uses, own: set[Node]) -> None:
 
 def _other_operand(use: GatherUse) -> Node:
     """The matmul operand that is not (a view or transpose of) the gathered tensor."""
-    return use.mm.b if use.role in ("rows", "contract") else use.mm.a
+    return use.mm.b if use.role in ("rows", "contract", "contract_k") else use.mm.a
 
 
 def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str) -> None:
@@ -334,19 +337,22 @@ def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str) -> None:
     rows, cols = dims.sizes(val(g2d).shape)
     j = dims.row_split(site.gathered_shape, rows, cols)
     contiguous = dims.equal(math.prod(site.gathered_shape[: site.gather_dim]), 1)
+    if role == "rows" and j is not None and site.gather_dim >= j:
+        in_columns = dims.outer_split(site.gathered_shape, site.gather_dim, (rows, cols), site.n)
+        role = "contract_k" if in_columns == 1 else role
     problem = None
     if not mm.node.users:
         problem = "its product is never read"
     elif has_zero_size_dim(mm):
         problem = "a zero-size dim: nothing to overlap"
-    elif j is None or site.gather_dim >= j:
+    elif role != "contract_k" and (j is None or site.gather_dim >= j):
         problem = (
             f"gathered dim {site.gather_dim} of {list(site.gathered_shape)} does not fold "
             f"into the rows of [{rows}, {cols}]"
         )
     elif role in ("columns", "contract_left") and not contiguous:
         problem = f"gathered dim {site.gather_dim} is not the outermost: blocks not contiguous"
-    elif role in ("contract", "contract_left") and mm.bias is not None:
+    elif role.startswith("contract") and mm.bias is not None:
         problem = "a bias on a contracted product"
     elif role == "rows" and mm.bias is not None and not bias_is_row_broadcast(mm.bias):
         problem = "bias has a row dim"
@@ -402,6 +408,9 @@ class _GatherProducts:
                     self.others[i] = viewed(rw, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
                 x_b = rows_of_block(rw, self.others[i], site.gather_dim, index, width, s)
                 self.sums[i] = accumulate(rw, self.sums[i], transposed(rw, g2d, s), x_b, s)
+            elif use.role == "contract_k":
+                w_b = slice_block(rw, mm.b, 0, index, shape2d[1], s, "compute")
+                self.sums[i] = accumulate(rw, self.sums[i], g2d, w_b, s)
             else:  # contract_left
                 y_b = column_block(rw, mm.a, index, shape2d[0], s)
                 self.sums[i] = accumulate(rw, self.sums[i], y_b, g2d, s)
