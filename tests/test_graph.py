@@ -999,3 +999,32 @@ def test_gather_on_the_contracting_dim_adds_one_partial_product_per_block():
     w_rows = [n for n in created if n.target is aten.slice.Tensor and n.args[1] == 0]
     assert len(w_rows) == N  # W's rows of each block
     gm.graph.lint()
+
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
+def test_unwaited_result_saved_for_backward_reads_the_rewritten_result(collective):
+    """Selective activation checkpointing (save the collectives' outputs) returns the
+    unwaited collective as a forward output: the rewrite still applies, and that output
+    becomes the rewritten result (the backward's own wait of it waits for nothing)."""
+    group = dist.group.WORLD.group_name
+    if collective == "reduce_scatter":
+
+        def program(a, w):
+            rs = c10d.reduce_scatter_tensor(a @ w, "sum", N, group)
+            return c10d.wait_tensor(rs) * 2, rs
+
+        gm = fx(program, (4 * N, 5), (5, 6))
+    else:
+
+        def program(x, w):
+            ag = c10d.all_gather_into_tensor(x, N, group)
+            return c10d.wait_tensor(ag) @ w, ag
+
+        gm = fx(program, (3, 5), (5, 6))
+    record = rewrite_one(gm)
+    assert record.decision == "rewritten", record.reason
+    assert calls(gm, REDUCE_SCATTER) == calls(gm, ALL_GATHER) == []
+    (output,) = gm.graph.find_nodes(op="output")
+    saved = output.args[0][1]
+    assert saved.meta["commfuse"]["site"] == record.site  # a node of the rewrite
+    gm.graph.lint()

@@ -294,3 +294,19 @@ def equal_splits(a2a: Node) -> int | None:
     rows = val(node_arg(a2a, 0, "input")).shape[0]
     same = list(out_splits) == list(in_splits) and len(set(map(str, out_splits))) == 1
     return n if same and n and dims.equal(out_splits[0] * n, rows) else None
+
+
+def the_wait(collective: Node) -> Node | None:
+    """The collective's one ``wait_tensor``, if its other readers are only the graph's
+    output: selective activation checkpointing saves a collective's unwaited result for
+    the backward, which then reads the rewritten result instead (``also_replaced``)."""
+    users = data_users(collective)
+    waits = [u for u in users if u.target is torch.ops._c10d_functional.wait_tensor.default]
+    if len(waits) != 1 or any(u.op != "output" for u in users if u is not waits[0]):
+        return None
+    return waits[0]
+
+
+def saved_unwaited(collective: Node) -> bool:
+    """Is the collective's unwaited result an output of the graph (see ``the_wait``)?"""
+    return any(user.op == "output" for user in collective.users)

@@ -43,7 +43,9 @@ from ..graph import (
     numel,
     position,
     reaches_matmul,
+    saved_unwaited,
     split_dim_in_output,
+    the_wait,
     val,
 )
 from ..rewrite import (
@@ -168,8 +170,7 @@ KIND = A2aMm()
 def _match(a2a: Node) -> A2aMmSite | None:
     group_name = node_arg(a2a, 3, "group_name")
     n = len(node_arg(a2a, 1, "output_split_sizes"))
-    users = data_users(a2a)
-    wait = users[0] if len(users) == 1 else a2a
+    wait = the_wait(a2a) or a2a
     if not reaches_matmul(wait):
         return None
     uses: list[ExchangedUse] = []
@@ -291,6 +292,8 @@ def _lower(rw: Rewrite, site: A2aMmSite, group: Group, schedule: Schedule) -> No
             aten.cat.default, ([held[b] for b in range(n)], 0), step=last, lane="comm"
         )
         rw.replace[site.wait] = rebuilt
+        if saved_unwaited(site.all_to_all):
+            rw.replace[site.all_to_all] = rebuilt
 
 
 class _Products:
@@ -338,4 +341,5 @@ def _outlives(site: A2aMmSite) -> bool:
     """Is the exchanged tensor read by anything other than the rewritten matmuls?"""
     inside = set(site.chain) | {u.mm.node for u in site.uses}
     nodes = (site.wait, *site.chain)
-    return any(user not in inside for node in nodes for user in data_users(node))
+    readers = (user for node in nodes for user in data_users(node))
+    return saved_unwaited(site.all_to_all) or any(user not in inside for user in readers)

@@ -40,6 +40,8 @@ from ..graph import (
     ordered_getitems,
     position,
     reaches_matmul,
+    saved_unwaited,
+    the_wait,
     val,
 )
 from ..rewrite import (
@@ -217,12 +219,12 @@ def _match(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite | None:
     gathered: list[tuple[Node, int, list[Node]]] = []
     problem = None
     for ag in gathers:
-        users = data_users(ag)
-        if len(users) != 1 or users[0].target is not c10d.wait_tensor.default:
+        wait = the_wait(ag)
+        if wait is None:
             problem = ag.name
             continue
-        waits.append(users[0])
-        gathered.append(_reassembled(users[0], n))
+        waits.append(wait)
+        gathered.append(_reassembled(wait, n))
     if not any(reaches_matmul(g) for g, _, _ in gathered) and not any(
         reaches_matmul(user) for ag in gathers for user in ag.users
     ):
@@ -506,13 +508,17 @@ def _rebuild_gathered(rw: Rewrite, site: AgMmSite, shards: list[Node], step: int
         rebuilt = rw.emit(aten.cat.default, (shards, 0), step=step, lane="comm")
         for wait in site.waits:
             rw.replace[wait] = rebuilt
+        for gather in site.gathers:
+            if saved_unwaited(gather):
+                rw.replace[gather] = rebuilt
 
 
 def _gathered_outlives(site: AgMmSite) -> bool:
     """Is the gathered value read by anything other than the rewritten matmuls?"""
     inside = set(site.chain) | {u.mm.node for u in site.uses}
     nodes = (*site.waits, *site.chain)
-    return any(user not in inside for node in nodes for user in data_users(node))
+    saved = any(saved_unwaited(gather) for gather in site.gathers)
+    return saved or any(user not in inside for node in nodes for user in data_users(node))
 
 
 def _first_consumer(site: AgMmSite) -> Node:

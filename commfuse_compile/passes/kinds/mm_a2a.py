@@ -38,7 +38,9 @@ from ..graph import (
     numel,
     op_name,
     reaches_matmul,
+    saved_unwaited,
     split_dim_in_input,
+    the_wait,
     val,
 )
 from ..rewrite import (
@@ -142,8 +144,7 @@ def _match(a2a: Node) -> MmA2aSite | None:
     n = len(node_arg(a2a, 1, "output_split_sizes"))
     if not comes_from_matmul(inp):
         return None
-    users = data_users(a2a)
-    wait = users[0] if len(users) == 1 else a2a
+    wait = the_wait(a2a) or a2a
     chain: list[tuple[Node, int]] = []
     node, dim, stop = inp, 0, None
     while node.target in LAYOUT_OPS and len(data_users(node)) == 1 and stop is None:
@@ -216,6 +217,8 @@ def _lower(rw: Rewrite, site: MmA2aSite, group: Group, schedule: Schedule) -> No
     assert not pending[1] and not pending[2] and len(blocks) == n
     out = rw.emit(aten.cat.default, ([blocks[b] for b in range(n)], 0), step=n, lane="comm")
     rw.replace[site.wait] = out
+    if saved_unwaited(site.all_to_all):
+        rw.replace[site.all_to_all] = out
 
 
 def _input_block(rw: Rewrite, site: MmA2aSite, j: int, n: int, step: int) -> Node:

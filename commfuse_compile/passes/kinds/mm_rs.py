@@ -36,6 +36,8 @@ from ..graph import (
     numel,
     op_name,
     ordered_getitems,
+    saved_unwaited,
+    the_wait,
     val,
     view_sources,
 )
@@ -151,8 +153,7 @@ KIND = MmRs()
 
 def _match(rs: Node) -> MmRsSite | None:
     inp, reduce_op, n, group_name = (node_arg(rs, i, "") for i in range(4))
-    users = list(rs.users)
-    wait = users[0] if len(users) == 1 else None
+    wait = the_wait(rs)
     scattered, g, chain = _scattered(inp, int(n))
     product = _through_views(scattered, chain)
     terms, between = _sum_of_matmuls(product)
@@ -309,7 +310,7 @@ def _lower(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule) -> Non
     assert not pending[1] and not pending[2] and not received
     own = _averaged(rw, site, sums[group.rank], n, n)
     out_shape = rw.shape(val(site.wait).shape, n)
-    rw.replace[site.wait] = rw.emit(aten.view.default, (own, out_shape), step=n, lane="compute")
+    _replace_result(rw, site, rw.emit(aten.view.default, (own, out_shape), step=n, lane="compute"))
 
 
 def _lower_sliced(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, k: int) -> None:
@@ -354,7 +355,14 @@ def _lower_sliced(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule,
     block = _averaged(
         rw, site, rw.emit(aten.cat.default, (chunks, cat_dim), step=last, lane="compute"), n, last
     )
-    rw.replace[site.wait] = viewed(rw, block, val(site.wait).shape, last)
+    _replace_result(rw, site, viewed(rw, block, val(site.wait).shape, last))
+
+
+def _replace_result(rw: Rewrite, site: MmRsSite, result: Node) -> None:
+    """The reduced block replaces the wait, and the unwaited result where it is saved."""
+    rw.replace[site.wait] = result
+    if saved_unwaited(site.reduce_scatter):
+        rw.replace[site.reduce_scatter] = result
 
 
 def _averaged(rw: Rewrite, site: MmRsSite, block: Node, n: int, step: int) -> Node:
