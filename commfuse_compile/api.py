@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -13,13 +14,27 @@ from .passes import rewrite_graph
 G = TypeVar("G", GraphModule, torch.export.ExportedProgram)
 
 
-def apply(obj: G, **options: Any) -> G:
+def apply(obj: G, options: Mapping[str, Any] | None = None, **more: Any) -> G:
     """Rewrite an aten-level ``GraphModule`` or ``ExportedProgram`` in place and return it.
 
-    Options are those of the backend (``schedule``, ``debug_dir``); the result runs as
-    it is, so the graph keeps its node order (``inner`` does not apply here).
+    Options are the backend's (``schedule``, ``profile``, ``debug_dir``, ...), given as
+    the backend takes them (``options={"schedule": "ring"}``) or as keywords
+    (``schedule="ring"``), not both. ``apply`` compiles nothing: the result runs as it
+    is, in its node order, which is ``inner="eager"``; ``inner="inductor"`` is refused.
     """
-    opts = Options.from_mapping({**options, "inner": "eager"})
+    if options is not None and more:
+        raise CommfuseOptionError(
+            "commfuse_compile.apply: give the options as options={...} or as keywords, not both"
+        )
+    given = dict(options if options is not None else more)
+    if given.get("inner", "eager") != "eager":
+        raise CommfuseOptionError(
+            f"commfuse_compile.apply: option 'inner' cannot be {given['inner']!r}: apply "
+            "rewrites the graph and compiles nothing (it runs as it is, as with 'eager'); "
+            "compile the result yourself, or use torch.compile(model, backend='commfuse', "
+            "options={'inner': 'inductor'})"
+        )
+    opts = Options.from_mapping({**given, "inner": "eager"})
     if isinstance(obj, torch.export.ExportedProgram):
         rewrite_graph(obj.graph_module, "export", opts)
         return obj

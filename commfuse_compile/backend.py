@@ -8,20 +8,32 @@ execution) compiles it. The backward graph is compiled lazily, on the first back
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch._dynamo.exc import ShortenTraceback
 from torch.fx import GraphModule
 
-from .options import Options
+from .options import CommfuseOptionError, Options
 from .passes import rewrite_and_compile, rewrite_graph
+
+
+class BackendOptionError(ShortenTraceback, CommfuseOptionError):
+    """A bad option, as Dynamo lets it reach the user: torch.compile hands the backend
+    its options only at the first call, and wraps any other error there in a
+    ``BackendCompilerFailed`` that reads like a bug in PyTorch."""
 
 
 def commfuse_backend(
     gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None
 ) -> Callable[..., Any]:
-    opts = Options.from_mapping(options)
+    try:
+        opts = Options.from_mapping(options)
+    except CommfuseOptionError as err:
+        # the traceback starts here, at the backend, not in Dynamo's frames
+        raise BackendOptionError(str(err), first_useful_frame=inspect.currentframe()) from None
     if opts.inner == "eager":
         return _eager(gm, example_inputs, opts)
     return _inductor(gm, example_inputs, opts)

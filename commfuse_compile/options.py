@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 SCHEDULES = ("auto", "ring", "bidir", "push", "slicing", "off")
@@ -56,10 +57,16 @@ class Options:
             )
         _check_choice("schedule", given.get("schedule", "auto"), SCHEDULES)
         _check_choice("inner", given.get("inner", "inductor"), INNER_COMPILERS)
-        debug_dir = _path_or_env(given, "debug_dir", DEBUG_DIR_ENV, "a path")
-        given["debug_dir"] = os.fspath(debug_dir) if debug_dir is not None else None
-        disable = given.get("disable")
+        debug_dir, where = _path_or_env(given, "debug_dir", DEBUG_DIR_ENV, "a path")
+        if debug_dir is not None:
+            debug_dir = os.fspath(debug_dir)
+            problem = dump_dir_problem(debug_dir)
+            if problem:
+                raise CommfuseOptionError(f"commfuse: {where}: {problem}")
+        given["debug_dir"] = debug_dir
+        disable, where = given.get("disable"), "option 'disable'"
         if disable is None:
+            where = _from_env(DISABLE_ENV, "disable")
             disable = [d for d in os.environ.get(DISABLE_ENV, "").split(",") if d.strip()]
         if isinstance(disable, str) or not all(isinstance(d, str) for d in disable):
             raise CommfuseOptionError(
@@ -68,18 +75,18 @@ class Options:
         names = frozenset(d.strip() for d in disable)
         if names - set(DISABLEABLE):
             raise CommfuseOptionError(
-                f"commfuse: cannot disable {sorted(names - set(DISABLEABLE))}; "
+                f"commfuse: {where}: cannot disable {sorted(names - set(DISABLEABLE))}; "
                 f"names are {list(DISABLEABLE)}"
             )
         given["disable"] = names
-        profile = _path_or_env(given, "profile", PROFILE_ENV, "a profile name or a path")
+        profile, where = _path_or_env(given, "profile", PROFILE_ENV, "a profile name or a path")
         if profile is not None:
             from .cost.profiles import ProfileError, load
 
             try:
                 load(profile)
             except ProfileError as err:
-                raise CommfuseOptionError(f"commfuse: option 'profile': {err}") from None
+                raise CommfuseOptionError(f"commfuse: {where}: {err}") from None
             given["profile"] = os.fspath(profile)
         slices = given.get("slices", 2)
         if not isinstance(slices, int) or isinstance(slices, bool) or not 1 < slices <= MAX_SLICES:
@@ -93,14 +100,32 @@ class Options:
         return cls(**given)
 
 
-def _path_or_env(given: Mapping[str, Any], name: str, env: str, what: str) -> Any:
-    """The option's value, else the environment variable's; must be ``what`` (a path)."""
+def dump_dir_problem(path: str) -> str | None:
+    """Why ``path`` cannot be a debug dump's directory (it, or its nearest existing
+    parent, is a file), or None. Checked with the options: the dump is written deep
+    inside the compile."""
+    for part in (Path(path), *Path(path).parents):
+        if part.exists():
+            if part.is_dir():
+                return None
+            what = "is a file" if part == Path(path) else f"is inside the file {str(part)!r}"
+            return f"{path!r} {what}; give a directory (it is created if missing)"
+    return None
+
+
+def _path_or_env(given: Mapping[str, Any], name: str, env: str, what: str) -> tuple[Any, str]:
+    """The option's value, else the environment variable's, and where it came from (for
+    messages); must be ``what`` (a path)."""
     value = given.get(name)
     if value is None:
-        value = os.environ.get(env) or None
-    if value is not None and not isinstance(value, (str, os.PathLike)):
+        return os.environ.get(env) or None, _from_env(env, name)
+    if not isinstance(value, (str, os.PathLike)):
         raise CommfuseOptionError(f"commfuse: option {name!r} must be {what}, got {value!r}")
-    return value
+    return value, f"option {name!r}"
+
+
+def _from_env(env: str, name: str) -> str:
+    return f"environment variable {env} (option {name!r})"
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import statistics
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -100,8 +101,12 @@ class Report:
         return {"sites": [_with_measurements(s.as_json()) for s in self.sites]}
 
     def write(self, debug_dir: str, rank: int | None = None) -> None:
-        path = rank_dir(debug_dir, rank) / "report.json"
-        path.write_text(json.dumps(self.as_json(), indent=1, default=str))
+        _write(
+            debug_dir,
+            "report.json",
+            lambda: json.dumps(self.as_json(), indent=1, default=str),
+            rank,
+        )
 
     def write_at_exit(self, debug_dir: str) -> None:
         """Write the report again when the process ends, with the measurements its runs
@@ -146,12 +151,26 @@ def summary_line(records: list[SiteRecord], graph: str) -> str:
     return line
 
 
-def rank_dir(debug_dir: str, rank: int | None = None) -> Path:
+_unwritable: set[str] = set()  # dump directories already warned about
+
+
+def _write(debug_dir: str, name: str, text: Callable[[], str], rank: int | None = None) -> None:
+    """``DIR/rank<r>/name``. A dump that cannot be written warns, once per directory, and
+    never fails the compile it describes."""
     from .runtime.groups import this_rank
 
     path = Path(debug_dir) / f"rank{this_rank() if rank is None else rank}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(text())
+    except OSError as err:
+        if debug_dir not in _unwritable:
+            _unwritable.add(debug_dir)
+            warnings.warn(
+                f"commfuse: cannot write the debug dump to {debug_dir} ({err}); going on "
+                "without it: give debug_dir a directory this process can write to",
+                stacklevel=2,
+            )
 
 
 def dump_code(
@@ -166,7 +185,7 @@ def dump_code(
         payload_fn=code,
     )
     if debug_dir:
-        (rank_dir(debug_dir) / f"{name}.py").write_text(code())
+        _write(debug_dir, f"{name}.py", code)
 
 
 def reset() -> None:

@@ -1,5 +1,5 @@
 """The `commfuse` command: `demo` (the README's main command) end to end in a fresh
-process, and `sim`."""
+process, and `sim`. What it says to a wrong argument: test_user_errors.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import sys
 import pytest
 
 
-def test_demo_runs_checks_and_reports():
+def test_demo_runs_checks_and_reports(tmp_path):
+    dump = tmp_path / "dump"
     proc = subprocess.run(
         [
             sys.executable,
@@ -21,6 +22,8 @@ def test_demo_runs_checks_and_reports():
             "2",
             "--steps",
             "2",
+            "--debug-dir",
+            str(dump),
         ],
         capture_output=True,
         text=True,
@@ -36,17 +39,12 @@ def test_demo_runs_checks_and_reports():
                 for line in proc.stdout.splitlines()
             ), (graph, kind)
     assert "unwaited" not in proc.stderr  # every P2P output was waited on
-
-
-def test_demo_rejects_a_single_rank():
-    proc = subprocess.run(
-        [sys.executable, "-m", "commfuse_compile.tools.cli", "demo", "--world-size", "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    assert proc.stdout.rstrip().endswith(
+        f"debug dump written to {dump}; for its HTML report and Perfetto trace run: "
+        f"commfuse inspect {dump}"
     )
-    assert proc.returncode == 2
-    assert "--world-size must be at least 2" in proc.stderr
+    assert {p.name for p in dump.iterdir()} == {"rank0", "rank1"}
+    assert all((dump / rank / "report.json").is_file() for rank in ("rank0", "rank1"))
 
 
 def test_sim_prints_every_schedule_and_writes_traces(tmp_path, capsys):
@@ -68,6 +66,13 @@ def test_sim_prints_every_schedule_and_writes_traces(tmp_path, capsys):
         assert all(e["dur"] >= 0 for e in spans)
     for name, _ in layer_sites(PRESETS["llama3-70b"], 2):
         assert name in out
+
+
+def test_sim_takes_the_tokens_and_slices_given(capsys):
+    from commfuse_compile.tools.cli import main
+
+    assert main(["sim", "--group-size", "4", "--tokens", "1024", "--slices", "64"]) == 0
+    assert "llama3-8b layer, tokens 1024, profile h100-nvlink4" in capsys.readouterr().out
 
 
 def test_sim_rejects_an_unknown_profile(capsys):

@@ -262,6 +262,14 @@ def _collectives_problem(value: object) -> str | None:
                 problem = _field_problem(field, curve[field])
                 if problem:
                     return f"{kind} {n} {field} {problem}"
+            points = curve["points"]
+            if not isinstance(points, list) or not all(
+                isinstance(pair, list)
+                and len(pair) == 2
+                and not any(_field_problem("points", v) for v in pair)
+                for pair in points
+            ):
+                return f"{kind} {n}: points must be [block bytes, seconds] pairs, got {points!r}"
     return None
 
 

@@ -3,82 +3,231 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
-from ..options import INNER_COMPILERS, SCHEDULES
+from ..cost.profiles import Profile, ProfileError, load
+from ..options import INNER_COMPILERS, MAX_SLICES, SCHEDULES, dump_dir_problem
 from .sim import PRESETS
 
+DESCRIPTION = """\
+Tools for commfuse-compile, the torch.compile backend (backend="commfuse") that splits the
+all-gathers and reduce-scatters next to matmuls into point-to-point steps the matmuls hide:
+run it on a transformer block, read what it decided, measure this machine for its cost
+model, simulate a real model's layer, or benchmark its schedules."""
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="commfuse", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="TP+SP transformer block on local CPU ranks")
-    demo.add_argument("--world-size", type=int, default=2)
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in its help, except for flags without one or off by default
+    (their help says what happens then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _int_in(low: int, high: int | None = None, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer in low..high (no upper bound if None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            pass
+        else:
+            if low <= value and (high is None or value <= high):
+                return value
+        bounds = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise argparse.ArgumentTypeError(f"must be an integer {bounds}{why}, got {text!r}")
+
+    return parse
+
+
+def _group_sizes(text: str) -> list[int]:
+    """An argparse type: comma-separated group sizes, each at least 2."""
+    parse = _int_in(2, why=" (a group of ranks)")
+    try:
+        return [parse(size.strip()) for size in text.split(",")]
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"each comma-separated size {err}") from None
+
+
+def _directory(text: str) -> str:
+    """An argparse type: a directory this process can write, made now, so that a bad path
+    fails before the work rather than after it (in every rank, for the demo)."""
+    problem = dump_dir_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    try:
+        Path(text).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=text).close()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot write to {text!r}: {err.strerror}") from None
+    return text
+
+
+def _profile(text: str) -> Profile:
+    """An argparse type: a built-in profile's name or a profile file, loaded."""
+    try:
+        return load(text)
+    except ProfileError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _new_file(text: str) -> str:
+    """An argparse type: a file path this process can write, checked before calibrating."""
+    parent = Path(text).parent
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; give a file name")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(
+            f"cannot write {text!r}: {str(parent)!r} is not a writable directory"
+        )
+    return text
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="commfuse", description=DESCRIPTION, formatter_class=_Help
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+
+    def command(name: str, what: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=what, description=what, formatter_class=_Help)
+
+    demo = command(
+        "demo",
+        "Compile a tensor- and sequence-parallel transformer block with backend='commfuse' "
+        "on local CPU ranks, check outputs and gradients against the uncompiled block, and "
+        "show which sites were rewritten and the step times with and without the rewrite.",
+    )
+    demo.add_argument(
+        "--world-size",
+        type=_int_in(2, why=" (one rank has no collectives to rewrite)"),
+        default=2,
+        help="local gloo ranks (processes) the block is sharded over",
+    )
     demo.add_argument(
         "--schedule",
         choices=SCHEDULES,
         default="ring",
-        help="'ring' (default here) forces the rewrite; 'auto' lets the cost "
-        "model keep collectives it predicts faster",
+        help="'ring' forces the rewrite; 'auto' lets the cost model keep collectives it "
+        "predicts faster",
     )
     demo.add_argument(
         "--inner",
         choices=INNER_COMPILERS,
         default="eager",
-        help="compiler after the pass: 'eager' (default here: seconds) or "
-        "'inductor' (about a minute of C++ compilation on 2 cores, cold)",
+        help="compiler after the pass: 'eager' (seconds) or 'inductor' (about a minute of "
+        "C++ compilation on 2 cores, cold)",
     )
-    demo.add_argument("--steps", type=int, default=5)
-    demo.add_argument("--debug-dir", default=None, help="write the debug dump here")
-    inspect = commands.add_parser(
-        "inspect", help="a debug dump as DIR/report.html and DIR/trace.json (Perfetto)"
+    demo.add_argument(
+        "--steps", type=_int_in(1), default=5, help="timed training steps of each variant"
+    )
+    demo.add_argument(
+        "--debug-dir",
+        type=_directory,
+        help="write the pass's debug dump here (read it with `commfuse inspect DIR`)",
+    )
+    inspect = command(
+        "inspect",
+        "Turn a debug dump (the debug_dir option) into DIR/report.html and DIR/trace.json "
+        "(Perfetto) and print their paths.",
     )
     inspect.add_argument("dir", help="the debug_dir the pass wrote (all rank<r> inside)")
-    calibrate = commands.add_parser(
-        "calibrate", help="measure this machine's gloo ranks and write a profile file"
+    calibrate = command(
+        "calibrate",
+        "Measure this machine on local gloo ranks (matmuls, transfers, collectives) and "
+        "write a profile file for the cost model: options={'profile': FILE}.",
     )
-    calibrate.add_argument("--world-size", type=int, default=2)
-    calibrate.add_argument("--out", default="commfuse-profile.json")
-    calibrate.add_argument("--reps", type=int, default=20, help="repetitions per measurement")
-    sim = commands.add_parser(
-        "sim", help="simulate a model's layer for every schedule on a machine profile"
+    calibrate.add_argument(
+        "--world-size",
+        type=_int_in(2, why=" (it measures transfers between ranks)"),
+        default=2,
+        help="local gloo ranks; collectives are measured on every group size up to it",
     )
-    sim.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b")
-    sim.add_argument("--profile", default="h100-nvlink4", help="built-in name or profile file")
-    sim.add_argument("--group-size", default="2,4,8,16,32,64", help="comma-separated sizes")
-    sim.add_argument("--slices", type=int, default=2, help="chunks of the slicing schedule")
-    sim.add_argument("--tokens", type=int, default=None, help="tokens per step (sequence)")
-    sim.add_argument("--out", default=None, help="write a Chrome trace per group size here")
-    bench = commands.add_parser(
+    calibrate.add_argument(
+        "--out", type=_new_file, default="commfuse-profile.json", help="profile file to write"
+    )
+    calibrate.add_argument(
+        "--reps", type=_int_in(1), default=20, help="repetitions per measurement"
+    )
+    sim = command(
+        "sim",
+        "Simulate one layer of a real model under tensor + sequence parallelism for every "
+        "schedule on a machine profile: what the rewrite would buy, without a cluster.",
+    )
+    sim.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b", help="model shapes")
+    sim.add_argument(
+        "--profile",
+        type=_profile,
+        default="h100-nvlink4",
+        help="built-in profile name or a file from `commfuse calibrate`",
+    )
+    sim.add_argument(
+        "--group-size",
+        type=_group_sizes,
+        default="2,4,8,16,32,64",
+        help="comma-separated tensor-parallel group sizes",
+    )
+    sim.add_argument(
+        "--slices",
+        type=_int_in(2, MAX_SLICES),
+        default=2,
+        help="chunks of the slicing schedule",
+    )
+    sim.add_argument(
+        "--tokens",
+        type=_int_in(1),
+        help="tokens per step (sequence x micro-batch); default: the model's sequence",
+    )
+    sim.add_argument(
+        "--out", type=_directory, help="write a Chrome trace per group size to this directory"
+    )
+    bench = command(
         "bench",
-        help="measure every schedule on gloo ranks behind a throttled link (root: netns + tbf)",
+        "Measure every schedule on local gloo ranks behind a bandwidth-limited link (as "
+        "root: network namespaces and tbf; without root: unthrottled, said in every output) "
+        "and write results.json, results.md and a plot to --out.",
     )
-    bench.add_argument("--quick", action="store_true", help="one size, fewer rows (~2 min)")
-    bench.add_argument("--out", default="commfuse-bench", help="results directory")
-    bench.add_argument("--world-size", type=int, default=2)
+    bench.add_argument(
+        "--quick", action="store_true", help="one size, fewer rows (about 2 minutes)"
+    )
+    bench.add_argument("--out", type=_directory, default="commfuse-bench", help="results directory")
+    bench.add_argument(
+        "--world-size",
+        type=_int_in(2, why=" (it measures transfers between ranks)"),
+        default=2,
+        help="local gloo ranks",
+    )
     bench.add_argument(
         "--network",
         choices=["veth", "lo", "none"],
-        default=None,
-        help="link topology (default: veth, else lo, else unthrottled)",
+        help="veth: a namespace per rank; lo: one namespace, throttled loopback; none: "
+        "unthrottled; default: veth, else lo, else none",
     )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
 
     if args.command == "sim":
-        return _sim(parser, args)
+        return _sim(args)
 
     if args.command == "bench":
         from .bench import main as bench_main
 
-        if args.world_size < 2:
-            parser.error("--world-size must be at least 2")
         return bench_main(args.quick, args.out, args.world_size, args.network)
 
     if args.command == "calibrate":
         from .calibrate import run as calibrate_run
 
-        if args.world_size < 2:
-            parser.error("--world-size must be at least 2")
         profile = calibrate_run(args.world_size, args.out, args.reps)
         for field, value in profile.as_json().items():
             if field != "collectives":
@@ -95,8 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import DemoConfig, run
 
-        if args.world_size < 2:
-            parser.error("--world-size must be at least 2")
         return run(
             DemoConfig(
                 world_size=args.world_size,
@@ -119,25 +266,16 @@ def main(argv: list[str] | None = None) -> int:
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 
-def _sim(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _sim(args: argparse.Namespace) -> int:
     import dataclasses
-    from pathlib import Path
 
-    from ..cost.profiles import ProfileError, load
     from .sim import format_table, simulate_layer, write_traces
 
-    try:
-        profile = load(args.profile)
-        sizes = [int(size) for size in args.group_size.split(",")]
-    except (ProfileError, ValueError) as err:
-        parser.error(str(err))
-    if any(size < 2 for size in sizes) or args.slices < 2:
-        parser.error("group sizes and --slices must be at least 2")
     model = PRESETS[args.model]
-    if args.tokens:
+    if args.tokens is not None:
         model = dataclasses.replace(model, tokens=args.tokens)
-    results = [simulate_layer(model, n, profile, args.slices) for n in sizes]
-    print(format_table(model, profile, results))
+    results = [simulate_layer(model, n, args.profile, args.slices) for n in args.group_size]
+    print(format_table(model, args.profile, results))
     if args.out:
         for path in write_traces(results, Path(args.out)):
             print(f"wrote {path} (open in https://ui.perfetto.dev)")

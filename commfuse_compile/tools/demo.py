@@ -121,6 +121,9 @@ def run(cfg: DemoConfig) -> int:
         f"{off_s / fused_s:.2f}x (unthrottled loopback: communication is nearly free here)"
     )
     if cfg.debug_dir is not None:
-        print(f"\ndebug dump: {cfg.debug_dir} (pages: commfuse inspect {cfg.debug_dir})")
+        print(
+            f"\ndebug dump written to {cfg.debug_dir}; for its HTML report and Perfetto "
+            f"trace run: commfuse inspect {cfg.debug_dir}"
+        )
     expected = cfg.schedule != "auto"  # auto may keep every collective, by design
     return 0 if ok and (rewritten or not expected) else 1
