@@ -2,9 +2,10 @@
 
 Front ends (``commfuse_compile.tools.training``, shared with ``examples/train_*.py``): a TP+SP
 transformer (DTensor ``parallelize_module``), the same with activation checkpointing,
-FSDP-style in-graph sharding on 2 ranks, and FSDP x TP on a 2x2 mesh. Each test checks
-that the losses match the plain eager run, pins the table of sites the pass found per
-(graph, kind, decision, reason), and checks from the debug dump (``graph*_before.py``)
+FSDP-style in-graph sharding on 2 ranks, FSDP x TP on a 2x2 mesh, and Ulysses sequence
+parallelism (all-to-alls around attention) on 2 ranks. Each test checks that the losses
+match the plain eager run; the TP and FSDP ones also pin the table of sites the pass found
+per (graph, kind, decision, reason), and check from the debug dump (``graph*_before.py``)
 that every all-gather / reduce-scatter next to a matmul has a report entry.
 
 Sites declined (or not reported) because a pattern is not supported yet are pinned as
@@ -215,3 +216,33 @@ def test_fsdp_times_tp_on_a_2x2_mesh_trains_like_eager(ranks, tmp_path):
         ("backward", "mm_rs", "declined", TAKEN_BY_GATHER): 4,
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
+
+
+@pytest.mark.slow
+def test_ulysses_trains_like_eager_and_like_one_process(ranks, tmp_path):
+    # Ulysses sequence parallelism: weights whole on every rank, q/k/v all-to-all'd from
+    # sequence shards to head shards and the attention output back; plain, and with GQA
+    # (2 k/v heads for 4 q heads) and q, k, v fused into one linear.
+    for gqa, fused in ((0, False), (2, True)):
+        cfg = training.TrainConfig(
+            **{**vars(CFG), "front": "ulysses", "steps": 2, "gqa_kv_heads": gqa, "fused_qkv": fused}
+        )
+        dump = tmp_path / f"gqa{gqa}_fused{fused}"
+        results = ranks(2).run(training.compare, cfg, {**OPTIONS, "debug_dir": str(dump)})
+        one_process = training.train(cfg, 0, 1, None).losses  # no communication at all
+        for rank, (fused_run, eager) in enumerate(results):
+            assert len(fused_run.losses) == cfg.steps
+            assert training.max_relative_diff(fused_run.losses, eager.losses) <= RTOL, (
+                rank,
+                fused_run.losses,
+                eager.losses,
+            )
+            assert training.max_relative_diff(eager.losses, one_process) <= RTOL, (
+                rank,
+                eager.losses,
+                one_process,
+            )
+        # per block, both graphs hold 4 all-to-alls: q, k, v and the attention output
+        for graph in ("forward", "backward"):
+            (path,) = (dump / "rank0").glob(f"graph*_{graph}_before.py")
+            assert path.read_text().count("all_to_all_single.default(") == 4 * cfg.blocks

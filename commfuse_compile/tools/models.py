@@ -107,3 +107,124 @@ def block_plan() -> dict[str, Any]:
         "w3": col,
         "w2": row,
     }
+
+
+# ----------------------------------------------------------------------------------------
+# Ulysses sequence parallelism (DeepSpeed-Ulysses): activations sharded on the sequence,
+# weights whole on every rank; attention all-to-alls heads <-> sequence around SDPA.
+
+
+def seq_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[B, S/n, h, d]`` (this rank's tokens, every head) -> ``[B, S, h/n, d]`` (every
+    token, this rank's block of heads): one ``all_to_all_single`` of n equal dim-0 blocks.
+
+    Block j of the input (heads ``j*h/n ...``) goes to rank j; block j of the output comes
+    from rank j, that is, holds the tokens ``j*S/n ...``. As DeepSpeed-Ulysses lays it out:
+    ``[B, s, h, d] -> [B, s, n, h/n, d] -> [n, B, s, h/n, d]`` (copy) -> all-to-all ->
+    ``[n, B, s, h/n, d] -> [B, n, s, h/n, d] -> [B, S, h/n, d]``.
+    """
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    n = _group_size(group)
+    b, s, h, d = x.shape
+    if n == 1:
+        return x
+    blocks = x.reshape(b, s, n, h // n, d).permute(2, 0, 1, 3, 4).contiguous()
+    out = all_to_all_single_autograd(blocks, None, None, group)
+    return out.permute(1, 0, 2, 3, 4).reshape(b, n * s, h // n, d)
+
+
+def heads_to_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """The inverse of :func:`seq_to_heads`: ``[B, S, h/n, d] -> [B, S/n, h, d]``.
+
+    ``[B, S, h/n, d] -> [B, n, s, h/n, d] -> [n, B, s, h/n, d]`` (copy; block j: the tokens
+    of rank j) -> all-to-all -> ``[n, B, s, h/n, d]`` (block j: the heads of rank j) ->
+    ``[B, s, n, h/n, d] -> [B, s, h, d]``.
+    """
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    n = _group_size(group)
+    b, seq, hn, d = x.shape
+    if n == 1:
+        return x
+    blocks = x.reshape(b, n, seq // n, hn, d).permute(1, 0, 2, 3, 4).contiguous()
+    out = all_to_all_single_autograd(blocks, None, None, group)
+    return out.permute(1, 2, 0, 3, 4).reshape(b, seq // n, n * hn, d)
+
+
+def _group_size(group: Any) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return int(dist.get_world_size(group))
+
+
+class UlyssesBlock(nn.Module):
+    """A Llama-style block (like :class:`Block`) for Ulysses sequence parallelism over
+    ``group`` (None: one rank, no communication): the input is this rank's ``S/n`` tokens
+    ``[B, S/n, D]``; q, k, v are projected locally, all-to-all'd to ``[B, S, h/n, d]``
+    (every token, this rank's heads), attended (causal), all-to-all'd back to
+    ``[B, S/n, h*d]`` and projected by ``wo``. The SwiGLU MLP and the norms are local.
+
+    ``kv_heads`` (0: ``heads``) < ``heads`` is grouped-query attention (n must divide
+    ``kv_heads``); ``fused_qkv`` makes q, k, v one linear ``wqkv`` whose output is split.
+    ``bias=True`` gives q, v (or ``wqkv``), w1 and w3 a bias.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        hidden: int,
+        kv_heads: int = 0,
+        fused_qkv: bool = False,
+        norm: str = "rms",
+        bias: bool = False,
+        group: Any = None,
+    ) -> None:
+        super().__init__()
+        kv_heads = kv_heads or heads
+        n = _group_size(group)
+        if dim % heads or heads % kv_heads:
+            raise ValueError(f"heads={heads} must divide dim={dim}, kv_heads={kv_heads} heads")
+        if kv_heads % n:
+            raise ValueError(f"{n} ranks do not divide the {kv_heads} k/v heads")
+        norm_class = {"rms": nn.RMSNorm, "layer": nn.LayerNorm}[norm]
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.group = group
+        self.fused_qkv = fused_qkv
+        kv_dim = kv_heads * self.head_dim
+        self.attention_norm = norm_class(dim)
+        if fused_qkv:
+            self.wqkv = nn.Linear(dim, dim + 2 * kv_dim, bias=bias)
+        else:
+            self.wq = nn.Linear(dim, dim, bias=bias)
+            self.wk = nn.Linear(dim, kv_dim, bias=False)
+            self.wv = nn.Linear(dim, kv_dim, bias=bias)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.ffn_norm = norm_class(dim)
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, dim = x.shape
+        h = self.attention_norm(x)
+        if self.fused_qkv:
+            kv_dim = self.kv_heads * self.head_dim
+            q, k, v = self.wqkv(h).split([dim, kv_dim, kv_dim], dim=-1)
+        else:
+            q, k, v = self.wq(h), self.wk(h), self.wv(h)
+        # [B, S/n, heads, d] -> [B, S, heads/n, d] -> [B, heads/n, S, d]
+        q, k, v = (
+            seq_to_heads(t.view(b, s, -1, self.head_dim), self.group).transpose(1, 2)
+            for t in (q, k, v)
+        )
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads
+        )
+        o = heads_to_seq(o.transpose(1, 2), self.group)  # [B, S/n, heads, d]
+        x = x + self.wo(o.reshape(b, s, dim))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))

@@ -1,7 +1,8 @@
 """Small training runs that feed the pass real forward and backward graphs.
 
-Shared by ``examples/train_tp_transformer.py``, ``examples/train_fsdp_style.py`` and
-``tests/test_training.py``. Two front ends put collectives next to matmuls:
+Shared by ``examples/train_tp_transformer.py``, ``examples/train_fsdp_style.py``,
+``examples/train_ulysses.py`` and ``tests/test_training.py``. Three front ends put
+collectives next to matmuls:
 
 * ``"tp"``: a stack of :class:`~commfuse_compile.tools.models.Block` sharded with DTensor's
   ``parallelize_module`` (tensor + sequence parallel over the whole world): activations
@@ -11,6 +12,12 @@ Shared by ``examples/train_tp_transformer.py``, ``examples/train_fsdp_style.py``
   all-gathered in forward by a functional collective with autograd, so the backward
   reduce-scatters its gradient; ``tp > 1`` adds TP+SP on the second dim of a
   ``(dp, tp)`` mesh, with the gather over the ``"dp"`` group.
+* ``"ulysses"``: DeepSpeed-Ulysses sequence parallelism over the whole world
+  (:class:`~commfuse_compile.tools.models.UlyssesBlock`): activations sharded on the
+  sequence, weights whole on every rank; q, k and v are all-to-all'd from sequence shards
+  to head shards before attention and the attention output back before ``wo``
+  (``all_to_all_single_autograd``). The gradients of the replicated weights are summed
+  over the ranks after the backward, outside the compiled region (like DDP).
 
 :func:`train` runs the same steps with the pass (``torch.compile(backend="commfuse")``)
 or without it (plain eager), from the same initialization and data.
@@ -34,16 +41,17 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import report
 from ..passes.declines import REASONS
-from .models import Block, block_plan
+from .models import Block, UlyssesBlock, block_plan
 
-FRONT_ENDS = ("tp", "fsdp")
+FRONT_ENDS = ("tp", "fsdp", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """One training run; sizes are global (batch over dp ranks, sequence over tp ranks)."""
+    """One training run; sizes are global (batch over dp ranks, sequence over tp ranks,
+    or over every rank with "ulysses")."""
 
-    front: str = "tp"  # "tp" or "fsdp"
+    front: str = "tp"  # "tp", "fsdp" or "ulysses"
     blocks: int = 2
     dim: int = 32
     heads: int = 4
@@ -59,6 +67,8 @@ class TrainConfig:
     norm: str = "rms"  # "rms" or "layer" (LayerNorm: weight and bias)
     bias: bool = False  # biases on q/k/v, w1, w3
     dtype: str = "float32"  # of parameters and activations ("bfloat16": half precision)
+    gqa_kv_heads: int = 0  # "ulysses": k/v heads (0: ``heads``; fewer: grouped-query)
+    fused_qkv: bool = False  # "ulysses": q, k and v as one linear whose output is split
 
 
 @dataclasses.dataclass
@@ -71,13 +81,32 @@ class TrainResult:
 
 
 class Transformer(nn.Module):
-    """``blocks`` Llama-style blocks, a final RMSNorm and a linear head (no embedding)."""
+    """``blocks`` Llama-style blocks, a final RMSNorm and a linear head (no embedding).
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    Front "ulysses": :class:`UlyssesBlock` blocks that all-to-all over ``ulysses_group``
+    (None: one rank, no communication); the final norm and the head are local. Other
+    fronts: :class:`Block` (parallelized afterwards by :func:`build`)."""
+
+    def __init__(self, cfg: TrainConfig, ulysses_group: Any = None) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            Block(cfg.dim, cfg.heads, cfg.hidden, cfg.norm, cfg.bias) for _ in range(cfg.blocks)
-        )
+        if cfg.front == "ulysses":
+            self.layers = nn.ModuleList(
+                UlyssesBlock(
+                    cfg.dim,
+                    cfg.heads,
+                    cfg.hidden,
+                    cfg.gqa_kv_heads,
+                    cfg.fused_qkv,
+                    cfg.norm,
+                    cfg.bias,
+                    ulysses_group,
+                )
+                for _ in range(cfg.blocks)
+            )
+        else:
+            self.layers = nn.ModuleList(
+                Block(cfg.dim, cfg.heads, cfg.hidden, cfg.norm, cfg.bias) for _ in range(cfg.blocks)
+            )
         self.norm = nn.RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.activation_checkpointing = cfg.activation_checkpointing
@@ -183,8 +212,22 @@ class Setup:
 
     loss_module: MSELoss
     inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # step -> (x, target)
-    dp: int  # data-parallel ranks (1 for "tp")
+    dp: int  # ranks whose losses are averaged (1 for "tp"; every rank for "ulysses")
     dp_group: dist.ProcessGroup | None  # None when dp == 1
+    # "ulysses": the parameters are whole on every rank; their gradients are summed over
+    # this group after the backward (outside the compiled region, like DDP)
+    grad_group: dist.ProcessGroup | None = None
+
+    def sync_gradients(self) -> None:
+        """Sum the replicated parameters' gradients over ``grad_group`` (if any)."""
+        if self.grad_group is None:
+            return
+        grads = [p.grad for p in self.loss_module.parameters() if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.grad_group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
 
 
 def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
@@ -203,6 +246,8 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
 
     if cfg.front not in FRONT_ENDS:
         raise ValueError(f"front must be one of {FRONT_ENDS}, got {cfg.front!r}")
+    if cfg.front == "ulysses":
+        return build_ulysses(cfg, rank, world_size)
     tp = world_size if cfg.front == "tp" else cfg.tp
     if world_size % tp:
         raise ValueError(f"tp={tp} does not divide the world size {world_size}")
@@ -244,6 +289,30 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
     return Setup(MSELoss(model), inputs, dp, dp_group)
 
 
+def build_ulysses(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
+    """Front "ulysses": every rank holds the whole model and batch and its ``seq / n``
+    tokens (rank r: the r-th block of the sequence); ``world_size == 1``: no communication
+    (the single-process reference)."""
+    n = world_size
+    kv_heads = cfg.gqa_kv_heads or cfg.heads
+    if cfg.seq % n or cfg.heads % n or kv_heads % n:
+        raise ValueError(
+            f"{n} ranks must divide seq {cfg.seq}, heads {cfg.heads} and k/v heads {kv_heads}"
+        )
+    group = dist.group.WORLD if n > 1 else None
+    torch.manual_seed(cfg.seed)
+    dtype = getattr(torch, cfg.dtype)
+    model = Transformer(cfg, ulysses_group=group).to(cfg.device, dtype)
+
+    def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(cfg.seed * 1000 + step)
+        x, target = torch.randn(2, cfg.batch, cfg.seq, cfg.dim, generator=gen).to(cfg.device, dtype)
+        return x.chunk(n, dim=1)[rank].contiguous(), target.chunk(n, dim=1)[rank].contiguous()
+
+    # the mean over this rank's tokens; the global loss is the average over the ranks
+    return Setup(MSELoss(model), inputs, n, group, grad_group=group)
+
+
 def train(
     cfg: TrainConfig,
     rank: int,
@@ -266,6 +335,7 @@ def train(
         start = time.perf_counter()
         loss = step_fn(x, target)
         (loss / setup.dp).backward()
+        setup.sync_gradients()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cfg.device == "cuda":
@@ -310,6 +380,7 @@ def gradients(
         step_fn = torch.compile(setup.loss_module, backend="commfuse", options=dict(options))
     loss = step_fn(*setup.inputs(0))
     loss.backward()
+    setup.sync_gradients()
     grads = {k: local(p.grad) for k, p in setup.loss_module.named_parameters()}
     return local(loss), grads, [s.as_json() for s in report.REPORT.sites]
 
@@ -390,9 +461,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def example_config(
-    args: argparse.Namespace, front: str, tp: int, batch: int, seq: int, device: str
+    args: argparse.Namespace,
+    front: str,
+    tp: int,
+    batch: int,
+    seq: int,
+    device: str,
+    **extra: Any,
 ) -> TrainConfig:
-    """The examples' model (128 wide, 8 heads, SwiGLU 384) with the command line's options."""
+    """The examples' model (128 wide, 8 heads, SwiGLU 384) with the command line's options
+    (``extra``: more ``TrainConfig`` fields)."""
     return TrainConfig(
         front=front,
         tp=tp,
@@ -405,6 +483,7 @@ def example_config(
         steps=args.steps,
         activation_checkpointing=args.activation_checkpointing,
         device=device,
+        **extra,
     )
 
 
@@ -451,11 +530,20 @@ def run_and_print(cfg: TrainConfig, args: argparse.Namespace) -> None:
 
 def speed_line(fused: TrainResult, off: TrainResult) -> str:
     """The median step after the first (which compiles), with the pass and without, and
-    the schedules the rewritten sites ran."""
+    the schedules the rewritten sites ran. With one step there is no step after the
+    first: the line says so and gives that step's time, compile included."""
     ran = sorted({s["schedule"] for s in fused.sites if s["decision"] == "rewritten"})
-    with_pass, without = (statistics.median(r.step_s[1:] or r.step_s) for r in (fused, off))
+    sites = f"sites ran: {', '.join(ran) or 'none rewritten'}"
+    if min(len(fused.step_s), len(off.step_s)) < 2:
+        with_pass, without = (sum(r.step_s) for r in (fused, off))
+        return (
+            f"no step after the first (which compiles), so no speed comparison: "
+            f"{with_pass * 1e3:.1f} ms with the pass ({sites}), {without * 1e3:.1f} ms with "
+            "schedule='off', compile included (run 2 or more --steps to compare)"
+        )
+    with_pass, without = (statistics.median(r.step_s[1:]) for r in (fused, off))
     return (
         f"median step after the first: {with_pass * 1e3:.1f} ms with the pass "
-        f"(sites ran: {', '.join(ran) or 'none rewritten'}), {without * 1e3:.1f} ms with "
+        f"({sites}), {without * 1e3:.1f} ms with "
         f"schedule='off': {without / with_pass:.2f}x"
     )
