@@ -13,10 +13,12 @@ import subprocess
 import sys
 import textwrap
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
 from commfuse_compile.tools.bench import variants
+from commfuse_compile.tools.bench_report import KIND_TITLES, plot_speedup
 from commfuse_compile.tools.netns import PREFIX, can_throttle, remove_stale_namespaces
 
 ROOT_ONLY = pytest.mark.skipif(can_throttle() is not None, reason=str(can_throttle()))
@@ -91,11 +93,32 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     for heading in ("## Sites", "### all-gather -> matmul", "## Whole block", "## Targets"):
         assert heading in markdown
     assert "](speedup.svg)" in markdown
-    svg = ET.fromstring((out / "speedup.svg").read_text())
+    check_plot(out / "speedup.svg", labels[1:])
+
+
+def check_plot(path: Path, labels: list[str]) -> None:
+    """An SVG with a titled panel per site kind and a legend entry per schedule."""
+    svg = ET.fromstring(path.read_text())
     assert svg.tag == "{http://www.w3.org/2000/svg}svg"
     texts = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")}
-    assert set(labels[1:]) <= texts  # a legend entry per schedule
-    assert len(list(svg.iter("{http://www.w3.org/2000/svg}polyline"))) > len(labels)
+    assert set(KIND_TITLES.values()) <= texts
+    assert {*labels, "baseline", "perfect overlap", "best with 2 blocks"} <= texts
+
+
+SPEEDUPS = [("baseline", 1.0), ("slicing k=2", 1.1), ("ring", 1.5), ("auto", 1.4)]
+
+
+def test_plot_of_synthetic_results(tmp_path: Path):
+    rows = [{"label": label, "speedup": x, "median_s": 1 / x} for label, x in SPEEDUPS]
+    cells = [
+        {"kind": kind, "ratio": ratio, "rows": rows, "limit_s": 0.5, "n_block_bound_s": 0.6}
+        for kind in KIND_TITLES
+        for ratio in (0.5, 1.0, 2.0)
+        for _size in range(2)
+    ]
+    results = {"sites": cells, "meta": {"world_size": 2, "network": {"throttled": False}}}
+    plot_speedup(results, tmp_path / "speedup.svg")
+    check_plot(tmp_path / "speedup.svg", [label for label, _ in SPEEDUPS[1:]])
 
 
 HOLD_NETWORK = textwrap.dedent(

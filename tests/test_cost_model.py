@@ -26,7 +26,6 @@ from commfuse_compile.cost.simulator import (
     Event,
     Timeline,
     Work,
-    chrome_trace,
     collective_model,
     predict,
     simulate,
@@ -36,6 +35,7 @@ from commfuse_compile.passes import match
 from commfuse_compile.passes.declines import Declined
 from commfuse_compile.passes.plan import MIN_GAIN, plan, site_work
 from commfuse_compile.tools import calibrate as cal
+from commfuse_compile.tools.sim import write_trace
 
 PROFILES = [pytest.param(p, id=name) for name, p in BUILTIN.items()]
 KINDS = ("gather", "reduce")
@@ -214,9 +214,13 @@ def test_chrome_trace_is_trace_event_json(tmp_path):
     work = Work("gather", 3, 1e8, 1e5)
     timelines = [(s, simulate(work, s, profile)) for s in ("collective", "bidir")]
     path = tmp_path / "trace.json"
-    chrome_trace(timelines, path)
+    write_trace(timelines, path)
     trace_events = json.loads(path.read_text())["traceEvents"]
-    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in trace_events if e["ph"] == "M"}
+    names = {
+        (e["pid"], e.get("tid")): e["args"]["name"]
+        for e in trace_events
+        if e["name"] in ("process_name", "thread_name")
+    }
     slices = [e for e in trace_events if e["ph"] == "X"]
     assert len(slices) == sum(len(t.events) for _, t in timelines)
     for e in slices:

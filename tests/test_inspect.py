@@ -9,7 +9,9 @@ the DOM after the page's script ran.
 from __future__ import annotations
 
 import contextlib
+import html
 import json
+import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
@@ -23,7 +25,14 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from commfuse_compile import Options, report
 from commfuse_compile.passes import rewrite_graph
 from commfuse_compile.tools.cli import main
-from commfuse_compile.tools.inspect import chrome_trace, inspect_dump, load, render_html, timeline
+from commfuse_compile.tools.inspect import (
+    inspect_dump,
+    load,
+    rank_processes,
+    render_html,
+    timeline,
+)
+from commfuse_compile.tools.trace import chrome_trace
 
 BEFORE = """
 def forward(self, x, w):
@@ -132,7 +141,7 @@ class SiteTable(HTMLParser):
     def __init__(self, page: str) -> None:
         super().__init__()
         self.rows: list[list[str]] = []
-        self._in_table = self._in_body = False
+        self._in_table = self._in_body = self._in_cell = False
         self.feed(page)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -144,15 +153,18 @@ class SiteTable(HTMLParser):
             self.rows.append([])
         elif self._in_body and tag == "td":
             self.rows[-1].append("")
-        elif self._in_body and tag == "br" and self.rows and self.rows[-1]:
+            self._in_cell = True
+        elif self._in_cell and tag == "br":
             self.rows[-1][-1] += "\n"
 
     def handle_endtag(self, tag: str) -> None:
-        if tag == "table":
+        if tag == "td":
+            self._in_cell = False
+        elif tag == "table":
             self._in_table = self._in_body = False
 
     def handle_data(self, data: str) -> None:
-        if self._in_body and self.rows and self.rows[-1]:
+        if self._in_cell:
             self.rows[-1][-1] += data
 
     def column(self, name: str) -> list[str]:
@@ -163,18 +175,23 @@ class SiteTable(HTMLParser):
 
 def code_lines(page: str, css_class: str) -> list[str]:
     """The code lines the page marks with ``css_class`` (e.g. "def rewritten")."""
-    parser = _SpanText(f"line {css_class}")
+    return texts(page, "span", f"line {css_class}")
+
+
+def texts(page: str, tag: str, css_class: str) -> list[str]:
+    """The text of each ``tag`` element of class ``css_class``."""
+    parser = _Text(tag, css_class)
     parser.feed(page)
     return parser.texts
 
 
-class _SpanText(HTMLParser):
-    def __init__(self, css_class: str) -> None:
+class _Text(HTMLParser):
+    def __init__(self, tag: str, css_class: str) -> None:
         super().__init__()
-        self.css_class, self.texts, self._open = css_class, [], False
+        self.tag, self.css_class, self.texts, self._open = tag, css_class, [], False
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        self._open = tag == "span" and ("class", self.css_class) in attrs
+        self._open = tag == self.tag and ("class", self.css_class) in attrs
         if self._open:
             self.texts.append("")
 
@@ -213,8 +230,8 @@ def test_site_table_has_one_row_per_site_of_every_rank(two_rank_dump: Path):
     assert table.column("group")[0] == "0 (2 ranks)"
     assert table.column("schedule")[:2] == ["ring", "off"]
     assert table.column("predicted (µs)")[0] == "collective 30.0\nring 25.0\nbidir 27.5"
-    assert table.column("predicted (µs)")[1] == ""  # a declined site may have no prediction
-    assert table.column("measured (µs)")[:3] == ["26.5", "", ""]
+    assert table.column("predicted (µs)")[1] == "—"  # a declined site may have no prediction
+    assert table.column("measured (µs)")[:3] == ["26.5", "—", "—"]
     assert table.column("reason")[1] == "reduce op 'max' is not 'sum'"
 
 
@@ -253,8 +270,14 @@ def test_declined_sites_are_highlighted_as_declined(two_rank_dump: Path):
 
 
 def test_timeline_puts_each_site_after_the_previous_one(two_rank_dump: Path):
-    rank1 = load(two_rank_dump).ranks[1]
-    placed = [(e.site.record["site"], e.lane, e.start_us, e.end_us) for e in timeline(rank1)]
+    sites = timeline(load(two_rank_dump).ranks[1])
+    assert [(s.site.record["site"], s.start_us, s.end_us) for s in sites] == [
+        (0, 0, 25),
+        (2, 25, 33),
+    ]
+    placed = [
+        (s.site.record["site"], e.lane, e.start_us, e.end_us) for s in sites for e in s.events
+    ]
     assert placed == [
         (0, "compute", 0.0, 10.0),
         (0, "comm", 0.0, 15.0),
@@ -273,13 +296,15 @@ def test_page_draws_one_svg_timeline_per_rank(two_rank_dump: Path):
 
 
 def test_chrome_trace_has_a_process_per_rank_and_a_thread_per_lane(two_rank_dump: Path):
-    events = chrome_trace(load(two_rank_dump))["traceEvents"]
-    names = {(e["pid"], e["tid"], e["args"]["name"]) for e in events if e["name"].endswith("name")}
+    events = chrome_trace(rank_processes(load(two_rank_dump)))["traceEvents"]
+    names = {
+        (e["pid"], e.get("tid"), e["args"]["name"]) for e in events if e["name"].endswith("name")
+    }
     assert names == {
-        (0, 0, "rank 0"),
+        (0, None, "rank 0"),
         (0, 1, "compute"),
         (0, 2, "comm"),
-        (1, 0, "rank 1"),
+        (1, None, "rank 1"),
         (1, 1, "compute"),
         (1, 2, "comm"),
     }
@@ -303,7 +328,7 @@ def test_without_timelines_the_page_says_so(tmp_path: Path):
     page = render_html(dump)
     assert "No site in this dump has a predicted timeline" in page
     assert "<svg" not in page
-    assert [e for e in chrome_trace(dump)["traceEvents"] if e["ph"] == "X"] == []
+    assert [e for e in chrome_trace(rank_processes(dump))["traceEvents"] if e["ph"] == "X"] == []
 
 
 def test_page_is_self_contained(two_rank_dump: Path):
@@ -319,8 +344,56 @@ def test_code_and_text_are_escaped(tmp_path: Path):
     (root / "rank0" / "graph000_forward_after.py").write_text(AFTER + f"    # {hostile}\n")
     page = render_html(load(root))
     assert "<script>alert" not in page and "<g>" not in page
-    assert page.count("&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt; &amp;") == 2
+    assert page.count("&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; &amp;") == 2
     assert SiteTable(page).column("reason") == [hostile]
+
+
+def test_timeline_draws_only_labels_that_fit(tmp_path: Path):
+    """A site's label, else a shorter one, where it fits its band; the tooltip names it."""
+    wide, narrow = [event("compute", 0, 0.0, 1000.0)], [event("compute", 0, 0.0, 1.0)]
+    root = write_dump(
+        tmp_path, {0: [ag_mm_site(0, wide), ag_mm_site(1, narrow), ag_mm_site(2, wide)]}
+    )
+    page = render_html(load(root))
+    assert texts(page, "text", "site") == ["site 0 (ag_mm)", "site 2 (ag_mm)"]
+    assert texts(page, "text", "step") == ["0", "0"]  # the narrow box has none
+    assert "<title>site 1 (ag_mm), rewritten" in page
+
+
+@pytest.mark.parametrize(
+    ("end_us", "unit", "ticks", "tooltip"),
+    [
+        (33.0, "µs", ["0", "5", "10", "15", "20", "25", "30"], "0 µs to 33 µs"),
+        (25_000.0, "ms", ["0", "5", "10", "15", "20", "25"], "0 ms to 25 ms"),
+        (3e6, "s", ["0", "0.5", "1", "1.5", "2", "2.5", "3"], "0 s to 3 s"),
+    ],
+)
+def test_the_time_axis_has_one_unit_chosen_from_the_span(
+    tmp_path: Path, end_us: float, unit: str, ticks: list[str], tooltip: str
+):
+    root = write_dump(tmp_path, {0: [ag_mm_site(0, [event("comm", 0, 0.0, end_us)])]})
+    page = render_html(load(root))
+    assert texts(page, "text", "unit") == [f"time ({unit})"]
+    assert texts(page, "text", "tick") == ticks
+    assert f"comm 0, {tooltip}</title>" in page  # the tooltips too
+
+
+def test_every_colour_has_a_legend(tmp_path: Path):
+    declined = declined_mm_rs_site(1) | {"timeline": SHORT_TIMELINE}
+    page = render_html(load(write_dump(tmp_path, {0: [ag_mm_site(0, RING_TIMELINE), declined]})))
+    swatches = set(re.findall(r'<span class="swatch ([^"]+)">', page))
+    drawn = set(re.findall(r'<rect class="([^"]+)"', page))
+    assert drawn == {"band rewritten", "band declined", "compute", "comm"}
+    marked = {c.removeprefix("line ") for c in re.findall(r'<span class="(line [^"]+)"', page)}
+    assert marked == {"def rewritten", "use rewritten", "def declined", "use declined"}
+    assert drawn | marked <= swatches
+
+
+def test_the_measured_column_says_when_it_is_filled(two_rank_dump: Path):
+    page = render_html(load(two_rank_dump))
+    (title,) = re.findall(r'<th title="([^"]*)">measured \(µs\)</th>', page)
+    assert 'options={"measure": True}' in html.unescape(title)
+    assert 'options={"measure": True}' in html.unescape(texts(page, "p", "note")[0])
 
 
 def test_damaged_dumps_still_give_a_page(tmp_path: Path):
@@ -348,9 +421,9 @@ def test_damaged_dumps_still_give_a_page(tmp_path: Path):
     dump = load(root)
     page = render_html(dump)
     assert len(SiteTable(page).rows) == 2
-    assert [(e.lane, e.step, e.name, e.end_us) for e in timeline(dump.ranks[0])] == [
-        ("compute", None, "compute", 4.0)
-    ]
+    assert [
+        (e.lane, e.step, e.name, e.end_us) for s in timeline(dump.ranks[0]) for e in s.events
+    ] == [("compute", None, "compute", 4.0)]
     notes = "\n".join(dump.notes)
     assert "rank1/report.json: unreadable (JSONDecodeError" in notes
     assert "rank2/report.json: missing" in notes
@@ -397,6 +470,41 @@ def test_cli_rejects_a_directory_that_is_not_a_dump(tmp_path: Path, capsys):
     assert "is not a commfuse debug dump" in capsys.readouterr().err
 
 
+def test_cli_says_that_a_directory_does_not_exist(tmp_path: Path, capsys):
+    missing = tmp_path / "no" / "such" / "dir"
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(missing)])
+    assert exit_.value.code == 2
+    assert f"{missing} does not exist" in capsys.readouterr().err
+
+
+def test_cli_fails_when_no_rank_has_a_readable_report(tmp_path: Path, capsys):
+    root = write_dump(tmp_path, {0: [], 1: []})
+    (root / "rank0" / "report.json").write_text('{"sites": [{"kind": "ag_')  # truncated
+    (root / "rank1" / "report.json").unlink()
+    with pytest.raises(SystemExit) as exit_:
+        main(["inspect", str(root)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{root}: no rank's report.json could be read" in err
+    assert f"{root / 'rank0' / 'report.json'}: unreadable (JSONDecodeError" in err
+    assert f"{root / 'rank1' / 'report.json'}: missing" in err
+    assert not (root / "report.html").exists()
+
+
+def test_cli_warns_about_each_unreadable_rank_and_still_writes_the_page(
+    two_rank_dump: Path, capsys
+):
+    report = two_rank_dump / "rank1" / "report.json"
+    report.write_text(report.read_text()[:40])  # truncated
+    assert main(["inspect", str(two_rank_dump)]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split(" (")[0] for line in err.splitlines()] == [f"warning: {report}: unreadable"]
+    assert out.splitlines()[0] == str(two_rank_dump / "report.html")
+    page = (two_rank_dump / "report.html").read_text()
+    assert [row[0] for row in SiteTable(page).rows] == ["0", "0"]
+
+
 # ----------------------------------------------------------------------------------------
 # a dump the pass wrote
 
@@ -437,7 +545,9 @@ def test_real_dump_of_two_ranks(tmp_path: Path):
     ] * 2
     assert [row[10] for row in table.rows[:3]] == ["rewritten", "rewritten", "declined"]
     assert table.column("shapes")[0] == "gathered [2, 12, 8], dim 1"
-    assert table.column("reason")[2] == "reduce op 'max' is not 'sum'"
+    assert (
+        table.column("reason")[2] == written[0][2]["reason"] and "'max'" in written[0][2]["reason"]
+    )
     defined = {line.split("=")[0].strip() for line in code_lines(page, "def rewritten")}
     assert set(written[0][0]["nodes"]) <= defined
     assert "reduce_scatter_tensor" in {

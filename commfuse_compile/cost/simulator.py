@@ -11,9 +11,7 @@ what is simulated is exactly what the lowering emits.
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Iterable, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 from ..schedules import Transfer, by_name, slicing
 from .profiles import Profile
@@ -291,43 +289,3 @@ def _comm_event(
     name = "send " + ", ".join(f"{t.block} to {t.peer:+d}" for t in sends)
     start, end = min(s for s, _ in spans), max(e for _, e in spans)
     return [Event(rank, "comm", step, name, start, end)]
-
-
-def chrome_trace(timelines: Iterable[tuple[str, Timeline]], path: str | Path) -> None:
-    """Chrome trace-event JSON (Perfetto): a process per (label, rank), a thread per lane."""
-    events: list[dict[str, object]] = []
-    for pid, (label, timeline) in enumerate(timelines):
-        ranks = sorted({e.rank for e in timeline.events})
-        for r in ranks:
-            proc = pid * 1000 + r
-            events.append(
-                {
-                    "ph": "M",
-                    "name": "process_name",
-                    "pid": proc,
-                    "args": {"name": f"{label} rank {r}"},
-                }
-            )
-            for tid, lane in enumerate(("compute", "comm")):
-                events.append(
-                    {
-                        "ph": "M",
-                        "name": "thread_name",
-                        "pid": proc,
-                        "tid": tid,
-                        "args": {"name": lane},
-                    }
-                )
-        for e in timeline.events:
-            events.append(
-                {
-                    "ph": "X",
-                    "name": e.name,
-                    "pid": pid * 1000 + e.rank,
-                    "tid": 0 if e.lane == "compute" else 1,
-                    "ts": e.start_s * 1e6,
-                    "dur": (e.end_s - e.start_s) * 1e6,
-                    "args": {"step": e.step},
-                }
-            )
-    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

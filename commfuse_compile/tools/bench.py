@@ -37,6 +37,8 @@ import torch.distributed as dist
 from .. import report
 from ..cost.profiles import Curve
 from ..options import SCHEDULES
+from . import bench_report
+from .bench_config import OVERLAP_PROBE, BlockShape, SiteShape, Variant
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -47,23 +49,6 @@ ROW_ORDER = ("off", "slicing", "push", "ring", "bidir", "auto")  # schedules not
 REFERENCE_RATE = 1e9  # bit/s of the link while calibrating the profile ``auto`` uses
 RATE_TOLERANCE = 0.08  # accept a link rate whose comm-alone time is this close to target
 MAX_RATE_TRIES = 5  # the first one measures the matmul unthrottled
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    """One row: a schedule with its options (``off`` is the baseline)."""
-
-    label: str
-    schedule: str
-    slices: int | None = None
-
-    def options(self, profile: str | None) -> dict[str, Any]:
-        options: dict[str, Any] = {"schedule": self.schedule}
-        if self.slices is not None:
-            options["slices"] = self.slices
-        if profile is not None:
-            options["profile"] = profile
-        return options
 
 
 def variants(schedules: tuple[str, ...] = SCHEDULES) -> list[Variant]:
@@ -79,37 +64,6 @@ def variants(schedules: tuple[str, ...] = SCHEDULES) -> list[Variant]:
         else:
             rows.append(Variant(name, name))
     return rows
-
-
-@dataclasses.dataclass(frozen=True)
-class SiteShape:
-    """A TP+SP linear: sequence ``seq`` (sharded), model width ``dim``, hidden ``ffn``
-    (column-parallel up-projection ``dim -> ffn``, row-parallel down ``ffn -> dim``)."""
-
-    seq: int
-    dim: int
-    ffn: int
-
-    @property
-    def label(self) -> str:
-        return f"S={self.seq} D={self.dim} F={self.ffn}"
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockShape:
-    """The whole-layer figure's block. The sequence stays at 256: from 384 tokens on,
-    the pass declines the block's all-gather sites here ("slice sits between the
-    gathered tensor and a matmul"), so a longer block would measure the collectives."""
-
-    seq: int
-    dim: int
-    heads: int
-    hidden: int
-    batch: int = 1
-
-    @property
-    def label(self) -> str:
-        return f"S={self.seq} D={self.dim} H={self.heads} F={self.hidden} B={self.batch}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +243,6 @@ class SiteJob:
     breakdown_reps: int = 3
 
 
-OVERLAP_PROBE = "both at once"  # the machine's own overlap: see ``_comm``
 NODE_CATEGORIES = ("matmul", "comm issue", "comm wait", "other")
 
 
@@ -454,18 +407,6 @@ def calibrate_link(rank: int, n: int, reps: int) -> Any:
 # In the parent: choose rates, run the jobs, collect
 
 
-def slowest(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
-    """Per label and repetition, the slowest rank's time (the step's time)."""
-    return {
-        label: [max(ts) for ts in zip(*(r[label] for r in per_rank), strict=True)]
-        for label in per_rank[0]
-    }
-
-
-def summary(times: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
-
-
 class Progress:
     """One line per stage, with the elapsed time: what the run is doing now."""
 
@@ -555,7 +496,7 @@ def _choose_rate(
     for _ in range(MAX_RATE_TRIES):
         network.set_rate(rate)
         per_rank = ranks.run(site_alone, kind, shape, reps)
-        times = slowest([r["times"] for r in per_rank])
+        times = bench_report.slowest([r["times"] for r in per_rank])
         matmul, comm = statistics.median(times["matmul"]), statistics.median(times["comm"])
         tries.append({"rate_bits_per_s": rate or math.inf, "matmul_s": matmul, "comm_s": comm})
         target = ratio * matmul
@@ -578,7 +519,6 @@ def run(
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """The whole benchmark; writes ``out``/results.json, results.md, speedup.svg."""
-    from . import bench_report
     from .calibrate import profile_from
     from .netns import throttled_ranks
 
@@ -681,7 +621,6 @@ def _run_block(
 ) -> dict[str, Any]:
     """The block's step, with and without the pass, on a link whose rate makes the
     baseline's communication ``block_ratio`` times its compute."""
-    from . import bench_report
 
     shape = preset.block
     wanted = preset.block_schedules
@@ -694,7 +633,7 @@ def _run_block(
 
     def step_s(rate: float | None) -> float:
         network.set_rate(rate)
-        return slowest(ranks.run(block_times, [label], 0, 1))[label][0]
+        return bench_report.slowest(ranks.run(block_times, [label], 0, 1))[label][0]
 
     rate = math.inf
     compute_s = statistics.median(step_s(None) for _ in range(3))
@@ -719,7 +658,7 @@ def _run_block(
         f"block: {len(block_rows)} rows x 1+{preset.block_reps} at {rate / 1e6:.0f} Mbit/s"
     )
     labels = [v.label for v in block_rows]
-    times = slowest(ranks.run(block_times, labels, 1, preset.block_reps))
+    times = bench_report.slowest(ranks.run(block_times, labels, 1, preset.block_reps))
     block = bench_report.block_result(shape, rate, compute_s, times, sites, preset.block_ratio)
     echo(bench_report.format_block(block))
     return block

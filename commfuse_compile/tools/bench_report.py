@@ -2,21 +2,25 @@
 
 Every row gets its median time (min and max kept), its speedup over the baseline
 (collective then matmul), its time over ``max(matmul alone, comm alone)`` (1.00 =
-perfect overlap) and the cost model's predicted time. The plot is written by hand as
-SVG (no plotting dependency): speedup against the comm/compute ratio, per schedule.
+perfect overlap) and the cost model's predicted time. The plot (matplotlib, as SVG) is
+the speedup against the comm/compute ratio, per schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import html
+import functools
 import json
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .bench import OVERLAP_PROBE, BlockShape, SiteShape, Variant, slowest, summary
+import matplotlib
+from matplotlib.figure import Figure
+
+from .bench_config import OVERLAP_PROBE, BlockShape, SiteShape, Variant
 
 KIND_TITLES = {"ag_mm": "all-gather -> matmul", "mm_rs": "matmul -> reduce-scatter"}
 OVERLAP_LIMIT = 1.15  # targets: ring and bidir near the limit at comm/compute 1 ...
@@ -25,6 +29,19 @@ AUTO_PAYS = 1.10  # where a schedule beats the baseline by more than this ...
 AUTO_NEAR_BEST = 1.05  # ... auto is within this of the best row
 AUTO_BLOCK = 0.95  # the whole block: auto at least this fraction of the best speedup
 MODEL_ERROR = 0.25  # predicted vs measured, every row of every cell
+
+
+def slowest(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    """Per label and repetition, the slowest rank's time (the step's time)."""
+    return {
+        label: [max(ts) for ts in zip(*(r[label] for r in per_rank), strict=True)]
+        for label in per_rank[0]
+    }
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    """Median, min and max of one row's times."""
+    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
 def site_cell(
@@ -396,7 +413,7 @@ def format_targets(targets: list[dict[str, Any]]) -> str:
 def write(results: dict[str, Any], out: Path) -> None:
     """results.json, results.md and speedup.svg in ``out``."""
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (out / "speedup.svg").write_text(speedup_svg(results))
+    plot_speedup(results, out / "speedup.svg")
     (out / "results.md").write_text(markdown(results))
 
 
@@ -562,9 +579,6 @@ def _block_table(block: dict[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------------------
 # Plot
 
-COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
-PANEL_W, PANEL_H, MARGIN_L, MARGIN_B, MARGIN_T, LEGEND_W = 380, 280, 50, 40, 44, 170
-
 
 def _reference(cell: dict[str, Any], what: str) -> float:
     """The speedup over this cell's measured baseline of perfect overlap (time = limit)
@@ -573,114 +587,62 @@ def _reference(cell: dict[str, Any], what: str) -> float:
     return baseline / (cell["limit_s"] if what == "perfect" else cell["n_block_bound_s"])
 
 
+def _speedup(cell: dict[str, Any], label: str) -> float:
+    return next(r["speedup"] for r in cell["rows"] if r["label"] == label)
+
+
 def _by_ratio(
-    cells: list[dict[str, Any]], ratios: list[float], value: Any
-) -> list[tuple[float, float, list[float]]]:
-    """Per ratio: (ratio, geometric mean over sizes, the values) of ``value(cell)``."""
-    out = []
-    for ratio in ratios:
-        values = [value(c) for c in cells if c["ratio"] == ratio]
-        if values:
-            out.append((ratio, statistics.geometric_mean(values), values))
-    return out
+    cells: list[dict[str, Any]], value: Callable[[dict[str, Any]], float]
+) -> tuple[list[float], list[float]]:
+    """Per ratio of ``cells``: the ratio and the geometric mean over sizes of ``value``."""
+    ratios = sorted({c["ratio"] for c in cells})
+    means = [
+        statistics.geometric_mean(value(c) for c in cells if c["ratio"] == ratio)
+        for ratio in ratios
+    ]
+    return ratios, means
 
 
-def speedup_svg(results: dict[str, Any]) -> str:
+def plot_speedup(results: dict[str, Any], path: Path) -> None:
     """Speedup over the baseline against comm/compute, one panel per site kind: a line per
     schedule through the geometric mean over sizes, a dot per size; gray: what perfect
     overlap and the best schedule of n blocks would gain over the same measured baseline."""
     kinds = [k for k in KIND_TITLES if any(c["kind"] == k for c in results["sites"])]
-    n = results["meta"]["world_size"]
-    ratios = sorted({c["ratio"] for c in results["sites"]}) or [1.0]
     labels = [r["label"] for r in results["sites"][0]["rows"][1:]] if results["sites"] else []
-    speedups = [r["speedup"] for c in results["sites"] for r in c["rows"]]
-    perfect = [_reference(c, "perfect") for c in results["sites"]]
-    y_max = math.ceil(max([2.0, *speedups, *perfect]) * 1.1 * 2) / 2
-    lo, hi = math.log2(ratios[0]) - 0.3, math.log2(ratios[-1]) + 0.3
-    width = MARGIN_L + len(kinds) * (PANEL_W + MARGIN_L) + LEGEND_W
-    height = MARGIN_T + PANEL_H + MARGIN_B + 20
+    n = results["meta"]["world_size"]
+    figure = Figure(figsize=(4.5 * max(len(kinds), 1) + 2, 4), layout="constrained")
+    axes = figure.subplots(1, max(len(kinds), 1), sharey=True, squeeze=False)[0]
+    for ax, kind in zip(axes, kinds, strict=False):
+        cells = [c for c in results["sites"] if c["kind"] == kind]
+        ax.axhline(1.0, color="0.6", linewidth=1, label="baseline")
+        for what, style, name in (
+            ("perfect", "--", "perfect overlap"),
+            ("bound", ":", f"best with {n} blocks"),
+        ):
+            reference = functools.partial(_reference, what=what)
+            ax.plot(*_by_ratio(cells, reference), color="0.6", linestyle=style, label=name)
+        for label in labels:
+            speedup = functools.partial(_speedup, label=label)
+            (line,) = ax.plot(*_by_ratio(cells, speedup), marker="o", label=label)
+            ax.scatter(
+                [c["ratio"] for c in cells],
+                [speedup(c) for c in cells],
+                color=line.get_color(),
+                alpha=0.4,
+                s=8,
+            )
+        ratios = sorted({c["ratio"] for c in cells})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ratios, [f"{r:g}" for r in ratios])
+        ax.set_xlabel("comm alone / matmul alone")
+        ax.set_title(KIND_TITLES[kind])
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("speedup over the baseline")
+    axes[0].set_ylim(bottom=0)
+    axes[-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
     title = "speedup over collective-then-matmul"
     if not results["meta"]["network"]["throttled"]:
         title += " (UNTHROTTLED: not meaningful)"
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        'font-family="sans-serif" font-size="11">',
-        f'<rect width="{width}" height="{height}" fill="white"/>',
-        f'<text x="{width / 2}" y="16" text-anchor="middle" font-size="13">'
-        f"{html.escape(title)}</text>",
-    ]
-    for p, kind in enumerate(kinds):
-        x0 = MARGIN_L + p * (PANEL_W + MARGIN_L)
-
-        def x_of(ratio: float, x0: int = x0) -> float:
-            return x0 + (math.log2(ratio) - lo) / (hi - lo) * PANEL_W
-
-        def y_of(value: float) -> float:
-            return MARGIN_T + PANEL_H - value / y_max * PANEL_H
-
-        out.append(
-            f'<rect x="{x0}" y="{MARGIN_T}" width="{PANEL_W}" height="{PANEL_H}" '
-            'fill="none" stroke="#444"/>'
-        )
-        out.append(
-            f'<text x="{x0 + PANEL_W / 2}" y="{MARGIN_T - 6}" text-anchor="middle">'
-            f"{html.escape(KIND_TITLES[kind])}</text>"
-        )
-        for tick in [i / 2 for i in range(int(y_max * 2) + 1)]:
-            y = y_of(tick)
-            out.append(
-                f'<line x1="{x0}" x2="{x0 + PANEL_W}" y1="{y:.1f}" y2="{y:.1f}" '
-                f'stroke="#{"999" if tick == 1 else "eee"}"/>'
-            )
-            out.append(f'<text x="{x0 - 5}" y="{y + 4:.1f}" text-anchor="end">{tick:g}</text>')
-        for ratio in ratios:
-            x = x_of(ratio)
-            out.append(
-                f'<text x="{x:.1f}" y="{MARGIN_T + PANEL_H + 15}" '
-                f'text-anchor="middle">{ratio:g}</text>'
-            )
-        out.append(
-            f'<text x="{x0 + PANEL_W / 2}" y="{MARGIN_T + PANEL_H + 32}" text-anchor="middle">'
-            "comm alone / matmul alone</text>"
-        )
-        cells = [c for c in results["sites"] if c["kind"] == kind]
-        for what, dash in (("perfect", "5,4"), ("bound", "2,3")):
-            line = _by_ratio(cells, ratios, lambda c, what=what: _reference(c, what))
-            out.append(_polyline([(x_of(r), y_of(m)) for r, m, _ in line], "#999", dash))
-        for i, label in enumerate(labels):
-            color = COLORS[i % len(COLORS)]
-
-            def speedup(cell: dict[str, Any], label: str = label) -> float:
-                return next(r["speedup"] for r in cell["rows"] if r["label"] == label)
-
-            line = _by_ratio(cells, ratios, speedup)
-            for ratio, _, values in line:
-                out += [
-                    f'<circle cx="{x_of(ratio):.1f}" cy="{y_of(v):.1f}" r="2" '
-                    f'fill="{color}" fill-opacity="0.4"/>'
-                    for v in values
-                ]
-            out.append(_polyline([(x_of(r), y_of(m)) for r, m, _ in line], color))
-            out += [
-                f'<circle cx="{x_of(r):.1f}" cy="{y_of(m):.1f}" r="3.5" fill="{color}"/>'
-                for r, m, _ in line
-            ]
-    legend_x = MARGIN_L + len(kinds) * (PANEL_W + MARGIN_L) - 20
-    entries = [(label, COLORS[i % len(COLORS)], "") for i, label in enumerate(labels)]
-    entries += [
-        ("perfect overlap", "#999", "5,4"),
-        (f"best with {n} blocks", "#999", "2,3"),
-        ("baseline", "#999", ""),
-    ]
-    for i, (label, color, dash) in enumerate(entries):
-        y = MARGIN_T + 10 + i * 18
-        out.append(_polyline([(legend_x, y), (legend_x + 22, y)], color, dash))
-        out.append(f'<text x="{legend_x + 28}" y="{y + 4}">{html.escape(label)}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
-def _polyline(points: list[tuple[float, float]], color: str, dash: str = "") -> str:
-    coords = " ".join(f"{x:.1f},{y:.1f}" for x, y in points)
-    style = f' stroke-dasharray="{dash}"' if dash else ""
-    return f'<polyline points="{coords}" fill="none" stroke="{color}" stroke-width="2"{style}/>'
+    figure.suptitle(title)
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "commfuse"}):
+        figure.savefig(path, format="svg")  # text as text, ids the same on every run

@@ -5,29 +5,41 @@ The dump is what every rank writes with ``debug_dir``: ``DIR/rank<r>/report.json
 before and after the pass with each site's nodes highlighted, one table of every site of
 every rank, and each rank's predicted timeline (the ``timeline`` of the site records) as
 inline SVG; ``trace.json`` holds the same timeline as Chrome trace events (Perfetto).
-Nothing is fetched from anywhere: the page must open from a file on a machine offline.
+Nothing is fetched from anywhere: the page must open from a file on a machine offline,
+so the templates (``templates/inspect.*``) inline their style and script.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import html
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-LANES = ("compute", "comm")
+import jinja2
+
+from .trace import LANES, Process, Span, chrome_trace
+
 _RANK_DIR = re.compile(r"rank(\d+)")
 _GRAPH_FILE = re.compile(r"graph(\d+)_(\w+)_(before|after)\.py")
 _DEFINED = re.compile(r"\s*([A-Za-z_]\w*)\s*=")
 _IDENTIFIER = re.compile(r"(?<![\w.])[A-Za-z_]\w*")  # not an attribute: torch.ops.aten.addmm
+_TEMPLATES = jinja2.Environment(
+    loader=jinja2.PackageLoader("commfuse_compile.tools", "templates"),
+    autoescape=True,  # every value is text: code, reasons, names from the dump
+    undefined=jinja2.StrictUndefined,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
 
 
 class NotADumpError(ValueError):
-    """The directory given to ``inspect`` holds no ``rank<r>`` directory of a debug dump."""
+    """The directory given to ``inspect`` is not a debug dump it can show: it does not
+    exist, holds no ``rank<r>`` directory, or no rank's report.json can be read."""
 
 
 @dataclasses.dataclass
@@ -36,6 +48,10 @@ class GraphCode:
     kind: str  # "forward" | "backward" | "inference" | "export"
     before: str | None = None
     after: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"graph{self.index:03d} {self.kind}"
 
 
 @dataclasses.dataclass
@@ -72,6 +88,7 @@ class RankDump:
     rank: int
     graphs: list[GraphCode]
     sites: list[DumpedSite]
+    report_error: str | None  # why its report.json gave no sites (None: it was read)
 
 
 @dataclasses.dataclass
@@ -83,9 +100,8 @@ class Dump:
 
 @dataclasses.dataclass(frozen=True)
 class PlacedEvent:
-    """A timeline event at its place on the rank's timeline (sites one after another)."""
+    """A timeline event at its place on the rank's timeline."""
 
-    site: DumpedSite
     lane: str
     step: int | None
     name: str
@@ -93,12 +109,28 @@ class PlacedEvent:
     end_us: float
 
 
+@dataclasses.dataclass(frozen=True)
+class PlacedSite:
+    """A site's events on the rank's timeline, which runs its sites one after another:
+    the site starts where the previous one ended (its own time 0) and ends at its last
+    event's end."""
+
+    site: DumpedSite
+    start_us: float
+    end_us: float
+    events: list[PlacedEvent]
+
+
 def inspect_dump(debug_dir: str | Path) -> list[Path]:
-    """Write ``report.html`` and ``trace.json`` into the dump; returns their paths."""
+    """Write ``report.html`` and ``trace.json`` into the dump; returns their paths. Each
+    rank whose report could not be read gets a warning on stderr (and a note on the page)."""
     dump = load(debug_dir)
+    for rank in dump.ranks:
+        if rank.report_error is not None:
+            print(f"warning: {rank.report_error}", file=sys.stderr)
     page, trace = dump.path / "report.html", dump.path / "trace.json"
     page.write_text(render_html(dump), encoding="utf-8")
-    trace.write_text(json.dumps(chrome_trace(dump), indent=1), encoding="utf-8")
+    trace.write_text(json.dumps(chrome_trace(rank_processes(dump)), indent=1), encoding="utf-8")
     return [page, trace]
 
 
@@ -108,9 +140,13 @@ def inspect_dump(debug_dir: str | Path) -> list[Path]:
 
 def load(debug_dir: str | Path) -> Dump:
     path = Path(debug_dir)
+    if not path.exists():
+        raise NotADumpError(f"{path} does not exist")
+    if not path.is_dir():
+        raise NotADumpError(f"{path} is not a directory")
     rank_dirs = sorted(
         (int(m.group(1)), p)
-        for p in (path.iterdir() if path.is_dir() else ())
+        for p in path.iterdir()
         if p.is_dir() and (m := _RANK_DIR.fullmatch(p.name))
     )
     if not rank_dirs:
@@ -118,13 +154,18 @@ def load(debug_dir: str | Path) -> Dump:
     dump = Dump(path=path, ranks=[], notes=[])
     for rank, rank_dir in rank_dirs:
         graphs = _load_graphs(rank_dir)
-        records = _load_records(rank_dir / "report.json", dump.notes)
+        records, error = _load_records(rank_dir / "report.json")
         sites = [DumpedSite(rank, record) for record in records]
         _assign_graphs(sites, graphs)
+        if error is not None:
+            dump.notes.append(error)
         unplaced = [s.label for s in sites if s.graph is None]
         if unplaced:
             dump.notes.append(f"rank {rank}: no graph found for {', '.join(unplaced)}")
-        dump.ranks.append(RankDump(rank, graphs, sites))
+        dump.ranks.append(RankDump(rank, graphs, sites, error))
+    if all(rank.report_error is not None for rank in dump.ranks):
+        errors = "".join(f"\n  {rank.report_error}" for rank in dump.ranks)
+        raise NotADumpError(f"{path}: no rank's report.json could be read:{errors}")
     return dump
 
 
@@ -140,19 +181,18 @@ def _load_graphs(rank_dir: Path) -> list[GraphCode]:
     return [graphs[i] for i in sorted(graphs)]
 
 
-def _load_records(report: Path, notes: list[str]) -> list[dict[str, Any]]:
+def _load_records(report: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """The site records of a rank's report.json, and why there are none if it cannot be
+    read (None: it was read)."""
     try:
         sites = json.loads(report.read_text(encoding="utf-8")).get("sites")
     except FileNotFoundError:
-        notes.append(f"{report}: missing (the rank wrote no report)")
-        return []
+        return [], f"{report}: missing (the rank wrote no report)"
     except (OSError, ValueError, AttributeError) as err:
-        notes.append(f"{report}: unreadable ({type(err).__name__}: {err})")
-        return []
+        return [], f"{report}: unreadable ({type(err).__name__}: {err})"
     if not isinstance(sites, list):
-        notes.append(f"{report}: no 'sites' list")
-        return []
-    return [s for s in sites if isinstance(s, dict)]
+        return [], f"{report}: no 'sites' list"
+    return [s for s in sites if isinstance(s, dict)], None
 
 
 def _assign_graphs(sites: list[DumpedSite], graphs: list[GraphCode]) -> None:
@@ -190,36 +230,39 @@ def _defined_names(code: str) -> set[str]:
 # timeline
 
 
-def timeline(rank: RankDump) -> list[PlacedEvent]:
-    """The rank's sites one after another, each site's events shifted to where the
-    previous site with a timeline ended; malformed events are left out."""
-    placed: list[PlacedEvent] = []
+def timeline(rank: RankDump) -> list[PlacedSite]:
+    """The rank's sites that have a timeline, one after another; malformed events are
+    left out."""
+    placed: list[PlacedSite] = []
     offset = 0.0
     for site in rank.sites:
         raw = site.record.get("timeline")
-        events = [e for e in map(_event, raw if isinstance(raw, list) else []) if e is not None]
-        if not events:
-            continue
-        for lane, step, name, start, end in events:
-            placed.append(PlacedEvent(site, lane, step, name, offset + start, offset + end))
-        offset += max(end for *_, end in events)
+        events = [e for e in (_event(r, offset) for r in _list(raw)) if e is not None]
+        if events:
+            end = max(e.end_us for e in events)
+            placed.append(PlacedSite(site, offset, end, events))
+            offset = end
     return placed
 
 
-def _event(raw: object) -> tuple[str, int | None, str, float, float] | None:
-    """(lane, step, name, start, end) of one timeline event; None if it is malformed."""
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _event(raw: object, offset_us: float) -> PlacedEvent | None:
+    """One timeline event of report.json, shifted by ``offset_us``; None if malformed."""
     if not isinstance(raw, dict) or raw.get("lane") not in LANES:
         return None
     start, end = _number(raw.get("start_us")), _number(raw.get("end_us"))
     if start is None or end is None or end < start:
         return None
     step, name = raw.get("step"), raw.get("name")
-    return (
+    return PlacedEvent(
         raw["lane"],
         step if isinstance(step, int) and not isinstance(step, bool) else None,
         name if isinstance(name, str) else raw["lane"],
-        start,
-        end,
+        offset_us + start,
+        offset_us + end,
     )
 
 
@@ -230,108 +273,86 @@ def _number(value: object) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def chrome_trace(dump: Dump) -> dict[str, Any]:
-    """Trace-event JSON: a process per rank, a thread per lane, one "X" event per event."""
-    events: list[dict[str, Any]] = []
-    for rank in dump.ranks:
-        events.append(_metadata("process_name", rank.rank, 0, {"name": f"rank {rank.rank}"}))
-        events.append(_metadata("process_sort_index", rank.rank, 0, {"sort_index": rank.rank}))
-        for tid, lane in enumerate(LANES, start=1):
-            events.append(_metadata("thread_name", rank.rank, tid, {"name": lane}))
-            events.append(_metadata("thread_sort_index", rank.rank, tid, {"sort_index": tid}))
-        for event in timeline(rank):
-            record = event.site.record
-            events.append(
-                {
-                    "name": event.name,
-                    "cat": str(record.get("kind", "site")),
-                    "ph": "X",
-                    "ts": event.start_us,
-                    "dur": event.end_us - event.start_us,
-                    "pid": rank.rank,
-                    "tid": LANES.index(event.lane) + 1,
-                    "args": {
-                        "site": record.get("site"),
-                        "step": event.step,
-                        "graph": record.get("graph"),
-                        "schedule": record.get("schedule"),
-                        "decision": record.get("decision"),
-                    },
-                }
-            )
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+def rank_processes(dump: Dump) -> list[Process]:
+    """The dump's timelines for ``trace.chrome_trace``: a process per rank."""
+    return [
+        Process(
+            rank.rank,
+            f"rank {rank.rank}",
+            [_span(placed.site, event) for placed in timeline(rank) for event in placed.events],
+        )
+        for rank in dump.ranks
+    ]
 
 
-def _metadata(name: str, pid: int, tid: int, args: dict[str, Any]) -> dict[str, Any]:
-    return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
+def _span(site: DumpedSite, event: PlacedEvent) -> Span:
+    record = site.record
+    args = {"step": event.step} | {
+        k: record.get(k) for k in ("site", "graph", "schedule", "decision")
+    }
+    return Span(
+        event.lane, event.name, str(record.get("kind", "site")), event.start_us, event.end_us, args
+    )
 
 
 # ----------------------------------------------------------------------------------------
-# the page
+# the page: the values the template shows, computed here
 
 
 def render_html(dump: Dump) -> str:
     sites = [s for r in dump.ranks for s in r.sites]
-    rewritten = sum(s.decision == "rewritten" for s in sites)
-    notes = "".join(f"<li>{_e(n)}</li>" for n in dump.notes)
-    body = [
-        f"<h1>CommFuse report: {_e(str(dump.path))}</h1>",
-        f"<p>{len(dump.ranks)} rank(s), {sum(len(r.graphs) for r in dump.ranks)} graph(s), "
-        f"{len(sites)} site(s): {rewritten} rewritten, {len(sites) - rewritten} declined.</p>",
-        f'<ul class="notes">{notes}</ul>' if notes else "",
-        "<h2>Sites</h2>",
-        _site_table(sites),
-        "<h2>Predicted timeline</h2>",
-        _timelines(dump),
-        "<h2>Graphs</h2>",
-        *(_graphs(rank, open_=rank is dump.ranks[0]) for rank in dump.ranks),
-    ]
-    return _PAGE.format(title=_e(f"CommFuse report: {dump.path}"), body="\n".join(body))
-
-
-def _site_table(sites: list[DumpedSite]) -> str:
-    headers = (
-        *("rank", "site", "graph", "kind", "shapes", "matmuls", "group", "schedule"),
-        *("predicted (µs)", "measured (µs)", "decision", "reason"),
-    )
-    rows = []
-    for site in sites:
-        r = site.record
-        cells = [
-            str(site.rank),
-            _e(str(r.get("site", ""))),
-            _graph_link(site),
-            _e(str(r.get("kind", ""))),
-            _shapes(r),
-            _matmuls(site),
-            _e(f"{r.get('group', '')} ({r['group_size']} ranks)" if "group_size" in r else ""),
-            _e(str(r.get("schedule", ""))),
-            _times(r.get("predicted_us"), _chosen(r)),
-            _times(r.get("measured_us"), _chosen(r)),
-            f'<span class="{_e(site.decision)}">{_e(site.decision)}</span>',
-            _e(str(r.get("reason", ""))),
-        ]
-        rows.append(
-            f'<tr data-rank="{site.rank}" data-site="{_e(str(r.get("site", "")))}">'
-            + "".join(f"<td>{c}</td>" for c in cells)
-            + "</tr>"
-        )
-    head = "".join(f"<th>{h}</th>" for h in headers)
-    return (
-        '<p><input id="site-filter" type="search" placeholder="filter: rank, kind, reason..."> '
-        '<span id="site-count"></span></p>'
-        f'<table id="sites"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+    return _TEMPLATES.get_template("inspect.html").render(
+        dump=dump,
+        graph_count=sum(len(r.graphs) for r in dump.ranks),
+        rows=[_row(site) for site in sites],
+        rewritten=sum(s.decision == "rewritten" for s in sites),
+        timelines=_timelines(dump),
+        graphs=[
+            (rank.rank, [_graph(rank, graph, open_=rank is dump.ranks[0]) for graph in rank.graphs])
+            for rank in dump.ranks
+        ],
     )
 
 
-def _graph_link(site: DumpedSite) -> str:
-    if site.graph is None:
-        return _e(f"{site.record.get('graph', '?')} (not found)")
-    name = f"graph{site.graph.index:03d} {site.graph.kind}"
-    return f'<a href="#{_graph_id(site.rank, site.graph)}">{_e(name)}</a>'
+@dataclasses.dataclass(frozen=True)
+class _Row:
+    """A row of the site table: each cell's text, multi-line cells as lists."""
+
+    rank: int
+    site: str
+    graph: str
+    graph_href: str | None  # None: the site's graph was not found
+    kind: str
+    shapes: list[str]
+    matmuls: list[str]
+    group: str
+    schedule: str
+    predicted: list[tuple[str, bool]]  # (line, whether it is the chosen schedule's)
+    measured: list[tuple[str, bool]]
+    decision: str
+    reason: str
 
 
-def _shapes(record: dict[str, Any]) -> str:
+def _row(site: DumpedSite) -> _Row:
+    r, graph = site.record, site.graph
+    return _Row(
+        rank=site.rank,
+        site=str(r.get("site", "")),
+        graph=graph.name if graph else f"{r.get('graph', '?')} (not found)",
+        graph_href=f"#{_graph_id(site.rank, graph)}" if graph else None,
+        kind=str(r.get("kind", "")),
+        shapes=_shapes(r),
+        matmuls=_matmuls(site),
+        group=f"{r.get('group', '')} ({r['group_size']} ranks)" if "group_size" in r else "",
+        schedule=str(r.get("schedule", "")),
+        predicted=_times(r.get("predicted_us"), _chosen(r)),
+        measured=_times(r.get("measured_us"), _chosen(r)),
+        decision=site.decision,
+        reason=str(r.get("reason", "")),
+    )
+
+
+def _shapes(record: dict[str, Any]) -> list[str]:
     parts = []
     for key, dim_key, label in (
         ("gathered_shape", "gather_dim", "gathered"),
@@ -341,16 +362,16 @@ def _shapes(record: dict[str, Any]) -> str:
         if isinstance(shape, list) and shape:
             dim = f", dim {record[dim_key]}" if dim_key in record else ""
             parts.append(f"{label} {shape}{dim}")
-    return "<br>".join(_e(p) for p in parts)
+    return parts
 
 
-def _matmuls(site: DumpedSite) -> str:
+def _matmuls(site: DumpedSite) -> list[str]:
     roles = site.record.get("roles")
     roles = roles if isinstance(roles, dict) else {}
     names = [f"{m} ({roles[m]})" if m in roles else m for m in site.names("matmuls")]
     if isinstance(site.record.get("blocks"), str):
         names.append(f"blocks: {site.record['blocks']}")
-    return "<br>".join(_e(n) for n in names)
+    return names
 
 
 def _chosen(record: dict[str, Any]) -> str:
@@ -359,145 +380,186 @@ def _chosen(record: dict[str, Any]) -> str:
     return "collective" if schedule == "off" else schedule
 
 
-def _times(value: object, chosen: str) -> str:
-    """Microseconds: one number, or one per schedule with the chosen one in bold."""
+def _times(value: object, chosen: str) -> list[tuple[str, bool]]:
+    """Microseconds: one number, or one per schedule, marking the chosen one's."""
     if (us := _number(value)) is not None:
-        return _e(f"{us:,.1f}")
+        return [(f"{us:,.1f}", False)]
     if not isinstance(value, dict):
-        return ""
+        return []
     lines = []
     for schedule, raw in value.items():
         us = _number(raw)
-        text = _e(f"{schedule} {us:,.1f}" if us is not None else f"{schedule} {raw}")
-        lines.append(f"<b>{text}</b>" if schedule == chosen else text)
-    return "<br>".join(lines)
+        text = f"{schedule} {us:,.1f}" if us is not None else f"{schedule} {raw}"
+        lines.append((text, schedule == chosen))
+    return lines
 
 
-# -- timeline as SVG
+# -- the timelines as SVG, every rank on one time scale
 
-_LEFT, _PLOT_WIDTH, _TOP, _LANE_HEIGHT, _LANE_GAP, _AXIS = 80, 960, 18, 24, 6, 22
+_LEFT, _PLOT_WIDTH, _TOP, _LANE_HEIGHT, _LANE_GAP, _AXIS = 80, 1150, 18, 24, 6, 22
+_CHAR_WIDTH = 6.2  # px of a character of the SVG's 11px sans-serif, about (DejaVu: 6.1)
+_UNITS = ((1e6, "s"), (1e3, "ms"), (1.0, "µs"))
 
 
-def _timelines(dump: Dump) -> str:
+@dataclasses.dataclass(frozen=True)
+class _Box:
+    """A rectangle of a timeline with its tooltip and, if one fits its width, a label
+    centred over it at ``label_y``."""
+
+    css_class: str
+    x: float
+    y: float
+    width: float
+    height: float
+    tooltip: str
+    label: str | None
+    label_y: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _TimelineSvg:
+    rank: int
+    width: float
+    height: float
+    bands: list[_Box]  # one under each site's events, coloured by its decision
+    events: list[_Box]
+    lanes: list[tuple[str, float]]  # (lane, y of its label)
+    ticks: list[tuple[float, str]]  # (x, value in the axis's unit)
+    unit: str
+    lanes_bottom: float
+
+
+def _timelines(dump: Dump) -> list[_TimelineSvg]:
+    """Every rank's timeline on one time scale, the longest rank's; none if no site has
+    a timeline."""
     placed = {rank.rank: timeline(rank) for rank in dump.ranks}
-    if not any(placed.values()):
-        return (
-            '<p class="empty">No site in this dump has a predicted timeline (the "timeline" '
-            "of a site in report.json), so there is nothing to draw.</p>"
-        )
-    span = max(e.end_us for events in placed.values() for e in events) or 1.0
-    parts = [
-        "<p>Each rank's sites one after another (the cost model's prediction of the chosen "
-        'schedule), on one time scale; <span class="key compute">compute</span> and '
-        '<span class="key comm">comm</span> lanes. <code>trace.json</code> holds the same '
-        "events for Perfetto or chrome://tracing.</p>"
-    ]
-    for rank in dump.ranks:
-        parts.append(f"<h3>rank {rank.rank}</h3>")
-        parts.append(_svg(placed[rank.rank], span) if placed[rank.rank] else "<p>no timeline</p>")
-    return "\n".join(parts)
+    span_us = max((s.end_us for sites in placed.values() for s in sites), default=0.0)
+    if span_us <= 0:
+        return []
+    return [_timeline_svg(rank, sites, span_us) for rank, sites in placed.items()]
 
 
-def _svg(events: list[PlacedEvent], span_us: float) -> str:
+def _timeline_svg(rank: int, sites: list[PlacedSite], span_us: float) -> _TimelineSvg:
     scale = _PLOT_WIDTH / span_us
-    height = _TOP + len(LANES) * (_LANE_HEIGHT + _LANE_GAP) + _AXIS
-    lanes_bottom = height - _AXIS
-    out = [
-        f'<svg class="timeline" viewBox="0 0 {_LEFT + _PLOT_WIDTH + 10} {height}" '
-        f'width="{_LEFT + _PLOT_WIDTH + 10}" height="{height}" role="img">'
-    ]
-    sites: dict[int, tuple[DumpedSite, float, float]] = {}
-    for event in events:
-        first, last = sites.get(id(event.site), (event.site, event.start_us, event.end_us))[1:]
-        sites[id(event.site)] = (event.site, min(first, event.start_us), max(last, event.end_us))
-    for n, (site, start, end) in enumerate(sites.values()):
-        x = _LEFT + start * scale
-        out.append(
-            f'<rect class="band{n % 2}" x="{x:.2f}" y="{_TOP}" '
-            f'width="{max((end - start) * scale, 0.5):.2f}" height="{lanes_bottom - _TOP}">'
-            f"<title>{_e(site.label)}</title></rect>"
-            f'<text class="site" x="{x + 2:.2f}" y="{_TOP - 5}">{_e(site.label)}</text>'
+    divisor, unit = _unit(span_us)
+    lane_top = {
+        lane: _TOP + row * (_LANE_HEIGHT + _LANE_GAP) + _LANE_GAP / 2
+        for row, lane in enumerate(LANES)
+    }
+    lanes_bottom = _TOP + len(LANES) * (_LANE_HEIGHT + _LANE_GAP)
+
+    def at(us: float) -> str:
+        return f"{us / divisor:.4g} {unit}"
+
+    def x_width(start_us: float, end_us: float) -> tuple[float, float]:
+        return _LEFT + start_us * scale, max((end_us - start_us) * scale, 0.5)
+
+    bands, events = [], []
+    for placed in sites:
+        site, number = placed.site, str(placed.site.record.get("site", "?"))
+        reason = f": {site.record['reason']}" if site.record.get("reason") else ""
+        x, width = x_width(placed.start_us, placed.end_us)
+        bands.append(
+            _Box(
+                css_class=f"band {site.decision}",
+                x=x,
+                y=_TOP,
+                width=width,
+                height=lanes_bottom - _TOP,
+                tooltip=f"{site.label}, {site.decision}{reason}; "
+                f"{at(placed.start_us)} to {at(placed.end_us)}",
+                label=_fitting(width, site.label, f"site {number}", number),
+                label_y=_TOP - 5,
+            )
         )
-    for row, lane in enumerate(LANES):
-        y = _TOP + row * (_LANE_HEIGHT + _LANE_GAP) + _LANE_GAP / 2
-        out.append(f'<text class="lane" x="4" y="{y + _LANE_HEIGHT * 0.7:.1f}">{lane}</text>')
-        for event in (e for e in events if e.lane == lane):
-            out.append(_event_rect(event, y, scale))
-    for tick in _ticks(span_us):
-        x = _LEFT + tick * scale
-        out.append(
-            f'<line class="tick" x1="{x:.2f}" x2="{x:.2f}" y1="{_TOP}" y2="{lanes_bottom + 4}"/>'
-            f'<text class="tick" x="{x:.2f}" y="{height - 4}">{_e(_format_us(tick))}</text>'
-        )
-    out.append("</svg>")
-    return "".join(out)
+        for event in placed.events:
+            step = "" if event.step is None else f" step {event.step}"
+            x, width = x_width(event.start_us, event.end_us)
+            y = lane_top[event.lane]
+            events.append(
+                _Box(
+                    css_class=event.lane,
+                    x=x,
+                    y=y,
+                    width=width,
+                    height=_LANE_HEIGHT,
+                    tooltip=f"{site.label}{step}: {event.name}, "
+                    f"{at(event.start_us)} to {at(event.end_us)}",
+                    label=None if event.step is None else _fitting(width, str(event.step)),
+                    label_y=y + _LANE_HEIGHT * 0.7,
+                )
+            )
+    return _TimelineSvg(
+        rank=rank,
+        width=_LEFT + _PLOT_WIDTH + 10,
+        height=lanes_bottom + _AXIS,
+        bands=bands,
+        events=events,
+        lanes=[(lane, top + _LANE_HEIGHT * 0.7) for lane, top in lane_top.items()],
+        ticks=[(_LEFT + t * scale, f"{t / divisor:.4g}") for t in _ticks(span_us)],
+        unit=unit,
+        lanes_bottom=lanes_bottom,
+    )
 
 
-def _event_rect(event: PlacedEvent, y: float, scale: float) -> str:
-    x = _LEFT + event.start_us * scale
-    width = max((event.end_us - event.start_us) * scale, 0.5)
-    step = "" if event.step is None else f" step {event.step}"
-    tip = (
-        f"{event.site.label}{step}: {event.name}, "
-        f"{_format_us(event.start_us)} to {_format_us(event.end_us)}"
-    )
-    label = ""
-    if event.step is not None and width > 14:
-        label = (
-            f'<text class="step" x="{x + width / 2:.2f}" y="{y + _LANE_HEIGHT * 0.7:.1f}">'
-            f"{event.step}</text>"
-        )
-    return (
-        f'<rect class="{event.lane}" x="{x:.2f}" y="{y:.1f}" width="{width:.2f}" '
-        f'height="{_LANE_HEIGHT}"><title>{_e(tip)}</title></rect>{label}'
-    )
+def _unit(span_us: float) -> tuple[float, str]:
+    """The axis's one unit (its size in µs, its name): the largest the span fills once."""
+    return next(((size, name) for size, name in _UNITS if span_us >= size), _UNITS[-1])
+
+
+def _fitting(width: float, *labels: str) -> str | None:
+    """The first of ``labels`` that fits ``width`` px; None: none does (the tooltip
+    still names the box)."""
+    return next((label for label in labels if len(label) * _CHAR_WIDTH + 4 <= width), None)
 
 
 def _ticks(span_us: float) -> list[float]:
-    """Round tick positions, about six over the span."""
-    raw = span_us / 6
+    """Round tick positions, about ten over the span."""
+    raw = span_us / 10
     magnitude = 10 ** math.floor(math.log10(raw))
     step = next(m * magnitude for m in (1, 2, 5, 10) if m * magnitude >= raw)
     return [i * step for i in range(int(span_us / step) + 1)]
 
 
-def _format_us(us: float) -> str:
-    return f"{us / 1000:g} ms" if abs(us) >= 10_000 else f"{us:g} µs"
+# -- the code of each graph
 
 
-# -- code
+@dataclasses.dataclass(frozen=True)
+class _Line:
+    text: str
+    css_class: str  # "line", or "line def|use <decision>" where it defines or uses a site's node
+    title: str | None  # the sites whose nodes it defines or uses
 
 
-def _graphs(rank: RankDump, open_: bool) -> str:
-    """Each graph of the rank, before and after side by side (the first rank's unfolded)."""
-    parts = [f"<h3>rank {rank.rank}</h3>"] if rank.graphs else []
-    for graph in rank.graphs:
-        sites = [s for s in rank.sites if s.graph is graph]
-        rewritten = sum(s.decision == "rewritten" for s in sites)
-        summary = (
-            f"graph{graph.index:03d} {graph.kind}: {len(sites)} site(s), {rewritten} rewritten"
-        )
-        parts.append(
-            f'<details id="{_graph_id(rank.rank, graph)}"{" open" if open_ else ""}>'
-            f"<summary>{_e(summary)}</summary>"
-            f'<div class="code-pair">'
-            f"{_code('before', graph.before, sites, DumpedSite.before_names)}"
-            f"{_code('after', graph.after, sites, DumpedSite.after_names)}"
-            f"</div></details>"
-        )
-    return "\n".join(parts)
+@dataclasses.dataclass(frozen=True)
+class _Graph:
+    id: str
+    summary: str
+    open: bool
+    code: list[tuple[str, list[_Line] | None]]  # (stage, its lines; None: not in the dump)
 
 
-def _code(
-    stage: str,
-    code: str | None,
-    sites: list[DumpedSite],
-    names_of: Callable[[DumpedSite], list[str]],
-) -> str:
-    """The code, one span per line: lines that define a site's node and lines that
-    mention one are highlighted, coloured by the site's decision."""
+def _graph(rank: RankDump, graph: GraphCode, open_: bool) -> _Graph:
+    sites = [s for s in rank.sites if s.graph is graph]
+    rewritten = sum(s.decision == "rewritten" for s in sites)
+    return _Graph(
+        id=_graph_id(rank.rank, graph),
+        summary=f"{graph.name}: {len(sites)} site(s), {rewritten} rewritten",
+        open=open_,
+        code=[
+            ("before", _code_lines(graph.before, sites, DumpedSite.before_names)),
+            ("after", _code_lines(graph.after, sites, DumpedSite.after_names)),
+        ],
+    )
+
+
+def _code_lines(
+    code: str | None, sites: list[DumpedSite], names_of: Callable[[DumpedSite], list[str]]
+) -> list[_Line] | None:
+    """The code's lines; those that define a site's node and those that mention one are
+    marked, with the decision of the site (the defining one first)."""
     if code is None:
-        return f'<div><h4>{stage}</h4><p class="empty">no {stage} code in the dump</p></div>'
+        return None
     site_names = [(site, set(names_of(site))) for site in sites]
     lines = []
     for line in code.splitlines():
@@ -505,88 +567,13 @@ def _code(
         mentioned = set(_IDENTIFIER.findall(line))
         owners = [(site, defined in names) for site, names in site_names if names & mentioned]
         if not owners:
-            lines.append(f'<span class="line">{_e(line)}</span>')
+            lines.append(_Line(line, "line", None))
             continue
         site, defines = next(((s, d) for s, d in owners if d), owners[0])
-        classes = f"line {'def' if defines else 'use'} {_e(site.decision)}"
         title = "; ".join(f"{s.label}: {s.decision}" for s, _ in owners)
-        lines.append(f'<span class="{classes}" title="{_e(title)}">{_e(line)}</span>')
-    return f'<div><h4>{stage}</h4><pre class="code">{"".join(lines)}</pre></div>'
+        lines.append(_Line(line, f"line {'def' if defines else 'use'} {site.decision}", title))
+    return lines
 
 
 def _graph_id(rank: int, graph: GraphCode) -> str:
     return f"rank{rank}-graph{graph.index:03d}"
-
-
-def _e(text: str) -> str:
-    return html.escape(text, quote=True)
-
-
-_PAGE = """<!DOCTYPE html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<title>{title}</title>
-<style>
-body {{ font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }}
-table {{ border-collapse: collapse; font-size: 13px; }}
-th, td {{ border: 1px solid #ccc; padding: 3px 6px; vertical-align: top; text-align: left; }}
-th {{ background: #f0f0f0; position: sticky; top: 0; }}
-.rewritten {{ color: #1a7f37; font-weight: 600; }}
-.declined {{ color: #b35900; font-weight: 600; }}
-.notes {{ color: #b35900; }}
-.empty {{ color: #666; font-style: italic; }}
-.code-pair {{ display: grid; grid-template-columns: 1fr 1fr; gap: 1em; }}
-.code-pair > div {{ min-width: 0; }}
-pre.code {{ overflow-x: auto; background: #fafafa; border: 1px solid #ddd; padding: 4px;
-  font-size: 12px; counter-reset: line; }}
-.line {{ display: block; white-space: pre; color: #222; font-weight: normal; }}
-.line::before {{ counter-increment: line; content: counter(line); display: inline-block;
-  width: 3.5em; color: #999; }}
-.line.def.rewritten {{ background: #c8f0d0; }}
-.line.use.rewritten {{ background: #ebfaee; }}
-.line.def.declined {{ background: #ffe1bf; }}
-.line.use.declined {{ background: #fff4e6; }}
-details {{ margin: 0.4em 0; }}
-summary {{ cursor: pointer; font-weight: 600; }}
-svg.timeline {{ max-width: 100%; height: auto; font-size: 11px; }}
-svg .compute, .key.compute {{ fill: #4e79a7; background: #4e79a7; }}
-svg .comm, .key.comm {{ fill: #f28e2b; background: #f28e2b; }}
-.key {{ color: #fff; padding: 0 4px; }}
-svg .band0 {{ fill: #f4f4f4; }}
-svg .band1 {{ fill: #e8e8e8; }}
-svg text.step {{ fill: #fff; text-anchor: middle; }}
-svg text.tick {{ fill: #555; text-anchor: middle; }}
-svg line.tick {{ stroke: #bbb; stroke-dasharray: 2 3; }}
-</style>
-</head>
-<body>
-{body}
-<script>
-(function () {{
-  var input = document.getElementById("site-filter");
-  var count = document.getElementById("site-count");
-  var rows = Array.prototype.slice.call(document.querySelectorAll("#sites tbody tr"));
-  function filter() {{
-    var words = input.value.toLowerCase().split(/\\s+/).filter(Boolean);
-    var shown = 0;
-    rows.forEach(function (row) {{
-      var text = row.textContent.toLowerCase();
-      row.hidden = !words.every(function (w) {{ return text.indexOf(w) >= 0; }});
-      if (!row.hidden) shown += 1;
-    }});
-    count.textContent = shown + " of " + rows.length + " sites shown";
-  }}
-  function openLinkedGraph() {{
-    var target = document.getElementById(location.hash.slice(1));
-    if (target && target.tagName === "DETAILS") target.open = true;
-  }}
-  input.addEventListener("input", filter);
-  window.addEventListener("hashchange", openLinkedGraph);
-  filter();
-  openLinkedGraph();
-}})();
-</script>
-</body>
-</html>
-"""

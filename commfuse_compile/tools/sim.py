@@ -13,11 +13,14 @@ every schedule on a machine profile.
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..cost.profiles import Profile
-from ..cost.simulator import SCHEDULES, Event, Timeline, Work, chrome_trace, simulate
+from ..cost.simulator import SCHEDULES, Event, Timeline, Work, simulate
 from ..passes.plan import auto_choice
+from .trace import Process, Span, chrome_trace
 
 TRACE_RANKS = 8  # ranks written to a Chrome trace (all of them for n <= 8)
 
@@ -183,6 +186,24 @@ def write_traces(results: list[LayerResult], out: Path) -> list[Path]:
     written = []
     for result in results:
         path = out / f"trace_n{result.n}.json"
-        chrome_trace(((s, layer_timeline(result, s)) for s in SCHEDULES), path)
+        write_trace(((s, layer_timeline(result, s)) for s in SCHEDULES), path)
         written.append(path)
     return written
+
+
+def write_trace(timelines: Iterable[tuple[str, Timeline]], path: Path) -> None:
+    """One Chrome trace of labelled timelines: a process per (label, rank), numbered
+    1000 x the label's position + the rank so that the ranks of a label stay together."""
+    processes = [
+        Process(
+            1000 * index + rank,
+            f"{label} rank {rank}",
+            [
+                Span(e.lane, e.name, label, e.start_s * 1e6, e.end_s * 1e6, {"step": e.step})
+                for e in timeline.on_rank(rank)
+            ],
+        )
+        for index, (label, timeline) in enumerate(timelines)
+        for rank in sorted({e.rank for e in timeline.events})
+    ]
+    path.write_text(json.dumps(chrome_trace(processes)))

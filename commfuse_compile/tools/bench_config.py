@@ -1,0 +1,58 @@
+"""What ``commfuse bench`` measures, shared by ``bench.py`` (which runs the measurements)
+and ``bench_report.py`` (which turns them into figures): its rows, the shapes of its sites
+and of its block, and the label of the row that probes the machine's own overlap."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+OVERLAP_PROBE = "both at once"  # comm alone with the matmul run meanwhile (bench._comm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One row: a schedule with its options (``off`` is the baseline)."""
+
+    label: str
+    schedule: str
+    slices: int | None = None
+
+    def options(self, profile: str | None) -> dict[str, Any]:
+        options: dict[str, Any] = {"schedule": self.schedule}
+        if self.slices is not None:
+            options["slices"] = self.slices
+        if profile is not None:
+            options["profile"] = profile
+        return options
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteShape:
+    """A TP+SP linear: sequence ``seq`` (sharded), model width ``dim``, hidden ``ffn``
+    (column-parallel up-projection ``dim -> ffn``, row-parallel down ``ffn -> dim``)."""
+
+    seq: int
+    dim: int
+    ffn: int
+
+    @property
+    def label(self) -> str:
+        return f"S={self.seq} D={self.dim} F={self.ffn}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShape:
+    """The whole-layer figure's block. The sequence stays at 256: from 384 tokens on,
+    the pass declines the block's all-gather sites here ("slice sits between the
+    gathered tensor and a matmul"), so a longer block would measure the collectives."""
+
+    seq: int
+    dim: int
+    heads: int
+    hidden: int
+    batch: int = 1
+
+    @property
+    def label(self) -> str:
+        return f"S={self.seq} D={self.dim} H={self.heads} F={self.hidden} B={self.batch}"
