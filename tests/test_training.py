@@ -222,12 +222,22 @@ def test_fsdp_times_tp_on_a_2x2_mesh_trains_like_eager(ranks, tmp_path):
 def test_ulysses_trains_like_eager_and_like_one_process(ranks, tmp_path):
     # Ulysses sequence parallelism: weights whole on every rank, q/k/v all-to-all'd from
     # sequence shards to head shards and the attention output back; plain, and with GQA
-    # (2 k/v heads for 4 q heads) and q, k, v fused into one linear.
-    for gqa, fused in ((0, False), (2, True)):
+    # (2 k/v heads for 4 q heads) and q, k, v fused into one linear; and with selective
+    # activation checkpointing (the backward recomputes the forward's all-to-alls, and
+    # the output projection's gradient reads the recomputed result).
+    tables = {}
+    for gqa, fused, ac in ((0, False, False), (2, True, False), (0, False, True)):
         cfg = training.TrainConfig(
-            **{**vars(CFG), "front": "ulysses", "steps": 2, "gqa_kv_heads": gqa, "fused_qkv": fused}
+            **{
+                **vars(CFG),
+                "front": "ulysses",
+                "steps": 2,
+                "gqa_kv_heads": gqa,
+                "fused_qkv": fused,
+                "activation_checkpointing": ac,
+            }
         )
-        dump = tmp_path / f"gqa{gqa}_fused{fused}"
+        dump = tmp_path / f"gqa{gqa}_fused{fused}_ac{ac}"
         results = ranks(2).run(training.compare, cfg, {**OPTIONS, "debug_dir": str(dump)})
         one_process = training.train(cfg, 0, 1, None).losses  # no communication at all
         for rank, (fused_run, eager) in enumerate(results):
@@ -243,6 +253,41 @@ def test_ulysses_trains_like_eager_and_like_one_process(ranks, tmp_path):
                 one_process,
             )
         # per block, both graphs hold 4 all-to-alls: q, k, v and the attention output
+        # (the backward 4 more where it recomputes the forward)
         for graph in ("forward", "backward"):
             (path,) = (dump / "rank0").glob(f"graph*_{graph}_before.py")
-            assert path.read_text().count("all_to_all_single.default(") == 4 * cfg.blocks
+            recomputed = 2 if ac and graph == "backward" else 1
+            assert (
+                path.read_text().count("all_to_all_single.default(") == 4 * cfg.blocks * recomputed
+            )
+        tables[gqa, fused, ac] = table(results[0][0].sites)
+    every_one = {
+        ("forward", "mm_a2a", "rewritten", RING): 3 * CFG.blocks,  # q, k, v
+        ("forward", "a2a_mm", "rewritten", RING): CFG.blocks,  # the output projection
+        ("backward", "mm_a2a", "rewritten", RING): CFG.blocks,  # d(attention output)
+        ("backward", "a2a_mm", "rewritten", RING): 3 * CFG.blocks,  # dq, dk, dv
+    }
+    per_block = {
+        ("forward", "mm_a2a"): 3,  # q, k, v
+        ("forward", "a2a_mm"): 1,  # the output projection (contracting over the heads)
+        ("backward", "mm_a2a"): 1,  # the output projection's input gradient
+        ("backward", "a2a_mm"): 3,  # dq, dk, dv into the input and weight gradients
+    }
+    every_one = {(g, k, "rewritten", RING): n * CFG.blocks for (g, k), n in per_block.items()}
+    assert tables[0, False, False] == every_one
+    # recomputed in the backward: q, k, v and the output projection once more
+    assert tables[0, False, True] == every_one | {
+        ("backward", "mm_a2a", "rewritten", RING): 4 * CFG.blocks,
+        ("backward", "a2a_mm", "rewritten", RING): 4 * CFG.blocks,
+    }
+    # fused q/k/v: one matmul split three ways is no block of one all-to-all (declined
+    # and reported, not skipped); the backward joins dq, dk, dv with a cat
+    fused = dict(every_one)
+    del (
+        fused["forward", "mm_a2a", "rewritten", RING],
+        fused["backward", "a2a_mm", "rewritten", RING],
+    )
+    assert tables[2, True, False] == fused | {
+        ("forward", "mm_a2a", "declined", "a2a.not_a_block"): 3 * CFG.blocks,
+        ("backward", "a2a_mm", "declined", "a2a.matmuls_left_out"): 3 * CFG.blocks,
+    }

@@ -200,6 +200,7 @@ def _rewrite_sites(gm: GraphModule, options: Options, result: _Result) -> list[R
         )
         result.records.append(record)
         rewrite = None
+        collective_timeline: list[dict[str, object]] = []  # what runs if the site declines
         try:
             if site.declined:
                 raise site.declined.error()
@@ -213,6 +214,7 @@ def _rewrite_sites(gm: GraphModule, options: Options, result: _Result) -> list[R
             record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in predicted.items()}
             record.profile = profile.name
             record.collective_model = collective_model(work, profile)
+            collective_timeline = predicted["collective"].as_json(group.rank)
             check_applies(predicted, options, site.kind)
             chosen = plan(predicted, options)
             record.timeline = predicted[chosen.schedule].as_json(group.rank)
@@ -231,6 +233,7 @@ def _rewrite_sites(gm: GraphModule, options: Options, result: _Result) -> list[R
                 raise  # the graph is half rewritten: rewrite_graph restores all of it
             if rewrite is not None:
                 rewrite.discard()
+            record.timeline = collective_timeline
             if isinstance(err, Declined):
                 record.declined(err)
             else:

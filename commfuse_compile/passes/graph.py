@@ -39,6 +39,7 @@ PASS_THROUGH = (
     | TRANSPOSES
     | {
         aten.split.Tensor,
+        aten.split_with_sizes.default,
         operator.getitem,
         aten.cat.default,
         aten.clone.default,
@@ -310,3 +311,31 @@ def the_wait(collective: Node) -> Node | None:
 def saved_unwaited(collective: Node) -> bool:
     """Is the collective's unwaited result an output of the graph (see ``the_wait``)?"""
     return any(user.op == "output" for user in collective.users)
+
+
+OWN_RESULT = "its other operand is computed from this site's own result"
+
+
+def needs_own_result(matmuls: list[Matmul], own: set[Node], before: Node) -> list[Matmul]:
+    """The matmuls whose other operands are computed, after ``before``, from ``own`` (the
+    site's own nodes): a consumer reached again later, e.g. dX = dY @ W where dY comes
+    from W's recomputed forward. They cannot share the site's steps, which must be done
+    by ``before``."""
+    start = position(before)
+
+    def depends(node: Node) -> bool:
+        stack, seen = [node], set()
+        while stack:
+            current = stack.pop()
+            if current in own:
+                return True
+            if position(current) >= start and current not in seen:
+                seen.add(current)
+                stack += current.all_input_nodes
+        return False
+
+    return [
+        mm
+        for mm in matmuls
+        if any(depends(op) for op in (mm.a, mm.b, mm.bias) if op is not None and op not in own)
+    ]

@@ -31,6 +31,7 @@ from ..declines import Declined, decline
 from ..graph import (
     ALL_TO_ALL,
     LAYOUT_OPS,
+    OWN_RESULT,
     Matmul,
     between_note,
     bias_is_row_broadcast,
@@ -39,6 +40,7 @@ from ..graph import (
     equal_splits,
     has_zero_size_dim,
     is_mutating,
+    needs_own_result,
     node_arg,
     numel,
     position,
@@ -145,7 +147,16 @@ class A2aMm:
         readers = list(site.wait.users)
         if not readers:  # pragma: no cover - matched sites have one
             raise decline("ag.no_reader")
-        return site, min(readers, key=position)
+        before = min(readers, key=position)
+        own = {site.wait, *site.chain, *(u.mm.node for u in site.uses)}
+        late = needs_own_result([u.mm for u in site.uses], own, before)
+        if not late:
+            return site, before
+        uses = tuple(u for u in site.uses if u.mm not in late)
+        unmatched = (*site.unmatched, *(f"{mm.node.name}: {OWN_RESULT}" for mm in late))
+        if not uses:
+            raise decline("a2a.matmuls_left_out", unmatched="; ".join(unmatched))
+        return dataclasses.replace(site, uses=uses, unmatched=unmatched), before
 
     def lower(self, rw: Rewrite, group: Group, schedule: Schedule, slices: int) -> None:
         assert isinstance(rw.site, A2aMmSite)

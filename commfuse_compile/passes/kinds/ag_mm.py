@@ -24,6 +24,7 @@ from ...schedules import Schedule
 from .. import dims
 from ..declines import Declined, decline
 from ..graph import (
+    OWN_RESULT,
     VIEWS,
     Matmul,
     between_note,
@@ -34,6 +35,7 @@ from ..graph import (
     is_full_slice,
     is_mutating,
     is_transpose_2d,
+    needs_own_result,
     node_arg,
     normalized_dim,
     numel,
@@ -534,22 +536,6 @@ def _without_uses_needing_own_result(site: AgMmSite, before: Node) -> AgMmSite:
     reached again later, e.g. dX = dY @ W where dY comes from W's recomputed forward)
     cannot share the ring: it keeps reading the (rebuilt) gathered tensor instead."""
     own = {*site.waits, *site.chain, *(u.mm.node for u in site.uses)}
-    start = position(before)
-
-    def depends(node: Node) -> bool:
-        stack, seen = [node], set()
-        while stack:
-            current = stack.pop()
-            if current in own:
-                return True
-            if position(current) >= start and current not in seen:
-                seen.add(current)
-                stack += current.all_input_nodes
-        return False
-
-    left = {}
-    for use in site.uses:
-        operands = [use.mm.a, use.mm.b] + ([use.mm.bias] if use.mm.bias is not None else [])
-        if any(depends(op) for op in operands if op not in own):
-            left[use] = "its other operand is computed from this site's own result"
+    late = needs_own_result([u.mm for u in site.uses], own, before)
+    left = {u: OWN_RESULT for u in site.uses if u.mm in late}
     return site.leaving_out(left) if left else site
