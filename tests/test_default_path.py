@@ -119,6 +119,7 @@ def test_forward_and_backward_match_the_uncompiled_model(
     options = {"schedule": schedule, "inner": inner, "slices": slices}
     for rank, result in enumerate(ranks(n).run(compare, config(front, n, dtype), options)):
         worst = max(result["errors"].items(), key=lambda kv: kv[1])
+        print(f"cell {front} {inner} {schedule}/{slices} n={n} {dtype} rank {rank}: worst {worst}")
         assert worst[1] <= TOLERANCE[dtype], (rank, worst)
         sites = result["sites"]
         assert sites
