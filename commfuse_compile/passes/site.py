@@ -8,9 +8,10 @@ only talk to this interface, so a new pattern is one new module plus its entry i
 
 from __future__ import annotations
 
+import abc
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, TypeVar
 
 from torch.fx import Graph, Node
 
@@ -22,11 +23,12 @@ if TYPE_CHECKING:
     from ..schedules import Schedule
     from .rewrite import Rewrite
 
+T = TypeVar("T")
 Direction = Literal["gather", "reduce", "exchange_in", "exchange_out"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Site:
+class Site(abc.ABC):
     """A match result: the nodes a kind found around one collective. Frozen: what the plan
     or the lowering leaves out makes a new site (``dataclasses.replace``)."""
 
@@ -36,13 +38,18 @@ class Site:
     declined: Decline | None = None
 
     @property
+    @abc.abstractmethod
     def anchor(self) -> Node:
         """The site's first collective: sites are rewritten in its graph order."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
         """What report.json shows of the site."""
-        raise NotImplementedError
+
+
+def matched(candidates: Iterable[T], match: Callable[[T], Site | None]) -> list[Site]:
+    """The sites ``match`` finds among a kind's candidate collectives (None: no site)."""
+    return [site for site in map(match, candidates) if site is not None]
 
 
 class SiteKind(Protocol):

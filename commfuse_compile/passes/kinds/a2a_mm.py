@@ -65,7 +65,7 @@ from ..rewrite import (
     viewed,
     wait_transfers,
 )
-from ..site import Direction, Site
+from ..site import Direction, Site, matched
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -114,12 +114,7 @@ class A2aMm:
     direction: Direction = "exchange_in"
 
     def find(self, graph: Graph) -> list[Site]:
-        found: list[Site] = []
-        for node in graph.find_nodes(op="call_function", target=ALL_TO_ALL):
-            site = _match(node)
-            if site is not None:
-                found.append(site)
-        return found
+        return matched(graph.find_nodes(op="call_function", target=ALL_TO_ALL), _match)
 
     def rematch(self, site: Site) -> Site | None:
         assert isinstance(site, A2aMmSite)

@@ -63,7 +63,7 @@ from ..rewrite import (
     viewed,
     wait_transfers,
 )
-from ..site import Direction, Site
+from ..site import Direction, Site, matched
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -135,12 +135,7 @@ class AgMm:
     direction: Direction = "gather"
 
     def find(self, graph: Graph) -> list[Site]:
-        found: list[Site] = []
-        for key, gathers in _gathers_by_shard(graph).items():
-            site = _match(key, gathers)
-            if site is not None:
-                found.append(site)
-        return found
+        return matched(_gathers_by_shard(graph).items(), lambda item: _match(*item))
 
     def rematch(self, site: Site) -> Site | None:
         assert isinstance(site, AgMmSite)

@@ -56,7 +56,7 @@ from ..rewrite import (
     start_transfers,
     wait_transfers,
 )
-from ..site import Direction, Site
+from ..site import Direction, Site, matched
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -91,12 +91,7 @@ class MmA2a:
     direction: Direction = "exchange_out"
 
     def find(self, graph: Graph) -> list[Site]:
-        found: list[Site] = []
-        for node in graph.find_nodes(op="call_function", target=ALL_TO_ALL):
-            site = _match(node)
-            if site is not None:
-                found.append(site)
-        return found
+        return matched(graph.find_nodes(op="call_function", target=ALL_TO_ALL), _match)
 
     def rematch(self, site: Site) -> Site | None:
         assert isinstance(site, MmA2aSite)

@@ -55,7 +55,7 @@ from ..rewrite import (
     viewed,
     wait_transfers,
 )
-from ..site import Direction, Site
+from ..site import Direction, Site, matched
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -101,14 +101,9 @@ class MmRs:
     direction: Direction = "reduce"
 
     def find(self, graph: Graph) -> list[Site]:
-        found: list[Site] = []
-        for node in graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default):
-            if "commfuse" in node.meta:  # the slicing schedule's own chunk collectives
-                continue
-            site = _match(node)
-            if site is not None:
-                found.append(site)
-        return found
+        nodes = graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
+        # (not the slicing schedule's own chunk collectives)
+        return matched((n for n in nodes if "commfuse" not in n.meta), _match)
 
     def rematch(self, site: Site) -> Site | None:
         assert isinstance(site, MmRsSite)
