@@ -1,7 +1,7 @@
 """Train a small TP+SP Llama-style transformer with backend="commfuse", under torchrun.
 
     torchrun --nproc-per-node 2 examples/train_tp_transformer.py --steps 3 --compare
-        [--inner eager|inductor] [--schedule ring|auto|off] [--activation-checkpointing]
+        [--inner eager|inductor] [--schedule ring|auto|off] [--activation-checkpointing [block|op]]
 
 Each block (RMSNorm, attention, SwiGLU) is sharded with ``commfuse_compile.tools.models.block_plan``
 over all ranks; the final norm and the linear head are sequence / column parallel; the

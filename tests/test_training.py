@@ -29,6 +29,7 @@ RTOL = 1e-5  # float32 losses; the ring changes summation order only
 RING = "ring"  # the schedule of a rewritten site; a declined one's is its decline code
 LATE_INPUT = "lower.late_input"
 TAKEN_BY_GATHER = "rs.taken"
+MATMULS_LEFT_OUT = "ag.matmuls_left_out"
 
 
 def run(ranks, n: int, cfg: training.TrainConfig, dump: Path) -> list[dict]:
@@ -181,6 +182,36 @@ def test_tp_sp_transformer_with_activation_checkpointing(ranks, tmp_path):
         ("backward", "mm_rs", "rewritten", RING): 14,
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
+
+
+def test_tp_sp_transformer_with_op_level_selective_checkpointing(ranks, tmp_path):
+    # torchtitan's op-level policy: the outputs of every mm, of reduce_scatter_tensor and
+    # of attention are saved, the rest (norms, SwiGLU, the all-gathers) recomputed
+    cfg = training.TrainConfig(**{**vars(CFG), "activation_checkpointing": "op"})
+    (first, *_) = run(ranks, 2, cfg, tmp_path)
+    assert first["table"] == {
+        ("forward", "ag_mm", "rewritten", RING): 5,
+        # wo, w2: the forward returns their (unwaited) reduce-scatter for the backward;
+        # rewritten all the same, the ring's result is what is saved
+        ("forward", "mm_rs", "rewritten", RING): 4,
+        ("backward", "ag_mm", "rewritten", RING): 4,  # the gradient gathers, as without
+        # The 4 recomputed activation gathers (norm -> q/k/v, norm -> w1/w3 per block):
+        # the mm outputs are saved, so a gather's only matmuls are the weight gradients
+        # t(dY) @ X, contracting over the batch*sequence rows, with the gather on the
+        # sequence (dim 1 of [batch, seq, dim]): with batch > 1 one rank's block is not
+        # a contiguous block of rows (role contract_left needs the outermost dim).
+        ("backward", "ag_mm", "declined", MATMULS_LEFT_OUT): 4,
+        ("backward", "mm_rs", "rewritten", RING): 11,
+    }
+    assert unreported(tmp_path / "rank0", first["sites"]) == {}
+    forward, backward = (
+        next((tmp_path / "rank0").glob(f"graph*_{g}_after.py")).read_text()
+        for g in ("forward", "backward")
+    )
+    assert forward.count("reduce_scatter_tensor.default(") == 0
+    assert forward.count("all_gather_into_tensor.default(") == 1  # the head's logits
+    assert backward.count("reduce_scatter_tensor.default(") == 0
+    assert backward.count("all_gather_into_tensor.default(") == 2 + 3 + 2 + 3  # the 4 declined
 
 
 def test_fsdp_style_trains_like_eager(ranks, tmp_path):

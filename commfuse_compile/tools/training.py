@@ -62,7 +62,10 @@ class TrainConfig:
     lr: float = 1e-2
     seed: int = 0
     tp: int = 1  # fsdp: size of the "tp" mesh dim (1: none); front "tp": the whole world
-    activation_checkpointing: bool = False
+    # False: none; True or "block": each block checkpointed, saving only the attention
+    # output; "op": torchtitan's op-level policy (saves every mm, reduce-scatter and the
+    # attention op, recomputes the rest); see CHECKPOINT_MODES
+    activation_checkpointing: bool | str = False
     device: str = "cpu"
     norm: str = "rms"  # "rms" or "layer" (LayerNorm: weight and bias)
     bias: bool = False  # biases on q/k/v, w1, w3
@@ -109,15 +112,68 @@ class Transformer(nn.Module):
             )
         self.norm = nn.RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.activation_checkpointing = cfg.activation_checkpointing
+        self.context_fn = checkpoint_context(cfg.activation_checkpointing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
-            if self.activation_checkpointing:
-                x = checkpoint(layer, x, use_reentrant=False, context_fn=_save_attention)
+            if self.context_fn is not None:
+                x = checkpoint(layer, x, use_reentrant=False, context_fn=self.context_fn)
             else:
                 x = layer(x)
         return self.head(self.norm(x))
+
+
+CHECKPOINT_MODES = ("block", "op")  # the values of --activation-checkpointing
+
+_ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+
+
+def checkpoint_context(mode: bool | str) -> Callable[[], tuple[Any, Any]] | None:
+    """The ``context_fn`` of ``torch.utils.checkpoint`` for ``TrainConfig.activation_
+    checkpointing`` (None: no checkpointing). True is "block"."""
+    if mode is False or mode == "":
+        return None
+    if mode is True or mode == "block":
+        return _save_attention
+    if mode == "op":
+        return save_matmuls_and_reduce_scatters
+    raise ValueError(f"activation_checkpointing must be one of {CHECKPOINT_MODES}, got {mode!r}")
+
+
+def _selective(saved: set[Any]) -> tuple[Any, Any]:
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _attention_ops() -> set[Any]:
+    return {getattr(torch.ops.aten, name).default for name in _ATTENTION_OPS}
+
+
+def save_matmuls_and_reduce_scatters() -> tuple[Any, Any]:
+    """Selective activation checkpointing as torchtitan's op-level policy does it: save
+    the outputs of ``aten.mm`` and of ``reduce_scatter_tensor`` (the row-parallel
+    projections' results), and of attention; recompute the rest (norms, activations, and
+    the all-gathers into the column-parallel projections).
+
+    Attention must be saved on CPU too (``_scaled_dot_product_flash_attention_for_cpu``,
+    which torchtitan's GPU list lacks): recomputing it fails in AOTAutograd with DTensor
+    in torch 2.13 whatever the backend (see :func:`_save_attention`). torchtitan also
+    saves ``aten.max`` (no op of these blocks) and, to halve the memory, only every second
+    mm; this policy saves every mm.
+    """
+    ops = torch.ops
+    return _selective(
+        {ops.aten.mm.default, ops._c10d_functional.reduce_scatter_tensor.default} | _attention_ops()
+    )
 
 
 def _save_attention() -> tuple[Any, Any]:
@@ -129,20 +185,7 @@ def _save_attention() -> tuple[Any, Any]:
     before the saved DeviceMesh, which then lands in the saved-tensor slice
     ("expected all tensors_saved_with_vc_check to be Tensors").
     """
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    aten = torch.ops.aten
-    saved = {
-        aten._scaled_dot_product_flash_attention_for_cpu.default,
-        aten._scaled_dot_product_flash_attention.default,
-        aten._scaled_dot_product_efficient_attention.default,
-        aten._scaled_dot_product_cudnn_attention.default,
-    }
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+    return _selective(_attention_ops())
 
 
 class MSELoss(nn.Module):
@@ -454,7 +497,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedule", default="ring", choices=SCHEDULES, help="the pass's schedule (default ring)"
     )
     parser.add_argument(
-        "--activation-checkpointing", action="store_true", help="checkpoint every block"
+        "--activation-checkpointing",
+        nargs="?",
+        const="block",
+        default=None,
+        choices=CHECKPOINT_MODES,
+        help="checkpoint every block: 'block' (the default when given without a value) "
+        "saves only the attention output; 'op' is torchtitan's op-level policy (saves "
+        "every mm, reduce-scatter and attention output)",
     )
     parser.add_argument("--blocks", type=int, default=2, help="transformer blocks (default 2)")
     parser.add_argument("--debug-dir", default=None, help="write commfuse's debug dump here")
@@ -481,7 +531,7 @@ def example_config(
         batch=batch,
         seq=seq,
         steps=args.steps,
-        activation_checkpointing=args.activation_checkpointing,
+        activation_checkpointing=args.activation_checkpointing or False,
         device=device,
         **extra,
     )
