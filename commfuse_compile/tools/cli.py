@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..cost.profiles import Profile, ProfileError, load
 from ..options import INNER_COMPILERS, MAX_SLICES, SCHEDULES, dump_dir_problem
-from .sim import PRESETS
+from .sim import PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
 
 DESCRIPTION = """\
 Tools for commfuse-compile, the torch.compile backend (backend="commfuse") that splits the
@@ -158,10 +158,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     sim = command(
         "sim",
-        "Simulate one layer of a real model under tensor + sequence parallelism for every "
-        "schedule on a machine profile: what the rewrite would buy, without a cluster.",
+        "Simulate one layer of a real model under tensor + sequence parallelism (or, with "
+        "--parallelism up, Ulysses sequence parallelism) for every schedule on a machine "
+        "profile: what the rewrite would buy, without a cluster.",
     )
     sim.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b", help="model shapes")
+    sim.add_argument(
+        "--parallelism",
+        choices=["tpsp", "up"],
+        default="tpsp",
+        help="tpsp: the TP+SP layer's all-gathers and reduce-scatters; up: the Ulysses "
+        "layer's all-to-alls around attention, at sequences "
+        + ", ".join(map(str, UP_SEQUENCES))
+        + " unless --tokens is given",
+    )
     sim.add_argument(
         "--profile",
         type=_profile,
@@ -171,8 +181,9 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--group-size",
         type=_group_sizes,
-        default="2,4,8,16,32,64",
-        help="comma-separated tensor-parallel group sizes",
+        help="comma-separated group sizes; default: 2,4,8,16,32,64 (tpsp), "
+        + ",".join(map(str, UP_GROUP_SIZES))
+        + " (up: n must divide the k/v heads)",
     )
     sim.add_argument(
         "--slices",
@@ -218,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "sim":
+        if args.parallelism == "up":
+            return _sim_ulysses(parser, args)
         return _sim(args)
 
     if args.command == "bench":
@@ -274,11 +287,43 @@ def _sim(args: argparse.Namespace) -> int:
     model = PRESETS[args.model]
     if args.tokens is not None:
         model = dataclasses.replace(model, tokens=args.tokens)
-    results = [simulate_layer(model, n, args.profile, args.slices) for n in args.group_size]
+    sizes = args.group_size or [2, 4, 8, 16, 32, 64]
+    results = [simulate_layer(model, n, args.profile, args.slices) for n in sizes]
     print(format_table(model, args.profile, results))
     if args.out:
         for path in write_traces(results, Path(args.out)):
             print(f"wrote {path} (open in https://ui.perfetto.dev)")
+    return 0
+
+
+def _sim_ulysses(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The Ulysses layer: a table per sequence length, then one summary of them all."""
+    import dataclasses
+
+    from .sim import (
+        format_table,
+        format_ulysses_summary,
+        simulate_ulysses,
+        ulysses_problem,
+        write_traces,
+    )
+
+    sizes = args.group_size or list(UP_GROUP_SIZES)
+    for n in sizes:
+        problem = ulysses_problem(PRESETS[args.model], n)
+        if problem:
+            parser.error(f"argument --group-size: {problem}")
+    sequences = [args.tokens] if args.tokens is not None else list(UP_SEQUENCES)
+    summary = {}
+    for seq in sequences:
+        model = dataclasses.replace(PRESETS[args.model], tokens=seq)
+        results = [simulate_ulysses(model, n, args.profile) for n in sizes]
+        summary[seq] = results
+        print(format_table(model, args.profile, results, "layer under Ulysses (UP)") + "\n")
+        if args.out:
+            for path in write_traces(results, Path(args.out), f"trace_up_s{seq}"):
+                print(f"wrote {path} (open in https://ui.perfetto.dev)")
+    print(format_ulysses_summary(PRESETS[args.model], args.profile, summary))
     return 0
 
 

@@ -8,6 +8,15 @@ backward, the gradients of the two output projections all-gathered into dX (rows
 dW (contracted) on one ring each, and the input gradients of q/k/v and of the MLP's
 input projections (sums of matmuls) into reduce-scatters. Each site is simulated for
 every schedule on a machine profile.
+
+Under Ulysses sequence parallelism (UP) every rank holds the whole model and ``S / n``
+tokens, and the layer has eight all-to-all sites around attention (``ulysses_sites``):
+forward, the q, k and v projections into all-to-alls (``mm_a2a``) and the attention
+output's all-to-all into the output projection (``a2a_mm``, contracting over the heads);
+backward, the mirror: the output projection's input gradient into an all-to-all, and the
+all-to-alls of dq, dk and dv into their input (contract) and weight (columns) gradients.
+Each is simulated for the collective and the schedules with all-to-all steps (the ring's
+pairwise order).
 """
 
 from __future__ import annotations
@@ -18,11 +27,13 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..cost.profiles import Profile
-from ..cost.simulator import SCHEDULES, Event, Timeline, Work, simulate
+from ..cost.simulator import SCHEDULES, Event, Timeline, Work, predict, simulate
 from ..passes.plan import auto_choice
 from .trace import Process, Span, chrome_trace
 
 TRACE_RANKS = 8  # ranks written to a Chrome trace (all of them for n <= 8)
+UP_SEQUENCES = (32768, 65536, 131072)  # the UP section's sequence lengths (32k, 64k, 128k)
+UP_GROUP_SIZES = (2, 4, 8)  # Llama 3's 8 k/v heads: Ulysses needs n to divide them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,10 +121,58 @@ def layer_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
     ]
 
 
+def ulysses_problem(model: ModelShape, n: int) -> str | None:
+    """Why ``model`` cannot run Ulysses on ``n`` ranks (None if it can): each all-to-all
+    scatters whole heads, so n must divide the query heads and the k/v heads."""
+    if model.heads % n or model.kv_heads % n:
+        return (
+            f"Ulysses on {n} ranks needs {n} to divide {model.name}'s {model.heads} heads "
+            f"and {model.kv_heads} k/v heads"
+        )
+    return None
+
+
+def ulysses_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
+    """The layer's Ulysses sites on ``n`` ranks, each holding ``model.tokens / n`` tokens,
+    as (name, Work), forward first, counted as ``mm_a2a.work`` and ``a2a_mm.work`` count
+    them: a block's FLOPs are 1/n of the site's matmuls, a message is 1/n of the exchanged
+    tensor (so a rank sends (n-1)/n of it, the all-to-all's bytes)."""
+    rows, d, e = model.tokens / n, model.hidden, model.dtype_bytes
+    q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+
+    def scatter_heads(columns: int) -> Work:
+        # mm_a2a: the product [S/n, columns] (K = hidden) exchanged whole; block j is
+        # rank j's heads, a column block
+        return Work("exchange_out", n, 2 * rows * d * columns / n, rows * columns * e / n)
+
+    def gather_heads(columns: int, matmuls: int) -> Work:
+        # a2a_mm: the all-to-all's output [S/n, columns] (every head of this rank's tokens);
+        # each matmul reading it, 2 x S/n x columns x hidden FLOPs: times the weight
+        # (contract, over the heads) or, backward, x^T times it (dW, columns)
+        flops = matmuls * 2 * rows * columns * d
+        return Work("exchange_in", n, flops / n, rows * columns * e / n, matmuls)
+
+    return [
+        ("forward q projection", scatter_heads(q)),
+        ("forward k projection", scatter_heads(kv)),
+        ("forward v projection", scatter_heads(kv)),
+        ("forward attention output", gather_heads(q, 1)),
+        ("backward attention output grads", scatter_heads(q)),
+        ("backward q grads (dX, dW)", gather_heads(q, 2)),
+        ("backward k grads (dX, dW)", gather_heads(kv, 2)),
+        ("backward v grads (dX, dW)", gather_heads(kv, 2)),
+    ]
+
+
 @dataclasses.dataclass
 class LayerResult:
     n: int
     sites: list[tuple[str, dict[str, Timeline]]]  # per site, per schedule
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules simulated at every site, in ``SCHEDULES`` order."""
+        return tuple(s for s in SCHEDULES if all(s in t for _, t in self.sites))
 
     def total_s(self, schedule: str) -> float:
         return sum(timelines[schedule].end_s for _, timelines in self.sites)
@@ -133,6 +192,11 @@ def simulate_layer(model: ModelShape, n: int, profile: Profile, slices: int) -> 
         for name, work in layer_sites(model, n)
     ]
     return LayerResult(n, sites)
+
+
+def simulate_ulysses(model: ModelShape, n: int, profile: Profile) -> LayerResult:
+    """Each Ulysses site for the collective and every schedule with all-to-all steps."""
+    return LayerResult(n, [(name, predict(w, profile)) for name, w in ulysses_sites(model, n)])
 
 
 def layer_timeline(result: LayerResult, schedule: str) -> Timeline:
@@ -156,12 +220,14 @@ def layer_timeline(result: LayerResult, schedule: str) -> Timeline:
     return Timeline(schedule, events)
 
 
-def format_table(model: ModelShape, profile: Profile, results: list[LayerResult]) -> str:
-    lines = [f"{model.name} layer, tokens {model.tokens}, profile {profile.name}"]
+def format_table(
+    model: ModelShape, profile: Profile, results: list[LayerResult], title: str = "layer"
+) -> str:
+    lines = [f"{model.name} {title}, tokens {model.tokens}, profile {profile.name}"]
     for result in results:
         base = result.total_s("collective")
         lines.append(f"\nn = {result.n}: time per site in us (speedup over the collective)")
-        header = f"{'site':<34}" + "".join(f"{s:>20}" for s in SCHEDULES)
+        header = f"{'site':<34}" + "".join(f"{s:>20}" for s in result.schedules)
         lines += [header, "-" * len(header)]
         for name, timelines in result.sites:
             coll = timelines["collective"].end_s
@@ -171,7 +237,7 @@ def format_table(model: ModelShape, profile: Profile, results: list[LayerResult]
             lines.append(f"{name:<34}{cells}")
         cells = "".join(
             f"{result.total_s(s) * 1e6:>12.1f} ({base / result.total_s(s):4.2f}x)"
-            for s in SCHEDULES
+            for s in result.schedules
         )
         lines.append(f"{'layer (fwd + bwd sites)':<34}{cells}")
         auto = result.auto_s()
@@ -181,12 +247,34 @@ def format_table(model: ModelShape, profile: Profile, results: list[LayerResult]
     return "\n".join(lines)
 
 
-def write_traces(results: list[LayerResult], out: Path) -> list[Path]:
+def format_ulysses_summary(
+    model: ModelShape, profile: Profile, results: dict[int, list[LayerResult]]
+) -> str:
+    """One line per (sequence, n): the layer's Ulysses sites, fwd + bwd, per schedule and
+    with ``auto``'s choice per site; ``results`` by sequence length."""
+    schedules = next(iter(results.values()))[0].schedules
+    lines = [
+        f"{model.name} under Ulysses (UP), profile {profile.name}: the layer's all-to-all "
+        "sites (fwd + bwd) in us (speedup over the collective)",
+        f"{'sequence':>10}{'n':>4}" + "".join(f"{s:>20}" for s in (*schedules, "auto")),
+    ]
+    for seq, per_n in results.items():
+        for result in per_n:
+            base = result.total_s("collective")
+            times = [result.total_s(s) for s in schedules] + [result.auto_s()]
+            lines.append(
+                f"{seq:>10}{result.n:>4}"
+                + "".join(f"{t * 1e6:>12.1f} ({base / t:4.2f}x)" for t in times)
+            )
+    return "\n".join(lines)
+
+
+def write_traces(results: list[LayerResult], out: Path, prefix: str = "trace") -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for result in results:
-        path = out / f"trace_n{result.n}.json"
-        write_trace(((s, layer_timeline(result, s)) for s in SCHEDULES), path)
+        path = out / f"{prefix}_n{result.n}.json"
+        write_trace(((s, layer_timeline(result, s)) for s in result.schedules), path)
         written.append(path)
     return written
 
