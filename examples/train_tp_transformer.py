@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_tp_transformer.py --steps 3 --compare
         [--inner eager|inductor] [--schedule ring|auto|off] [--activation-checkpointing [block|op]]
+        [--vocab N] [--compile-per-block]
 
 Each block (RMSNorm, attention, SwiGLU) is sharded with ``commfuse_compile.tools.models.block_plan``
 over all ranks; the final norm and the linear head are sequence / column parallel; the
@@ -9,7 +10,10 @@ loss is the MSE to a fixed random target; AdamW. Rank 0 prints the loss and time
 step, then, per graph and kind, how many all-gather/reduce-scatter sites the pass found,
 rewrote and declined (and why). ``--compare`` also trains an identical copy without the
 pass (plain eager DTensor, same initialization and data) and prints the largest relative
-loss difference. The model, the step and the summary live in ``commfuse_compile.tools.training``.
+loss difference. ``--vocab N`` puts a token embedding first (row-parallel, as torchtitan
+shards it; the blocks then take and return local tensors), ``--compile-per-block``
+compiles each block by itself (``fullgraph=True``) as torchtitan does, the rest eager.
+The model, the step and the summary live in ``commfuse_compile.tools.training``.
 """
 
 from __future__ import annotations
@@ -24,11 +28,28 @@ from commfuse_compile.tools import training
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     training.add_arguments(parser)
+    parser.add_argument(
+        "--vocab", type=int, default=0, help="token embedding of N rows first (default: none)"
+    )
+    parser.add_argument(
+        "--compile-per-block",
+        action="store_true",
+        help="compile each block by itself (fullgraph=True), the rest eager, like torchtitan",
+    )
     args = parser.parse_args()
     device = training.init_torchrun()
     world_size = dist.get_world_size()
     # TP over every rank; 32 tokens per rank (sequence parallel)
-    cfg = training.example_config(args, "tp", world_size, 4, 32 * world_size, device)
+    cfg = training.example_config(
+        args,
+        "tp",
+        world_size,
+        4,
+        32 * world_size,
+        device,
+        vocab=args.vocab,
+        compile_per_block=args.compile_per_block,
+    )
     training.run_and_print(cfg, args)
     dist.destroy_process_group()
 

@@ -7,7 +7,8 @@ collectives next to matmuls:
 * ``"tp"``: a stack of :class:`~commfuse_compile.tools.models.Block` sharded with DTensor's
   ``parallelize_module`` (tensor + sequence parallel over the whole world): activations
   are all-gathered into the column-parallel projections and reduce-scattered out of the
-  row-parallel ones.
+  row-parallel ones. ``vocab`` adds a token embedding as torchtitan shards it, and
+  ``compile_per_block`` compiles each block by itself as torchtitan does.
 * ``"fsdp"``: every parameter is sharded on dim 0 over a data-parallel group and
   all-gathered in forward by a functional collective with autograd, so the backward
   reduce-scatters its gradient; ``tp > 1`` adds TP+SP on the second dim of a
@@ -31,7 +32,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,15 @@ class TrainConfig:
     dtype: str = "float32"  # of parameters and activations ("bfloat16": half precision)
     gqa_kv_heads: int = 0  # "ulysses": k/v heads (0: ``heads``; fewer: grouped-query)
     fused_qkv: bool = False  # "ulysses": q, k and v as one linear whose output is split
+    # "tp": token ids in, an nn.Embedding(vocab, dim) first (0: none, the input is the
+    # activations), sharded as torchtitan does (row-parallel, its output the local
+    # sequence shard); the blocks then take and return local tensors (torchtitan's plan)
+    vocab: int = 0
+    # "tp": compile each block by itself (fullgraph=True), the rest eager, as torchtitan
+    # does; with ``vocab``, a forward hook clones the embedding's output (a torch 2.13
+    # fault, see clone_output) unless ``clone_embedding`` is False
+    compile_per_block: bool = False
+    clone_embedding: bool = True
 
 
 @dataclasses.dataclass
@@ -92,6 +102,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: TrainConfig, ulysses_group: Any = None) -> None:
         super().__init__()
+        self.embed = nn.Embedding(cfg.vocab, cfg.dim) if cfg.vocab else None
         if cfg.front == "ulysses":
             self.layers = nn.ModuleList(
                 UlyssesBlock(
@@ -115,12 +126,63 @@ class Transformer(nn.Module):
         self.context_fn = checkpoint_context(cfg.activation_checkpointing)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
         for layer in self.layers:
-            if self.context_fn is not None:
+            if self.context_fn is not None and not isinstance(layer, Checkpointed):
                 x = checkpoint(layer, x, use_reentrant=False, context_fn=self.context_fn)
             else:
                 x = layer(x)
         return self.head(self.norm(x))
+
+
+class Checkpointed(nn.Module):
+    """A block under ``torch.utils.checkpoint`` (non-reentrant, with ``context_fn``): what
+    :func:`compile_blocks` compiles when the run checkpoints (torchtitan, too, wraps each
+    block for activation checkpointing first and compiles the wrapper)."""
+
+    def __init__(self, block: nn.Module, context_fn: Callable[[], tuple[Any, Any]]) -> None:
+        super().__init__()
+        self.block = block
+        self.context_fn = context_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(
+            self.block, x, use_reentrant=False, context_fn=self.context_fn
+        )
+        return out
+
+
+def clone_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook: the module's output, cloned.
+
+    On the embedding of a per-block compile (torch 2.13): the embedding's row-parallel
+    output is ``to_local()`` of a DTensor, a view; when that view is the input of a block
+    compiled by itself, the block's backward fails in DTensor's redistribute
+    (``AttributeError: 'Tensor' object has no attribute '_local_tensor'``) with any AOT
+    backend, ``aot_eager`` included. The clone is no view, and the backward runs.
+    """
+    return output.clone()
+
+
+def compile_blocks(
+    model: nn.Module,
+    options: Mapping[str, Any] | None,
+    clone_embedding: bool = True,
+    backend: str = "commfuse",
+) -> None:
+    """torchtitan's compile: each block of a :class:`Transformer` by itself
+    (``fullgraph=True``), with ``backend`` (and its ``options``); the embedding, final
+    norm, head and loss stay eager. With an embedding and ``clone_embedding``, its output
+    is cloned (:func:`clone_output`)."""
+    assert isinstance(model, Transformer), type(model)
+    opts = None if options is None else dict(options)
+    for i, layer in enumerate(model.layers):
+        block = layer if model.context_fn is None else Checkpointed(layer, model.context_fn)
+        compiled = torch.compile(block, backend=backend, options=opts, fullgraph=True)
+        model.layers[i] = cast(nn.Module, compiled)
+    if model.embed is not None and clone_embedding:
+        model.embed.register_forward_hook(clone_output)
 
 
 CHECKPOINT_MODES = ("block", "op")  # the values of --activation-checkpointing
@@ -283,6 +345,7 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
@@ -295,6 +358,8 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
     if world_size % tp:
         raise ValueError(f"tp={tp} does not divide the world size {world_size}")
     dp = world_size // tp
+    if (cfg.vocab or cfg.compile_per_block) and (cfg.front != "tp" or tp == 1):
+        raise ValueError("vocab and compile_per_block are options of front 'tp' on 2+ ranks")
     if cfg.batch % dp or cfg.seq % tp:
         raise ValueError(f"batch {cfg.batch} / seq {cfg.seq} not divisible by dp={dp} / tp={tp}")
     torch.manual_seed(cfg.seed)
@@ -307,8 +372,18 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
             tp_mesh, dp_group = mesh["tp"], mesh["dp"].get_group()
         else:
             tp_mesh, dp_group = init_device_mesh(cfg.device, (tp,), mesh_dim_names=("tp",)), None
+        plan = block_plan()
+        if cfg.vocab:  # torchtitan's: the row-parallel outputs local tensors
+            for name in ("wo", "w2"):
+                plan[name] = RowwiseParallel(output_layouts=Shard(1))
+            assert model.embed is not None
+            parallelize_module(
+                model.embed,
+                tp_mesh,
+                RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            )
         for layer in model.layers:
-            parallelize_module(layer, tp_mesh, block_plan())
+            parallelize_module(layer, tp_mesh, plan)
         head_plan = {
             "norm": SequenceParallel(),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
@@ -324,6 +399,9 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
         gen = torch.Generator().manual_seed(cfg.seed * 1000 + step)
         x, target = torch.randn(2, cfg.batch, cfg.seq, cfg.dim, generator=gen).to(cfg.device, dtype)
         x, target = x.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank]
+        if cfg.vocab:  # every rank the whole batch of token ids (the embedding's input)
+            tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=gen)
+            return tokens.to(cfg.device), target
         if tp_mesh is None:
             return x, target
         x_local = x.chunk(tp, dim=1)[tp_rank].contiguous()
@@ -369,7 +447,9 @@ def train(
     torch._dynamo.reset()  # a fresh compile per run: no cached graph, no recompile limit
     setup = build(cfg, rank, world_size)
     step_fn: Callable[..., torch.Tensor] = setup.loss_module
-    if options is not None:
+    if options is not None and cfg.compile_per_block:
+        compile_blocks(setup.loss_module.model, options, cfg.clone_embedding)
+    elif options is not None:
         step_fn = torch.compile(setup.loss_module, backend="commfuse", options=dict(options))
     opt = torch.optim.AdamW(setup.loss_module.parameters(), lr=cfg.lr)
     result = TrainResult(losses=[], step_s=[], sites=[])
@@ -426,6 +506,23 @@ def gradients(
     setup.sync_gradients()
     grads = {k: local(p.grad) for k, p in setup.loss_module.named_parameters()}
     return local(loss), grads, [s.as_json() for s in report.REPORT.sites]
+
+
+def per_block_backward(
+    rank: int, world_size: int, cfg: TrainConfig, backend: str, clone_embedding: bool
+) -> str | None:
+    """One forward and backward of ``cfg`` (front "tp" with ``vocab``) compiled per block
+    with ``backend`` (no options: "aot_eager", "eager", ...): None if it ran, else the
+    error as ``Type: message`` (a ``RankPool`` job; shows the torch fault of
+    :func:`clone_output`)."""
+    torch._dynamo.reset()
+    setup = build(cfg, rank, world_size)
+    compile_blocks(setup.loss_module.model, None, clone_embedding, backend=backend)
+    try:
+        setup.loss_module(*setup.inputs(0)).backward()
+    except Exception as error:  # noqa: BLE001 - the fault is the result
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def max_relative_diff(a: Iterable[float], b: Iterable[float]) -> float:
