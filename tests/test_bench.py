@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from commfuse_compile.tools.bench import variants
+from commfuse_compile.tools.bench import QUICK, kind_rows, variants
 from commfuse_compile.tools.bench_report import KIND_TITLES, plot_speedup
 from commfuse_compile.tools.netns import PREFIX, can_throttle, remove_stale_namespaces
 
 ROOT_ONLY = pytest.mark.skipif(can_throttle() is not None, reason=str(can_throttle()))
+ULYSSES = ("mm_a2a", "a2a_mm")
+ULYSSES_ROWS = ["baseline", "ring", "auto"]
 
 
 def _our_namespaces(pid: int) -> list[str]:
@@ -43,6 +45,16 @@ def test_rows_follow_the_schedule_list():
         "slices": 4,
         "profile": "p.json",
     }
+
+
+def test_ulysses_cells_have_the_rows_of_their_direction():
+    """An all-to-all has the pairwise (ring) order only: its cells are the baseline,
+    ring and auto; the quick preset has one cell per Ulysses kind."""
+    for kind in ULYSSES:
+        assert [v.label for v in kind_rows(variants(), kind)] == ULYSSES_ROWS
+    assert [v.label for v in kind_rows(variants(), "ag_mm")] == [v.label for v in variants()]
+    cells = [cell for cells in QUICK.cells for cell in cells]
+    assert sorted(kind for kind, _, _ in cells if kind in ULYSSES) == sorted(ULYSSES)
 
 
 @pytest.mark.slow
@@ -70,10 +82,12 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     assert meta["reps"] >= 5 and meta["network"]["throttled"] == (can_throttle() is None)
     labels = [row["label"] for row in meta["rows"]]
     assert labels[0] == "baseline" and "ring" in labels and "auto" in labels
-    assert {c["kind"] for c in results["sites"]} == {"ag_mm", "mm_rs"}
+    assert {c["kind"] for c in results["sites"]} == {"ag_mm", "mm_rs", *ULYSSES}
     assert len({c["ratio"] for c in results["sites"]}) >= 2
+    assert sorted(c["kind"] for c in results["sites"] if c["kind"] in ULYSSES) == sorted(ULYSSES)
     for cell in results["sites"]:
-        assert [r["label"] for r in cell["rows"]] == labels
+        ulysses = cell["kind"] in ULYSSES
+        assert [r["label"] for r in cell["rows"]] == (ULYSSES_ROWS if ulysses else labels)
         assert cell["matmul_alone"]["median"] > 0 and cell["comm_alone"]["median"] > 0
         for row in cell["rows"]:
             assert 0 < row["min_s"] <= row["median_s"] <= row["max_s"]
@@ -90,8 +104,11 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     assert all(t["reached"] in (True, False, None) for t in results["targets"])
 
     markdown = (out / "results.md").read_text()
-    for heading in ("## Sites", "### all-gather -> matmul", "## Whole block", "## Targets"):
+    for heading in ("## Sites", "## Whole block", "## Targets"):
         assert heading in markdown
+    for title in KIND_TITLES.values():  # a table per site kind, the Ulysses ones too
+        assert f"### {title}" in markdown
+    assert "| ag_mm |" in markdown and "| mm_a2a |" in markdown  # where the time goes
     assert "](speedup.svg)" in markdown
     check_plot(out / "speedup.svg", labels[1:])
 
@@ -110,10 +127,17 @@ SPEEDUPS = [("baseline", 1.0), ("slicing k=2", 1.1), ("ring", 1.5), ("auto", 1.4
 
 def test_plot_of_synthetic_results(tmp_path: Path):
     rows = [{"label": label, "speedup": x, "median_s": 1 / x} for label, x in SPEEDUPS]
+    ulysses = [r for r in rows if r["label"] in ULYSSES_ROWS]  # no slicing of an a2a
     cells = [
-        {"kind": kind, "ratio": ratio, "rows": rows, "limit_s": 0.5, "n_block_bound_s": 0.6}
+        {
+            "kind": kind,
+            "ratio": ratio,
+            "rows": ulysses if kind in ULYSSES else rows,
+            "limit_s": 0.5,
+            "n_block_bound_s": 0.6,
+        }
         for kind in KIND_TITLES
-        for ratio in (0.5, 1.0, 2.0)
+        for ratio in ((1.0,) if kind in ULYSSES else (0.5, 1.0, 2.0))
         for _size in range(2)
     ]
     results = {"sites": cells, "meta": {"world_size": 2, "network": {"throttled": False}}}

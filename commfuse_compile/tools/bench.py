@@ -2,10 +2,12 @@
 
 The ranks run in network namespaces behind token-bucket links (``netns.py``). For each
 site (a TP+SP linear's all-gather -> matmul and matmul -> reduce-scatter, at several
-sizes) and each communication/computation ratio, the link rate is chosen from the
+sizes; a Ulysses projection's matmul -> all-to-all and all-to-all -> matmul) and each
+communication/computation ratio (``Preset.cells``), the link rate is chosen from the
 measured matmul time so that the collective alone takes ``ratio`` times the matmul
-alone; then the baseline (collective then matmul), every schedule of the pass and the
-two parts alone are measured in one run, interleaved (A B C ... A B C ...) after a
+alone; then the baseline (collective then matmul), every schedule of the pass that has
+steps for the site's direction and the two parts alone are measured in one run,
+interleaved (A B C ... A B C ...) after a
 warm-up, each call started together on all ranks by a barrier and timed as the slowest
 rank's. The whole-layer figure is a transformer block's forward + backward, compiled
 with the pass and without it (the same compile with ``schedule="off"``).
@@ -20,14 +22,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
+import itertools
 import math
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +41,14 @@ import torch.distributed as dist
 from .. import report
 from ..cost.profiles import Curve
 from ..options import SCHEDULES
+from ..passes.kinds import KINDS as SITE_KINDS
+from ..schedules import by_name
 from . import bench_report
 from .bench_config import OVERLAP_PROBE, BlockShape, SiteShape, Variant
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
 
-KINDS = ("ag_mm", "mm_rs")
 SLICES = (2, 4)  # chunks of the data-slicing rows
 ROW_ORDER = ("off", "slicing", "push", "ring", "bidir", "auto")  # schedules not named go last
 REFERENCE_RATE = 1e9  # bit/s of the link while calibrating the profile ``auto`` uses
@@ -66,11 +71,36 @@ def variants(schedules: tuple[str, ...] = SCHEDULES) -> list[Variant]:
     return rows
 
 
+def kind_rows(rows: list[Variant], kind: str) -> list[Variant]:
+    """The rows of a site kind's cells: the baseline, ``auto`` and the schedules with
+    steps for the kind's direction (an all-to-all has the ring's pairwise order only)."""
+    direction = SITE_KINDS[kind].direction
+    return [
+        v for v in rows if v.schedule in ("off", "auto") or by_name(v.schedule).supports(direction)
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cells:
+    """Every (kind, size, ratio) of ``kinds`` x ``sizes`` x ``ratios`` (comm-alone /
+    matmul-alone of a site) is one cell."""
+
+    kinds: tuple[str, ...]
+    sizes: tuple[SiteShape, ...]
+    ratios: tuple[float, ...]
+
+    def __iter__(self) -> Iterator[tuple[str, SiteShape, float]]:
+        return itertools.product(self.kinds, self.sizes, self.ratios)
+
+
+TP_KINDS = ("ag_mm", "mm_rs")
+ULYSSES_KINDS = ("mm_a2a", "a2a_mm")  # q/k/v projection -> all-to-all; all-to-all -> Wo
+
+
 @dataclasses.dataclass(frozen=True)
 class Preset:
     name: str
-    sizes: tuple[SiteShape, ...]
-    ratios: tuple[float, ...]  # comm-alone / matmul-alone of a site
+    cells: tuple[Cells, ...]
     warmup: int
     reps: int
     block: BlockShape
@@ -84,11 +114,15 @@ class Preset:
 # The quick site is the full run's middle size: at the smallest one (matmul ~4 ms) the
 # rate that makes comm/compute 0.5 is tens of Gbit/s, i.e. no throttle, and a call's
 # fixed costs are a large share of every row. 9 timed rounds: 5 left gaps of up to 46 %
-# between two rows that run the same graph.
+# between two rows that run the same graph. The Ulysses cells: one each, at
+# comm/compute 1, with the same FLOPs and bytes per rank as the TP+SP ones.
+QUICK_SIZE = SiteShape(2048, 1024, 2048)
 QUICK = Preset(
     name="quick",
-    sizes=(SiteShape(2048, 1024, 2048),),
-    ratios=(0.5, 1.0, 2.0),
+    cells=(
+        Cells(TP_KINDS, (QUICK_SIZE,), (0.5, 1.0, 2.0)),
+        Cells(ULYSSES_KINDS, (QUICK_SIZE,), (1.0,)),
+    ),
     warmup=2,
     reps=9,
     block=BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=2),
@@ -99,8 +133,14 @@ QUICK = Preset(
 )
 FULL = Preset(
     name="full",
-    sizes=(SiteShape(1024, 512, 1024), SiteShape(2048, 1024, 2048), SiteShape(4096, 1024, 2048)),
-    ratios=(0.5, 1.0, 2.0),
+    cells=(
+        Cells(
+            TP_KINDS,
+            (SiteShape(1024, 512, 1024), QUICK_SIZE, SiteShape(4096, 1024, 2048)),
+            (0.5, 1.0, 2.0),
+        ),
+        Cells(ULYSSES_KINDS, (QUICK_SIZE,), (0.5, 1.0, 2.0)),
+    ),
     warmup=2,
     reps=9,
     block=BlockShape(seq=256, dim=512, heads=8, hidden=1536, batch=4),
@@ -126,46 +166,106 @@ class _Site:
     flops: float  # of this rank's matmul
 
 
-def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
-    from torch.fx.experimental.proxy_tensor import make_fx
+@dataclasses.dataclass
+class _Parts:
+    """What a kind's builder makes of a shape; ``_build_site`` derives the rest."""
 
-    group = dist.group.WORLD.group_name  # type: ignore[union-attr]
-    s, d, f = shape.seq, shape.dim, shape.ffn
-    gen = torch.Generator().manual_seed(1000 + rank)
-    block = (s // n) * d  # elements of one rank's block (a shard, or a partial sum)
-    message = torch.randn((n - 1) * block, generator=gen)  # n-1 blocks leave each rank
-    if kind == "ag_mm":
-        x, w = torch.randn(1, s // n, d, generator=gen), torch.randn(d, f // n, generator=gen)
-        gathered = torch.randn(s, d, generator=gen)
+    program: Callable[..., tuple[torch.Tensor]]  # the site as DTensor or Ulysses writes it
+    inputs: list[torch.Tensor]
+    operands: tuple[torch.Tensor, torch.Tensor]  # the site's matmul alone, unsplit: a @ b
+    collective: Callable[[], object]
+    block: int  # elements of one rank's block (a shard, a partial sum, a peer's heads)
 
-        def gather_program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
-            g = c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
-            g = torch.cat(torch.split(g, 1), dim=1)  # DTensor's gather on the sequence dim
-            return (torch.mm(g.reshape(-1, d), w),)
 
-        return _Site(
-            graph=make_fx(gather_program, tracing_mode="fake")(x, w),
-            inputs=[x, w],
-            matmul=lambda: torch.mm(gathered, w),
-            collective=lambda: c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)),
-            message=message,
-            flops=2.0 * s * d * (f // n),
-        )
-    a, w = torch.randn(s, f // n, generator=gen), torch.randn(f // n, d, generator=gen)
-    product = torch.randn(n, s // n, d, generator=gen)
+def _exchanged(x: torch.Tensor, n: int, group: str) -> torch.Tensor:
+    """``all_to_all_single`` of n equal blocks of dim 0 (block j to rank j), as Ulysses."""
+    m = [x.shape[0] // n] * n
+    return c10d.wait_tensor(c10d.all_to_all_single(x, m, m, group))
 
-    def scatter_program(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+
+def _ag_mm(s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str) -> _Parts:
+    x, w = rand(1, s // n, d), rand(d, f // n)
+
+    def program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
+        g = torch.cat(torch.split(g, 1), dim=1)  # DTensor's gather on the sequence dim
+        return (torch.mm(g.reshape(-1, d), w),)
+
+    def collective() -> object:
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
+
+    return _Parts(program, [x, w], (rand(s, d), w), collective, (s // n) * d)
+
+
+def _mm_rs(s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str) -> _Parts:
+    a, w = rand(s, f // n), rand(f // n, d)
+    product = rand(n, s // n, d)
+
+    def program(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
         z = torch.mm(a, w).view(1, s, d)
         z = torch.cat(torch.split(z, s // n, dim=1), dim=0)  # DTensor's scatter on dim 1
         return (c10d.wait_tensor(c10d.reduce_scatter_tensor(z, "sum", n, group)),)
 
+    def collective() -> object:
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(product, "sum", n, group))
+
+    return _Parts(program, [a, w], (a, w), collective, (s // n) * d)
+
+
+def _mm_a2a(
+    s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str
+) -> _Parts:
+    """Ulysses' q projection: this rank's s/n tokens times W (d -> f = heads x head
+    dim), its head groups sent one to each rank (heads scattered, the sequence whole)."""
+    m = s // n
+    x, w = rand(m, d), rand(d, f)
+    heads = rand(n, m, f // n)
+
+    def program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        q = torch.mm(x, w).view(m, n, f // n).permute(1, 0, 2).contiguous()
+        return (_exchanged(q, n, group).view(s, f // n),)
+
+    return _Parts(program, [x, w], (x, w), lambda: _exchanged(heads, n, group), m * (f // n))
+
+
+def _a2a_mm(
+    s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str
+) -> _Parts:
+    """Ulysses' attention output into the output projection: the whole sequence of this
+    rank's heads, each rank's tokens sent to it (heads gathered), then @ Wo (f -> d),
+    contracting over the heads."""
+    m = s // n
+    a, w = rand(s, f // n), rand(f, d)
+
+    def program(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        g = _exchanged(a.view(n, m, f // n), n, group)  # block j: rank j's heads
+        return (torch.mm(g.permute(1, 0, 2).reshape(m, f), w),)
+
+    def collective() -> object:
+        return _exchanged(a.view(n, m, f // n), n, group)
+
+    return _Parts(program, [a, w], (rand(m, f), w), collective, m * (f // n))
+
+
+_BUILDERS = {"ag_mm": _ag_mm, "mm_rs": _mm_rs, "mm_a2a": _mm_a2a, "a2a_mm": _a2a_mm}
+
+
+def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    group = dist.group.WORLD.group_name  # type: ignore[union-attr]
+    gen = torch.Generator().manual_seed(1000 + rank)
+    parts = _BUILDERS[kind](
+        shape.seq, shape.dim, shape.ffn, n, functools.partial(torch.randn, generator=gen), group
+    )
+    a, b = parts.operands
     return _Site(
-        graph=make_fx(scatter_program, tracing_mode="fake")(a, w),
-        inputs=[a, w],
-        matmul=lambda: torch.mm(a, w),
-        collective=lambda: c10d.wait_tensor(c10d.reduce_scatter_tensor(product, "sum", n, group)),
-        message=message,
-        flops=2.0 * s * (f // n) * d,
+        graph=make_fx(parts.program, tracing_mode="fake")(*parts.inputs),
+        inputs=parts.inputs,
+        matmul=lambda: torch.mm(a, b),
+        collective=parts.collective,
+        message=torch.randn((n - 1) * parts.block, generator=gen),  # n-1 blocks leave a rank
+        flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1],
     )
 
 
@@ -415,8 +515,8 @@ class Progress:
         self.start = time.monotonic()
 
     def stage(self, text: str) -> None:
-        elapsed = time.monotonic() - self.start
-        self.echo(f"[{self.done}/{self.total} {elapsed // 60:02.0f}:{elapsed % 60:02.0f}] {text}")
+        minutes, seconds = divmod(round(time.monotonic() - self.start), 60)
+        self.echo(f"[{self.done}/{self.total} {minutes:02d}:{seconds:02d}] {text}")
 
     def advance(self) -> None:
         self.done += 1
@@ -524,7 +624,7 @@ def run(
 
     out.mkdir(parents=True, exist_ok=True)
     rows = variants()
-    cells = [(k, s, r) for k in KINDS for s in preset.sizes for r in preset.ratios]
+    cells = [cell for cells in preset.cells for cell in cells]
     progress = Progress(len(cells) + 3, echo)
     results: dict[str, Any] = {
         "meta": {
@@ -584,14 +684,15 @@ def run(
                 progress.stage(f"{kind} {shape.label} ratio {ratio:g}: choosing the link rate")
                 rate, tries = _choose_rate(network, ranks, kind, shape, ratio, preset.rate_reps)
             profile = base.file(rate, out / "profiles" / f"cell{index:02d}.json")
+            cell_rows = kind_rows(rows, kind)
             progress.stage(
-                f"{kind} {shape.label} ratio {ratio:g}: {len(rows) + 3} rows x "
+                f"{kind} {shape.label} ratio {ratio:g}: {len(cell_rows) + 4} rows x "
                 f"{preset.warmup}+{preset.reps} at {rate / 1e6:.0f} Mbit/s"
             )
-            job = SiteJob(kind, shape, tuple(rows), profile, preset.warmup, preset.reps)
+            job = SiteJob(kind, shape, tuple(cell_rows), profile, preset.warmup, preset.reps)
             per_rank = ranks.run(measure_site, job)
             cell = bench_report.site_cell(
-                kind, shape, ratio, rate, tries, per_rank, rows, world_size
+                kind, shape, ratio, rate, tries, per_rank, cell_rows, world_size
             )
             results["sites"].append(cell)
             progress.advance()

@@ -22,7 +22,12 @@ from matplotlib.figure import Figure
 
 from .bench_config import OVERLAP_PROBE, BlockShape, SiteShape, Variant
 
-KIND_TITLES = {"ag_mm": "all-gather -> matmul", "mm_rs": "matmul -> reduce-scatter"}
+KIND_TITLES = {
+    "ag_mm": "all-gather -> matmul",
+    "mm_rs": "matmul -> reduce-scatter",
+    "mm_a2a": "matmul -> all-to-all (Ulysses q/k/v)",
+    "a2a_mm": "all-to-all -> matmul (Ulysses output)",
+}
 OVERLAP_LIMIT = 1.15  # targets: ring and bidir near the limit at comm/compute 1 ...
 RING_SPEEDUP = 1.4  # ... and this much faster than the baseline on 2 ranks
 AUTO_PAYS = 1.10  # where a schedule beats the baseline by more than this ...
@@ -460,7 +465,7 @@ def _loads(machine: dict[str, Any]) -> str:
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"# commfuse bench ({results['meta']['preset']})", "", *_setting(results), ""]
     lines += ["![speedup over the baseline against comm/compute](speedup.svg)", ""]
-    lines += ["## Sites (a TP+SP linear)", ""]
+    lines += ["## Sites (a TP+SP linear; a Ulysses projection)", ""]
     for kind, title in KIND_TITLES.items():
         cells = [c for c in results["sites"] if c["kind"] == kind]
         if not cells:
@@ -608,7 +613,10 @@ def plot_speedup(results: dict[str, Any], path: Path) -> None:
     schedule through the geometric mean over sizes, a dot per size; gray: what perfect
     overlap and the best schedule of n blocks would gain over the same measured baseline."""
     kinds = [k for k in KIND_TITLES if any(c["kind"] == k for c in results["sites"])]
-    labels = [r["label"] for r in results["sites"][0]["rows"][1:]] if results["sites"] else []
+    # every schedule row of any cell, one color each in every panel (a kind's cells have
+    # the rows of the schedules for its direction)
+    labels = list(dict.fromkeys(r["label"] for c in results["sites"] for r in c["rows"][1:]))
+    colors = {label: f"C{i}" for i, label in enumerate(labels)}
     n = results["meta"]["world_size"]
     figure = Figure(figsize=(4.5 * max(len(kinds), 1) + 2, 4), layout="constrained")
     axes = figure.subplots(1, max(len(kinds), 1), sharey=True, squeeze=False)[0]
@@ -622,12 +630,14 @@ def plot_speedup(results: dict[str, Any], path: Path) -> None:
             reference = functools.partial(_reference, what=what)
             ax.plot(*_by_ratio(cells, reference), color="0.6", linestyle=style, label=name)
         for label in labels:
+            if not all(any(r["label"] == label for r in c["rows"]) for c in cells):
+                continue
             speedup = functools.partial(_speedup, label=label)
-            (line,) = ax.plot(*_by_ratio(cells, speedup), marker="o", label=label)
+            ax.plot(*_by_ratio(cells, speedup), marker="o", color=colors[label], label=label)
             ax.scatter(
                 [c["ratio"] for c in cells],
                 [speedup(c) for c in cells],
-                color=line.get_color(),
+                color=colors[label],
                 alpha=0.4,
                 s=8,
             )
@@ -639,7 +649,11 @@ def plot_speedup(results: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("speedup over the baseline")
     axes[0].set_ylim(bottom=0)
-    axes[-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5))
+    legend: dict[str, Any] = {}  # label -> handle, over the panels
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    figure.legend(list(legend.values()), list(legend), loc="outside right center")
     title = "speedup over collective-then-matmul"
     if not results["meta"]["network"]["throttled"]:
         title += " (UNTHROTTLED: not meaningful)"
