@@ -13,6 +13,7 @@ import dataclasses
 import importlib
 import json
 import operator
+import warnings
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from commfuse_compile import CommfuseOptionError, Options, report
 from commfuse_compile.cost.profiles import BUILTIN, save
 from commfuse_compile.options import DEBUG_DIR_ENV
 from commfuse_compile.passes import rewrite_and_compile, rewrite_graph
+from commfuse_compile.passes.kinds import mm_a2a
 
 N, RANK = 4, 1
 PREV, NEXT = (RANK - 1) % N, (RANK + 1) % N
@@ -986,6 +988,43 @@ def test_all_to_all_declines_say_why():
 def test_all_to_all_away_from_matmuls_is_no_site():
     gm = fx(lambda x: (exchanged(x * 2, N) + 1,), (N * 2, 3))
     assert rewrite_graph(gm, "forward", RING) == []
+
+
+def test_all_to_all_between_two_matmuls_is_one_site():
+    """mm -> all-to-all -> mm (found by the fuzzer): one record, the all-to-all -> matmul
+    site's (it rewrites the exchange), not a second, declined matmul -> all-to-all one."""
+    gm = fx(lambda x, w, v: (exchanged(x @ w, N) @ v,), (2 * N, 5), (5, 3), (3, 4))
+    record = rewrite_one(gm)
+    assert (record.kind, record.decision) == ("a2a_mm", "rewritten")
+    assert record.match["roles"] == {"mm_1": "rows"}
+
+
+def test_all_to_all_of_a_permuted_tensor_copies_blocks_it_cannot_view():
+    """The exchanged input is a permute (not contiguous), its output reshaped 2-D for the
+    matmul: this rank's own block, a slice of that input, cannot be viewed so and is copied
+    first (found by the fuzzer: a fake tensor's view raises ValueError, not RuntimeError,
+    and the failed view was an internal error)."""
+
+    def program(x, w):
+        return (exchanged(x.permute(2, 0, 1), N).reshape(8 * N, 6) @ w,)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        record = rewrite_one(fx(program, (2, 6, 4 * N), (6, 3)))
+    assert (record.kind, record.decision) == ("a2a_mm", "rewritten")
+    assert record.match["roles"] == {"mm": "rows"}
+
+
+def test_declined_matmul_to_all_to_all_site_names_what_it_would_replace():
+    """A matmul -> all-to-all site declined before its blocks reach a matmul (a cast in
+    between: no product) still says which nodes it stands for (found by the fuzzer:
+    ``replaced`` asserted a product, an internal error for the whole graph)."""
+    gm = fx(lambda x, w: (exchanged((x @ w).to(torch.float64), N) * 1,), (2 * N, 5), (5, 3))
+    (site,) = mm_a2a.KIND.find(gm.graph)
+    assert site.declined is not None and site.declined.code == "a2a.not_a_block"
+    a2a, wait = calls(gm, ALL_TO_ALL)[0], calls(gm, c10d.wait_tensor.default)[0]
+    assert list(mm_a2a.KIND.replaced(site)) == [a2a, wait]
+    assert rewrite_one(gm).decline_code == "a2a.not_a_block"
 
 
 def test_gather_on_the_contracting_dim_adds_one_partial_product_per_block():

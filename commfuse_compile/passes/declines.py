@@ -110,11 +110,6 @@ _REASONS = (
         "unsupported",
         "product {node} is also used outside the all-to-all",
     ),
-    Reason(
-        "a2a.both_sides",
-        "unsupported",
-        "its result feeds a matmul too: the all-to-all -> matmul site rewrites it",
-    ),
     Reason("a2a.bias_rows", "unsupported", "bias of {node} has a row dim"),
     Reason("a2a.no_matmul", "unsupported", "no matmul reads the all-to-all's blocks"),
     Reason("a2a.matmuls_left_out", "unsupported", "{unmatched}"),

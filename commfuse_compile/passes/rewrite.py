@@ -439,7 +439,7 @@ def replay(
 def _can_view(value: torch.Tensor, shape: Sequence[Any]) -> bool:
     try:
         value.view(dims.sizes(shape))
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # a fake tensor's view raises ValueError
         return False
     return True
 

@@ -119,8 +119,8 @@ class MmA2a:
     def replaced(self, site: Site) -> Sequence[Node]:
         assert isinstance(site, MmA2aSite)
         chain = [node for node, _ in site.chain]
-        assert site.product is not None
-        return [site.all_to_all, site.wait, *chain, site.product.node]
+        product = [site.product.node] if site.product is not None else []  # None: declined
+        return [site.all_to_all, site.wait, *chain, *product]
 
     def collectives(self, site: Site) -> Sequence[Node]:
         assert isinstance(site, MmA2aSite)
@@ -137,9 +137,9 @@ KIND = MmA2a()
 def _match(a2a: Node) -> MmA2aSite | None:
     inp, group_name = node_arg(a2a, 0, "input"), node_arg(a2a, 3, "group_name")
     n = len(node_arg(a2a, 1, "output_split_sizes"))
-    if not comes_from_matmul(inp):
-        return None
     wait = the_wait(a2a) or a2a
+    if not comes_from_matmul(inp) or reaches_matmul(wait):
+        return None  # feeding a matmul too: the all-to-all -> matmul site (a2a_mm) reports it
     chain: list[tuple[Node, int]] = []
     node, dim, stop = inp, 0, None
     while node.target in LAYOUT_OPS and len(data_users(node)) == 1 and stop is None:
@@ -159,8 +159,6 @@ def _match(a2a: Node) -> MmA2aSite | None:
             raise decline("site.group_of_one")
         if equal_splits(a2a) is None:
             raise decline("a2a.uneven", node=a2a.name, splits=list(node_arg(a2a, 1, "")))
-        if reaches_matmul(wait):
-            raise decline("a2a.both_sides")
         if stop is not None or mm is None:
             at = stop or node
             raise decline("a2a.not_a_block", node=at.name, op=op_name(at))
