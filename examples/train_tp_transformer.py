@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_tp_transformer.py --steps 3 --compare
         [--inner eager|inductor] [--schedule ring|auto|off] [--activation-checkpointing [block|op]]
-        [--vocab N] [--compile-per-block]
+        [--vocab N] [--compile-per-block] [--loss-parallel]
 
 Each block (RMSNorm, attention, SwiGLU) is sharded with ``commfuse_compile.tools.models.block_plan``
 over all ranks; the final norm and the linear head are sequence / column parallel; the
@@ -12,7 +12,9 @@ rewrote and declined (and why). ``--compare`` also trains an identical copy with
 pass (plain eager DTensor, same initialization and data) and prints the largest relative
 loss difference. ``--vocab N`` puts a token embedding first (row-parallel, as torchtitan
 shards it; the blocks then take and return local tensors), ``--compile-per-block``
-compiles each block by itself (``fullgraph=True``) as torchtitan does, the rest eager.
+compiles each block by itself (``fullgraph=True``) as torchtitan does, the rest eager;
+``--loss-parallel`` keeps the head's output sharded on its last dim (the MSE on the
+shards, averaged over the ranks; no all-gather of the output).
 The model, the step and the summary live in ``commfuse_compile.tools.training``.
 """
 
@@ -36,6 +38,11 @@ def main() -> None:
         action="store_true",
         help="compile each block by itself (fullgraph=True), the rest eager, like torchtitan",
     )
+    parser.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="keep the head's output sharded; the loss on the shards (no output all-gather)",
+    )
     args = parser.parse_args()
     device = training.init_torchrun()
     world_size = dist.get_world_size()
@@ -49,6 +56,7 @@ def main() -> None:
         device,
         vocab=args.vocab,
         compile_per_block=args.compile_per_block,
+        loss_parallel=args.loss_parallel,
     )
     training.run_and_print(cfg, args)
     dist.destroy_process_group()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import collections
+import re
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,6 @@ OPTIONS = {"schedule": "ring", "inner": "eager"}
 RTOL = 1e-5  # float32 losses; the ring changes summation order only
 
 RING = "ring"  # the schedule of a rewritten site; a declined one's is its decline code
-LATE_INPUT = "lower.late_input"
-TAKEN_BY_GATHER = "rs.taken"
 MATMULS_LEFT_OUT = "ag.matmuls_left_out"
 
 
@@ -173,11 +172,10 @@ def test_tp_sp_transformer_with_activation_checkpointing(ranks, tmp_path):
     assert first["table"] == {
         ("forward", "ag_mm", "rewritten", RING): 5,
         ("forward", "mm_rs", "rewritten", RING): 4,
-        # 4 gradient gathers (as without checkpointing) + 4 recomputed forward gathers
-        ("backward", "ag_mm", "rewritten", RING): 7,
-        # A gradient gather whose weight-gradient matmul reads a recomputed forward
-        # gather that the backward graph computes later: the ring cannot move after it.
-        ("backward", "ag_mm", "declined", LATE_INPUT): 1,
+        # 4 gradient gathers (as without checkpointing) + 4 recomputed forward gathers;
+        # one gradient gather's weight-gradient matmul reads a recomputed activation the
+        # backward computes later: its ring goes after that (nothing else reads it before)
+        ("backward", "ag_mm", "rewritten", RING): 8,
         # 11 input-gradient scatters (as without checkpointing) + 3 recomputed wo/w2
         ("backward", "mm_rs", "rewritten", RING): 14,
     }
@@ -212,6 +210,41 @@ def test_tp_sp_transformer_with_op_level_selective_checkpointing(ranks, tmp_path
     assert forward.count("all_gather_into_tensor.default(") == 1  # the head's logits
     assert backward.count("reduce_scatter_tensor.default(") == 0
     assert backward.count("all_gather_into_tensor.default(") == 2 + 3 + 2 + 3  # the 4 declined
+
+
+def collectives(path: Path) -> collections.Counter:
+    """The functional collectives a dumped graph calls, by op name (waits left out)."""
+    calls = re.findall(r"_c10d_functional\.(\w+)\.default\(", path.read_text())
+    return collections.Counter(c for c in calls if c != "wait_tensor")
+
+
+@pytest.mark.parametrize("loss_parallel", [False, True])
+def test_tp_sp_with_embedding_what_stays(ranks, tmp_path, loss_parallel):
+    # the README's coverage table: a token embedding (row-parallel, as torchtitan), and
+    # the head's output all-gathered (no loss parallelism) or kept sharded on its last
+    # dim with the MSE on the shards (loss parallelism)
+    cfg = training.TrainConfig(**{**vars(CFG), "vocab": 64, "loss_parallel": loss_parallel})
+    (first, *_) = run(ranks, 2, cfg, tmp_path)
+    assert first["table"] == {  # the same sites as without the embedding
+        ("forward", "ag_mm", "rewritten", RING): 5,
+        ("forward", "mm_rs", "rewritten", RING): 4,
+        ("backward", "ag_mm", "rewritten", RING): 4,
+        ("backward", "mm_rs", "rewritten", RING): 11,
+    }
+    assert unreported(tmp_path / "rank0", first["sites"]) == {}
+    # what stays after the rewrite: the embedding's reduce-scatter (its partial sums
+    # feed an RMSNorm, no matmul) and in the backward its gradient's all-gather (into
+    # embedding_dense_backward); without loss parallelism the all-gather of the head's
+    # output (a matmul -> all-gather: no site kind), with it one scalar all-reduce
+    left = {
+        g: collectives(next((tmp_path / "rank0").glob(f"graph*_{g}_after.py")))
+        for g in ("forward", "backward")
+    }
+    head = {"all_reduce": 1} if loss_parallel else {"all_gather_into_tensor": 1}
+    assert left == {
+        "forward": collections.Counter({"reduce_scatter_tensor": 1, **head}),
+        "backward": collections.Counter({"all_gather_into_tensor": 1}),
+    }
 
 
 PER_BLOCK = training.TrainConfig(**{**vars(CFG), "vocab": 64, "compile_per_block": True})
@@ -266,18 +299,17 @@ def test_fsdp_times_tp_on_a_2x2_mesh_trains_like_eager(ranks, tmp_path):
     cfg = training.TrainConfig(**{**vars(CFG), "front": "fsdp", "tp": 2, "batch": 4, "steps": 2})
     (first, *_) = run(ranks, 4, cfg, tmp_path)
     assert first["table"] == {
-        # 15 dp weight gathers (columns), as in 1-D; the 5 TP activation gathers (norm ->
-        # q/k/v, norm -> w1/w3, norm -> head) feed the same matmuls, whose weight comes from
-        # a dp gather emitted after them: one collective per matmul is hidden, not both.
-        ("forward", "ag_mm", "rewritten", RING): 15,
-        ("forward", "ag_mm", "declined", LATE_INPUT): 5,
-        # wo / w2: the matmul already belongs to its dp weight-gather ring
-        ("forward", "mm_rs", "declined", TAKEN_BY_GATHER): 4,
+        # 15 dp weight gathers (columns), as in 1-D, and the 5 TP activation gathers (norm
+        # -> q/k/v, norm -> w1/w3, norm -> head) that feed the same matmuls: each weight
+        # ring is rewritten first, and the activation's ring runs inside the first
+        # window of the first of them (tests/test_two_d.py)
+        ("forward", "ag_mm", "rewritten", RING): 20,
+        # wo / w2: the reduce-scatter's ring first, the dp weight ring in its first window
+        ("forward", "mm_rs", "rewritten", RING): 4,
         ("backward", "ag_mm", "rewritten", RING): 4,  # TP, as in the TP+SP test
-        # 15 dp weight-gradient reduce-scatters, as in 1-D, and 7 TP input gradients;
-        # the other 4 TP input-gradient matmuls already belong to a gather's ring
-        ("backward", "mm_rs", "rewritten", RING): 22,
-        ("backward", "mm_rs", "declined", TAKEN_BY_GATHER): 4,
+        # 15 dp weight-gradient reduce-scatters, as in 1-D (4 of them over t(dY) @ AG_tp(X):
+        # that TP gather's ring runs in their first window), and 11 TP input gradients
+        ("backward", "mm_rs", "rewritten", RING): 26,
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
 

@@ -82,6 +82,10 @@ class TrainConfig:
     # fault, see clone_output) unless ``clone_embedding`` is False
     compile_per_block: bool = False
     clone_embedding: bool = True
+    # "tp": the head's output stays sharded on its last dim (no all-gather of the
+    # "logits"); the MSE is computed on the shards and averaged over the ranks (one scalar
+    # all-reduce), as torchtitan's loss_parallel does for the cross-entropy
+    loss_parallel: bool = False
 
 
 @dataclasses.dataclass
@@ -258,7 +262,12 @@ class MSELoss(nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.mse_loss(self.model(x), target)
+        from torch.distributed.tensor import DTensor
+
+        loss = F.mse_loss(self.model(x), target)
+        if isinstance(loss, DTensor):  # loss_parallel: Partial(avg), all-reduced here
+            loss = loss.full_tensor()
+        return loss
 
 
 class GatherShard(nn.Module):
@@ -358,8 +367,10 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
     if world_size % tp:
         raise ValueError(f"tp={tp} does not divide the world size {world_size}")
     dp = world_size // tp
-    if (cfg.vocab or cfg.compile_per_block) and (cfg.front != "tp" or tp == 1):
-        raise ValueError("vocab and compile_per_block are options of front 'tp' on 2+ ranks")
+    if (cfg.vocab or cfg.compile_per_block or cfg.loss_parallel) and (cfg.front != "tp" or tp == 1):
+        raise ValueError(
+            "vocab, compile_per_block and loss_parallel are options of front 'tp' on 2+ ranks"
+        )
     if cfg.batch % dp or cfg.seq % tp:
         raise ValueError(f"batch {cfg.batch} / seq {cfg.seq} not divisible by dp={dp} / tp={tp}")
     torch.manual_seed(cfg.seed)
@@ -388,6 +399,10 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
             "norm": SequenceParallel(),
             "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         }
+        if cfg.loss_parallel:
+            head_plan["head"] = ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+            )
         parallelize_module(model, tp_mesh, head_plan)
     else:
         dp_group = dist.group.WORLD if dp > 1 else None
@@ -399,6 +414,10 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
         gen = torch.Generator().manual_seed(cfg.seed * 1000 + step)
         x, target = torch.randn(2, cfg.batch, cfg.seq, cfg.dim, generator=gen).to(cfg.device, dtype)
         x, target = x.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank]
+        if cfg.loss_parallel:  # this rank's block of the target's last dim
+            assert tp_mesh is not None
+            target_local = target.chunk(tp, dim=-1)[tp_rank].contiguous()
+            target = DTensor.from_local(target_local, tp_mesh, [Shard(-1)], run_check=False)
         if cfg.vocab:  # every rank the whole batch of token ids (the embedding's input)
             tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=gen)
             return tokens.to(cfg.device), target
