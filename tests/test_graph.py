@@ -435,16 +435,24 @@ def test_weight_computed_after_the_gather_is_hoisted_before_the_ring():
     gm.graph.lint()
 
 
-def test_weight_from_a_later_collective_declines_the_site():
-    """mm(AG(x), AG(w)): the activation's ring cannot wait for the weight's gather; the
-    weight's own site contracts its gathered rows instead (X[:, block b] @ W_b)."""
+def test_weight_from_a_later_collective_nests_its_ring_in_the_first_window():
+    """mm(AG(x), AG(w)) on one group: the activation's ring goes after the weight's gather
+    (its late input); the weight's site then contracts its gathered rows inside that
+    ring's first window (X_own[:, block b] @ W_b), and the other windows read the weight
+    it rebuilds."""
     gm = fx(gather_then_gathered_weight, (2, 3, 8), (2, 6))
     x_site, w_site = rewrite_graph(gm, "forward", RING)
-    assert x_site.decision == "declined"
-    assert x_site.reason == "input wait_tensor_1 is computed after the site and cannot move"
-    assert w_site.decision == "rewritten"
-    assert w_site.match["roles"] == {"mm": "contract_left"}
-    assert len(calls(gm, ALL_GATHER)) == 1 and len(calls(gm, P2P)) == N - 1
+    assert (x_site.decision, w_site.decision) == ("rewritten", "rewritten")
+    assert x_site.match["roles"] == {"mm": "rows"}
+    assert list(w_site.match["roles"].values()) == ["contract_left"]
+    assert len(w_site.match["unmatched"]) == N - 1  # x's other windows
+    assert calls(gm, ALL_GATHER) == [] and len(calls(gm, P2P)) == 2 * (N - 1)
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    x_first, *_ = (p for p in calls(gm, P2P) if p.meta["commfuse"]["site"] == x_site.site)
+    w_p2ps = [p for p in calls(gm, P2P) if p.meta["commfuse"]["site"] == w_site.site]
+    x_first_waits = [u for g in x_first.users for u in g.users if u.target is WAIT]
+    assert order[x_first] < min(order[p] for p in w_p2ps)
+    assert max(order[p] for p in w_p2ps) < min(order[w] for w in x_first_waits)
     gm.graph.lint()
 
 

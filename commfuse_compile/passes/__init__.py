@@ -25,6 +25,7 @@ from ..runtime import groups
 from ..schedules import by_name
 from . import match, order, program, verify
 from .declines import Declined, decline
+from .graph import position
 from .kinds import of
 from .lower import lower, site_nodes, start
 from .plan import check_applies, plan, plan_options, profile_for, site_work
@@ -228,6 +229,7 @@ def _rewrite_sites(gm: GraphModule, options: Options, result: _Result) -> list[R
             verify.check_exchange(rewrite, group, schedule, options.slices)
             rewrite.commit(site_nodes(rewrite.site))
             verify.check_committed(rewrite)
+            _nest_windows(rewrites, rewrite)
         except Exception as err:  # noqa: BLE001 - declines and internal errors alike
             if rewrite is not None and rewrite.committing:
                 raise  # the graph is half rewritten: rewrite_graph restores all of it
@@ -247,6 +249,24 @@ def _rewrite_sites(gm: GraphModule, options: Options, result: _Result) -> list[R
         record.steps, record.p2p_ops = len(rewrite.steps), rewrite.p2p_ops
         rewrites.append(rewrite)
     return rewrites
+
+
+def _nest_windows(rewrites: list[Rewrite], inner: Rewrite) -> None:
+    """Where ``inner`` replaced a matmul of an earlier rewrite's window (a nested ring,
+    ``kinds/ag_mm``), that window now computes ``inner``'s whole ring: the order kept
+    through Inductor (``order``) holds its transfer open over all of it. A ring that had
+    to go before the window's transfer is only dropped from it."""
+    replaced = inner.replace
+    ring = [n for s in inner.steps for n in ([s.issue] if s.issue else []) + s.compute]
+    first = min(inner.created, key=position)
+    for rw in rewrites:
+        for window in rw.steps:
+            taken = [n for n in window.compute if n in replaced]
+            if not taken:
+                continue
+            window.compute = [n for n in window.compute if n not in replaced]
+            if window.issue is not None and position(window.issue) < position(first):
+                window.compute += [*ring, *(replaced[n] for n in taken)]
 
 
 def _group(site: Site) -> groups.Group:

@@ -10,17 +10,46 @@ from __future__ import annotations
 
 import dataclasses
 
-from torch.fx import Graph
+from torch.fx import Graph, Node
 
 from .declines import decline
+from .graph import is_matmul
 from .kinds import KINDS, of
 from .site import Site
 
 
 def find_sites(graph: Graph) -> list[Site]:
-    """Every site of the graph, in graph order."""
+    """Every site of the graph, in graph order, except that sites sharing a matmul with
+    an earlier site that can nest, on another group (a 2-D matmul: both operands gathered,
+    or gathered and reduce-scattered, one on each dim of a mesh), come first: the site
+    rewritten first splits the matmul by the steps of its ring, and the nesting one runs
+    inside that ring's first window. (On one group the blocks of the two would have to
+    line up instead: the first site takes the matmul.)"""
     found = [site for kind in KINDS.values() for site in kind.find(graph)]
-    return sorted(found, key=lambda s: s.anchor._sort_key)
+    return _nesting_last(sorted(found, key=lambda s: s.anchor._sort_key))
+
+
+def _nesting_last(sites: list[Site]) -> list[Site]:
+    """``sites`` in groups that share matmuls through a nesting site, each group where
+    its first site stood, latest site first."""
+    parent = list(range(len(sites)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    first_reader: dict[Node, int] = {}
+    for i, site in enumerate(sites):
+        for node in of(site).replaced(site):
+            if is_matmul(node):
+                j = first_reader.setdefault(node, i)
+                if j != i and of(sites[j]).nests and sites[j].group_name != site.group_name:
+                    parent[root(i)] = root(j)
+    groups: dict[int, list[Site]] = {}
+    for i, site in enumerate(sites):
+        groups.setdefault(root(i), []).append(site)
+    return [site for group in groups.values() for site in reversed(group)]
 
 
 def rematch(site: Site) -> Site:

@@ -25,6 +25,7 @@ from typing import Any
 
 import sympy
 import torch
+from torch._inductor.pattern_matcher import stable_topological_sort
 from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
 from torch.fx.proxy import GraphAppendingTracer, Proxy
@@ -189,6 +190,10 @@ class Rewrite:
         for old, new in self.replace.items():
             if old._erased:
                 new.name = old.name
+        if any(position(u) < position(new) for new in self.replace.values() for u in new.users):
+            # a ring nested in a later window: the views that read the tensor it rebuilds
+            # stood where the collective was, and now follow it (nothing else moves)
+            stable_topological_sort(self.graph)
 
 
 Pending = tuple[Node | None, list[tuple[Transfer, Node]], list[Node]]

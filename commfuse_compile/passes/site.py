@@ -55,6 +55,9 @@ def matched(candidates: Iterable[T], match: Callable[[T], Site | None]) -> list[
 class SiteKind(Protocol):
     name: str
     direction: Direction  # which steps of a schedule run it (``Schedule.steps``)
+    # can run inside one window of a site that shares its matmul and is rewritten first
+    # (``match.find_sites`` orders such sites so)
+    nests: bool
 
     def find(self, graph: Graph) -> list[Site]:
         """Every site of this kind in the graph, matched or declined (nothing rewritten)."""

@@ -112,6 +112,7 @@ class A2aMmSite(Site):
 class A2aMm:
     name = "a2a_mm"
     direction: Direction = "exchange_in"
+    nests = False
 
     def find(self, graph: Graph) -> list[Site]:
         return matched(graph.find_nodes(op="call_function", target=ALL_TO_ALL), _match)

@@ -133,6 +133,7 @@ class AgMmSite(Site):
 class AgMm:
     name = "ag_mm"
     direction: Direction = "gather"
+    nests = True
 
     def find(self, graph: Graph) -> list[Site]:
         return matched(_gathers_by_shard(graph).items(), lambda item: _match(*item))
@@ -161,8 +162,10 @@ class AgMm:
 
     def start(self, site: Site) -> tuple[Site, Node]:
         assert isinstance(site, AgMmSite)
-        before = _first_consumer(site)
-        return _without_uses_needing_own_result(site, before), before
+        site = _nested_in_one_window(site)
+        site = _without_uses_needing_own_result(site, _first_reader(site))
+        site = _without_uses_read_too_late(site)
+        return site, _ring_place(site)
 
     def lower(self, rw: Rewrite, group: Group, schedule: Schedule, slices: int) -> None:
         assert isinstance(rw.site, AgMmSite)
@@ -518,12 +521,86 @@ def _gathered_outlives(site: AgMmSite) -> bool:
     return saved or any(user not in inside for node in nodes for user in data_users(node))
 
 
-def _first_consumer(site: AgMmSite) -> Node:
-    """Earliest node that reads a gathered value: the ring must be done by then."""
+def _first_reader(site: AgMmSite) -> Node:
+    """Earliest node that reads a gathered value, where the collective stood."""
     readers = [u for wait in site.waits for u in wait.users]
     if not readers:  # pragma: no cover - matched sites have one
         raise decline("ag.no_reader")
     return min(readers, key=position)
+
+
+def _outside_readers(site: AgMmSite) -> list[Node]:
+    """Nodes that read the gathered tensor other than the site's own views and matmuls:
+    they read the tensor the ring rebuilds, so the ring must be done before them."""
+    inside = {*site.chain, *(u.mm.node for u in site.uses)}
+    nodes = (*site.waits, *site.chain)
+    return [r for node in nodes for r in data_users(node) if r not in inside]
+
+
+def _late_inputs(use: GatherUse, site: AgMmSite) -> list[Node]:
+    """What ``use``'s matmul reads besides the gathered tensor, computed after it."""
+    own, start = {*site.waits, *site.chain}, position(_first_reader(site))
+    return [a for a in use.mm.node.all_input_nodes if a not in own and position(a) > start]
+
+
+def _without_uses_read_too_late(site: AgMmSite) -> AgMmSite:
+    """A matmul whose other operand is computed after something else has to read the
+    gathered tensor (so after the latest point the ring can move to) keeps reading the
+    rebuilt tensor."""
+    outside = _outside_readers(site)
+    if not outside:
+        return site
+    limit = position(min(outside, key=position))
+    left = {
+        u: "its other operand is computed after the gathered tensor's first other reader"
+        for u in site.uses
+        if any(position(a) > limit for a in _late_inputs(u, site))
+    }
+    return site.leaving_out(left) if left else site
+
+
+def _ring_place(site: AgMmSite) -> Node:
+    """Where the ring goes: where the collective's first reader stood, or later, right
+    after the last input its matmuls read that is computed later (a recomputed activation
+    under checkpointing; in a 2-D matmul, the other site's block in the window this ring
+    nests in). The views the ring leaves behind follow the tensor it rebuilds
+    (``Rewrite.commit`` sorts them after it); nothing outside the site reads the gathered
+    tensor before that place (``_without_uses_read_too_late``)."""
+    late = [a for u in site.uses for a in _late_inputs(u, site)]
+    if not late:
+        return _first_reader(site)
+    return max(late, key=position).next
+
+
+def _emitted_by_a_rewrite(uses: Sequence[GatherUse]) -> list[GatherUse]:
+    """The uses whose matmul another site's rewrite emitted (``meta["commfuse"]``)."""
+    return [u for u in uses if "commfuse" in u.mm.node.meta]
+
+
+def _window(node: Node) -> tuple[int, int]:
+    meta = node.meta["commfuse"]
+    return meta["site"], meta["step"]
+
+
+def _nested_in_one_window(site: AgMmSite) -> AgMmSite:
+    """A matmul whose other operand is gathered too (2-D: a data-parallel weight gather
+    and a tensor-parallel activation gather) was split by the site rewritten first, one
+    partial matmul per step of its ring. This ring runs inside that ring's first window,
+    under its transfer, where its other operand is already there; the matmuls of the
+    other windows read the gathered tensor this ring rebuilds, each hiding its own
+    window's transfer."""
+    emitted = _emitted_by_a_rewrite(site.uses)
+    if not emitted:
+        return site
+    first = _window(min(emitted, key=lambda u: position(u.mm.node)).mm.node)
+    left = {
+        u: "in another window of site {}, step {}: reads the rebuilt gathered tensor".format(
+            *_window(u.mm.node)
+        )
+        for u in emitted
+        if _window(u.mm.node) != first
+    }
+    return site.leaving_out(left) if left else site
 
 
 def _without_uses_needing_own_result(site: AgMmSite, before: Node) -> AgMmSite:

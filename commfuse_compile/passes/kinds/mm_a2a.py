@@ -89,6 +89,7 @@ class MmA2aSite(Site):
 class MmA2a:
     name = "mm_a2a"
     direction: Direction = "exchange_out"
+    nests = False
 
     def find(self, graph: Graph) -> list[Site]:
         return matched(graph.find_nodes(op="call_function", target=ALL_TO_ALL), _match)

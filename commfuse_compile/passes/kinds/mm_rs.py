@@ -99,6 +99,7 @@ class MmRsSite(Site):
 class MmRs:
     name = "mm_rs"
     direction: Direction = "reduce"
+    nests = False
 
     def find(self, graph: Graph) -> list[Site]:
         nodes = graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
