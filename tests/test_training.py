@@ -1,9 +1,11 @@
 """Training end to end: AdamW steps with and without the pass, from the same init and data.
 
 Front ends (``commfuse_compile.tools.training``, shared with ``examples/train_*.py``): a TP+SP
-transformer (DTensor ``parallelize_module``), the same with activation checkpointing,
-FSDP-style in-graph sharding on 2 ranks, FSDP x TP on a 2x2 mesh, and Ulysses sequence
-parallelism (all-to-alls around attention) on 2 ranks. Each test checks that the losses
+transformer (DTensor ``parallelize_module``), the same with activation checkpointing (per
+block, and torchtitan's op-level policy), with a token embedding (with and without loss
+parallelism) and compiled per block as torchtitan does, FSDP-style in-graph sharding on 2
+ranks, FSDP x TP on a 2x2 mesh, and Ulysses sequence parallelism (all-to-alls around
+attention) on 2 ranks. Each test checks that the losses
 match the plain eager run; the TP and FSDP ones also pin the table of sites the pass found
 per (graph, kind, decision, reason), and check from the debug dump (``graph*_before.py``)
 that every all-gather / reduce-scatter next to a matmul has a report entry.
