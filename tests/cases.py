@@ -57,7 +57,7 @@ class AgMm:
     extra_user: bool = False
     contract: int = 0  # weight-gradient-like consumers: t(AG(x) viewed [M, K]) @ X_i
     columns: int = 0  # gathered-weight consumers: Z_i @ t(AG(x) viewed [M, K]) (dim 0 only)
-    left: int = 0  # Y_i @ AG(x) viewed [M, K] (dim 0 only)
+    left: int = 0  # Y_i @ AG(x) viewed [M, K]
     dtype: torch.dtype = torch.float32
 
     def inputs(self, rank: int, seed: int, n: int = 1) -> list[torch.Tensor]:

@@ -69,7 +69,7 @@ def gather_cases(draw):
         consumers=draw(st.integers(0, 2)),
         contract=draw(st.integers(0, 2)),
         columns=draw(st.integers(0, 1)) if dim == 0 else 0,
-        left=draw(st.integers(0, 1)) if dim == 0 else 0,
+        left=draw(st.integers(0, 1)),
         bias=draw(st.booleans()),
         extra_user=draw(st.booleans()),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
@@ -201,5 +201,21 @@ def test_gather_on_the_contracting_dim_sums_a_product_per_block(ranks, n, schedu
     of X_b @ W[rows of b] (role ``contract_k``), each added as its block arrives."""
     case = AgMm(shard=(2, 3, 4), dim=2, n_out=5, consumers=2, bias=False)
     for out in _run(ranks(n), case, seed=7, schedule=schedule, inner=inner):
+        for actual, expected in zip(out["actual"], out["expected"], strict=True):
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("n", "schedule", "inner"),
+    [(3, "ring", "inductor"), (4, "bidir", "eager"), (2, "slicing", "eager")],
+)
+def test_weight_gradient_of_a_sequence_gathered_input_contracts_each_block(
+    ranks, n, schedule, inner
+):
+    """Y @ G2d with G gathered on the sequence of [batch, seq, dim] (a weight gradient
+    t(dY) @ X under checkpointing): a block's rows are strided in G2d, so the columns of
+    Y that meet them are sliced out of Y viewed [M, batch, seq] (role contract_left)."""
+    case = AgMm(shard=(2, 2, 4), dim=1, consumers=0, left=2, bias=False)
+    for out in _run(ranks(n), case, seed=3, schedule=schedule, inner=inner):
         for actual, expected in zip(out["actual"], out["expected"], strict=True):
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

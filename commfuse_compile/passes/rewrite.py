@@ -327,8 +327,12 @@ def finish_sum(rw: Rewrite, total: Node, like: Node, step: int) -> Node:
 
 
 def viewed(rw: Rewrite, node: Node, shape: Sequence[dims.Size], step: int) -> Node:
+    """``node`` viewed as ``shape``, copied first where its strides forbid the view."""
     if dims.same_shape(val(node).shape, shape):
         return node
+    with rw.fake_mode:
+        if not _can_view(val(node), shape):
+            node = contiguous(rw, node, step)
     return rw.emit(aten.view.default, (node, rw.shape(shape, step)), step=step, lane="compute")
 
 

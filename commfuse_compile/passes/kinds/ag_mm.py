@@ -352,7 +352,7 @@ def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str) -> None:
             f"gathered dim {site.gather_dim} of {list(site.gathered_shape)} does not fold "
             f"into the rows of [{rows}, {cols}]"
         )
-    elif role in ("columns", "contract_left") and not contiguous:
+    elif role == "columns" and not contiguous:
         problem = f"gathered dim {site.gather_dim} is not the outermost: blocks not contiguous"
     elif role.startswith("contract") and mm.bias is not None:
         problem = "a bias on a contracted product"
@@ -414,8 +414,24 @@ class _GatherProducts:
                 w_b = slice_block(rw, mm.b, 0, index, shape2d[1], s, "compute")
                 self.sums[i] = accumulate(rw, self.sums[i], g2d, w_b, s)
             else:  # contract_left
-                y_b = column_block(rw, mm.a, index, shape2d[0], s)
+                y_b = self._columns_meeting(i, use, index, width, shape2d[0], s)
                 self.sums[i] = accumulate(rw, self.sums[i], y_b, g2d, s)
+
+    def _columns_meeting(
+        self, i: int, use: GatherUse, index: int, width: dims.Size, rows: dims.Size, s: int
+    ) -> Node:
+        """The columns of Y (in ``Y @ G2d``) that meet block ``index`` of G2d's rows: a
+        column block where the gathered dim is outermost; otherwise (the sequence of
+        [batch, seq, dim], a weight gradient's t(dY) @ X) Y viewed with G's leading
+        dims, sliced on the gathered dim and copied into 2-D."""
+        rw, site, y = self.rw, self.site, use.mm.a
+        if dims.equal(math.prod(site.gathered_shape[: site.gather_dim]), 1):
+            return column_block(rw, y, index, rows, s)
+        m = val(y).shape[0]
+        if i not in self.others:
+            self.others[i] = viewed(rw, y, [m, *site.gathered_shape[: use.row_dims]], s)
+        part = slice_block(rw, self.others[i], 1 + site.gather_dim, index, width, s, "compute")
+        return viewed(rw, contiguous(rw, part, s), [m, rows], s)
 
     def finish(self, count: int, step: int) -> None:
         """Assemble the ``count`` pieces' products into each matmul's replacement."""
