@@ -5,7 +5,10 @@ A drawn ``Recipe`` is a world size (1..8), a rank, a dtype (float32/bfloat16/flo
 float64/int64), a first shard shape (sizes 0..12) and a short list of ops, each with a
 few small ints read modulo what fits. ``Builder`` turns it into a program mixing
 DTensor-style all-gathers (dims 0..2, the same shard gathered again, a wrong group size)
-and reduce-scatters ("sum"/"avg"), mm/addmm in every operand role (biases of every
+and reduce-scatters ("sum"/"avg"), all-to-alls of dim 0 (equal splits as lists or the
+funcol API's ``None``, uneven ones; laid out as Ulysses does, [B, S/n, h, d] <-> [B, S,
+h/n, d] with the heads or the sequence moved to dim 0, or interleaved, and a projection
+matmul before, after or on both sides), mm/addmm in every operand role (biases of every
 shape, beta/alpha, weights transposed with ``.t()``, operands swapped), sums of matmuls,
 views/reshapes, transposes (cancelling pairs included), casts, relu/mul/add, copies,
 values with several users or none, and unsupported neighbours (slices, reductions, bmm,
@@ -22,15 +25,17 @@ For schedules ring and bidir:
    byte-identical) and record no nodes;
 4. a rewritten site's collectives are gone, the graph has exactly the P2P ops its records
    claim, every received tensor is unpacked by one getitem that one ``wait_tensor`` reads,
-   and every sent buffer is waited after its P2P op;
+   and every sent buffer is waited after its P2P op; a rewritten all-to-all (``mm_a2a``,
+   ``a2a_mm``) is n - 1 pairwise exchanges of one block (1/n of its dim 0) in n steps;
 5. the rewritten graph runs on fake tensors (``FakeTensorProp``) to the original outputs'
    shapes and dtypes, and every node's ``meta["val"]`` agrees with what it computes;
 6. every collective next to a mm/addmm through view/transpose/copy/cast/reassembly/
-   slice/pad ops (an all-gather's value flowing into one, or a reduce-scatter's input
-   flowing out of one) is in exactly one record: no silent misses;
+   slice/pad ops (an all-gather's value flowing into one, a reduce-scatter's input
+   flowing out of one, an all-to-all either way) is in exactly one record, of its kind
+   (an all-to-all whose value flows into one: ``a2a_mm``): no silent misses;
 7. on real gloo ranks (a sample: world sizes 2-4, programs the pass rewrites something
-   in and that gloo can run), the rewritten graph computes the original's values up to
-   summation order.
+   in and that gloo can run, half of them drawn with an all-to-all next to matmuls), the
+   rewritten graph computes the original's values up to summation order.
 
 A failure prints the program as code that reproduces it. ``COMMFUSE_FUZZ_EXAMPLES`` sets
 the number of graph examples (default 500, about 50 s; the gloo sample runs 1 in 25 of
@@ -56,8 +61,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from cases import gathered, scattered
-from hypothesis import HealthCheck, Phase, assume, given, note, seed, settings
+import torch.distributed._functional_collectives as funcol
+from cases import exchanged, gathered, scattered
+from hypothesis import HealthCheck, Phase, assume, event, given, note, seed, settings
 from hypothesis import strategies as st
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
@@ -74,6 +80,9 @@ P2P = torch.ops.commfuse.p2p.default
 WAIT = c10d.wait_tensor.default
 ALL_GATHER = c10d.all_gather_into_tensor.default
 REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
+ALL_TO_ALL = c10d.all_to_all_single.default
+COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+A2A_KINDS = ("mm_a2a", "a2a_mm")
 MATMULS = frozenset({aten.mm.default, aten.addmm.default})
 # what a collective reaches a matmul through (property 6): layout, copy, cast, reassembly, pad
 NEXT_TO = frozenset(
@@ -113,13 +122,14 @@ NAME = re.compile(r"\b[vx]\d+\b")  # a value of a built program
 
 OPS = (
     *("gather", "mm", "scatter", "matsum", "view", "transpose", "cast", "copy", "eltwise"),
-    *("neighbour", "input", "output"),
+    *("neighbour", "input", "output", "all_to_all"),
 )
 # between a collective and its matmul: mostly what the pass sees through
 CHAIN_OPS = ("view",) * 3 + ("transpose",) * 2 + ("cast", "copy", "eltwise", "neighbour")
 WORLDS = (2, 4, 3, 8, 1, 5, 6, 7)
 
 Step = tuple[str, tuple[int, int, int, int]]
+Layout = tuple[str, Callable[[torch.Tensor], torch.Tensor]]  # code ("{}": the value), function
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,22 +146,29 @@ class Recipe:
 
 PARAM = st.integers(0, 7)
 LATEST = st.sampled_from((0, 0, 0, 1, 2, 3))  # mostly the value just made
+NEWEST = st.sampled_from((0,) * 7 + (1,))  # all but always
 
 
 def step(ops: tuple[str, ...], src: st.SearchStrategy[int] = PARAM) -> st.SearchStrategy[Step]:
     return st.tuples(st.sampled_from(ops), st.tuples(src, PARAM, PARAM, PARAM))
 
 
+CHAIN = st.lists(step(CHAIN_OPS, LATEST), max_size=3)
+
+
 @st.composite
 def segments(draw: st.DrawFn) -> list[Step]:
     """A few ops: a random one, or a collective next to a matmul (or both kinds around one)
     through random chains."""
-    kind = draw(st.sampled_from(("ag_mm", "mm_rs", "ag_mm_rs", "any", "any")))
+    kind = draw(st.sampled_from(("ag_mm", "mm_rs", "ag_mm_rs", "a2a", "any", "any")))
     if kind == "any":
         return [draw(step(OPS))]
 
     def chain() -> list[Step]:
-        return draw(st.lists(step(CHAIN_OPS, LATEST), max_size=3))
+        return draw(CHAIN)
+
+    if kind == "a2a":
+        return draw(exchanges())
 
     if kind == "mm_rs":  # usually from a new input, its rows a multiple of the world size
         rows = draw(st.tuples(st.integers(3, 7), PARAM, PARAM, PARAM))
@@ -164,9 +181,29 @@ def segments(draw: st.DrawFn) -> list[Step]:
 
 
 @st.composite
-def recipes(draw: st.DrawFn, worlds: tuple[int, ...] = WORLDS) -> Recipe:
+def exchanges(draw: st.DrawFn, chains: st.SearchStrategy[list[Step]] = CHAIN) -> list[Step]:
+    """An all-to-all next to matmuls through random chains: a projection before it (mm_a2a:
+    Ulysses' q/k/v), after it (a2a_mm: the output projection, a weight gradient), or both."""
+    kind = draw(st.sampled_from(("mm_a2a", "a2a_mm", "a2a_mm", "mm_a2a_mm")))
+    a2a, mm = step(("all_to_all",), NEWEST), step(("mm", "mm", "matsum"), NEWEST)
+    projection = step(("mm",), NEWEST)  # a sum of matmuls is no block of one
+    chains = draw(st.sampled_from((chains, chains, st.just([]))))  # or the layouts alone
+    # a new input, its first dim a multiple of the world size
+    shape = draw(st.tuples(st.integers(3, 7), PARAM, PARAM, PARAM))
+    before = [("input", shape)] if draw(st.integers(0, 2)) else []
+    if kind == "a2a_mm":
+        return [*before, *draw(chains), draw(a2a), *draw(chains), draw(mm)]
+    after = [draw(mm)] if kind == "mm_a2a_mm" else []
+    return [*before, draw(projection), *draw(chains), draw(a2a), *draw(chains), *after]
+
+
+@st.composite
+def recipes(draw: st.DrawFn, worlds: tuple[int, ...] = WORLDS, exchange: bool = False) -> Recipe:
+    """``exchange``: the first segment is an all-to-all next to matmuls."""
     world = draw(st.sampled_from(worlds))
     steps = draw(st.lists(segments(), min_size=1, max_size=4))
+    if exchange:
+        steps[0] = draw(exchanges(st.lists(step(CHAIN_OPS, NEWEST), max_size=2)))
     return Recipe(
         world=world,
         rank=draw(st.integers(0, world - 1)),
@@ -250,7 +287,9 @@ class Builder:
         return "\n".join(
             [
                 f'dist.init_process_group("fake", {init})',
-                "from cases import gathered, scattered",
+                "import torch.distributed._functional_collectives as funcol",
+                "from cases import exchanged, gathered, scattered",
+                "c10d = torch.ops._c10d_functional",
                 f"def program({args}):",
                 *(f"    {line}" for line in body),
                 f"gm = make_fx(program, tracing_mode='fake')({inputs})",
@@ -298,6 +337,105 @@ class Builder:
             f"scattered({self.names[i]}, {self.n}, {dim}, {op_name!r})",
             scattered(self.v(i), self.n, dim, op_name),
         )
+
+    def op_all_to_all(self, src: int, layout: int, splits: int, form: int) -> None:
+        """``all_to_all_single`` of dim 0, laid out first and after as ``layout`` says:
+        0: as it is (the first dim that divides moved to dim 0); 1: Ulysses' q/k/v side,
+        [M, C] viewed [b, s, n, C/n] (or [b, s, n, h, d]), the heads to dim 0 and back as
+        [b, n*s, C/n]; 2: its output side, [b, S, R] viewed [b, n, S/n, R], the sequence to
+        dim 0 and back as [b*S/n, n*R]; 3: every n-th element in one block (interleaved).
+        ``splits`` 6: the funcol API's ``None`` splits; 7 (``form`` odd): uneven; else equal
+        lists (uneven where dim 0 does not divide). Where a layout does not fit the shape,
+        plain (0)."""
+        i = self.pick(src)
+        n, x, name = self.n, self.v(i), self.names[i]
+        layout %= 4
+        pre, post = self._exchange_layout(x, layout, form)
+        if pre is None:
+            pre, post = self._exchange_layout(x, 0, form)
+        assert pre is not None
+        code, fn = pre
+        j = self.emit(code.format(name), fn(x)) if code != "{}" else i
+        y, yname = self.v(j), self.names[j]
+        rows = y.shape[0]
+        if (splits == 7 and form % 2) or rows % n:  # uneven: dim 0 does not divide, or asked
+            m = rows // n
+            sizes = [rows - (n - 1) * m, *([m] * (n - 1))]
+            if m and n > 1 and sizes[0] == m:
+                sizes[0], sizes[1] = m + 1, m - 1
+            group = "dist.group.WORLD.group_name"
+            code = f"c10d.wait_tensor(c10d.all_to_all_single({yname}, {sizes}, {sizes}, {group}))"
+            out = c10d.wait_tensor(
+                c10d.all_to_all_single(y, sizes, sizes, dist.group.WORLD.group_name)
+            )
+            k = self.emit(code, out)
+            post = None  # the layout's sizes are for equal blocks
+        elif splits == 6:
+            code = f"funcol.all_to_all_single({yname}, None, None, dist.group.WORLD)"
+            value = funcol.all_to_all_single(y, None, None, dist.group.WORLD)
+            k = self.emit(code, value.wait() if hasattr(value, "wait") else value)
+        else:
+            k = self.emit(f"exchanged({yname}, {n})", exchanged(y, n))
+        if post is not None:
+            code, fn = post
+            self.emit(code.format(self.names[k]), fn(self.v(k)))
+
+    def _exchange_layout(
+        self, x: torch.Tensor, layout: int, form: int
+    ) -> tuple[Layout | None, Layout | None]:
+        """The code (``{}`` the value) and function laying ``x`` out before the all-to-all,
+        and after it; (None, None) where ``layout`` does not fit ``x``'s shape."""
+        n, shape = self.n, list(x.shape)
+        if layout == 0:
+            d = next((d for d in range(len(shape)) if shape[d] % n == 0 and shape[d]), None)
+            if d is None and x.numel() % n == 0 and len(shape) > 1:  # flat, if that divides
+                return ("{}.reshape(-1)", lambda t: t.reshape(-1)), None
+            if not d:  # dim 0, or nothing divides: uneven blocks
+                return ("{}", lambda t: t), None
+            return (
+                f"{{}}.transpose(0, {d}).contiguous()",
+                lambda t: t.transpose(0, d).contiguous(),
+            ), None
+        if layout == 1:  # [M, C] -> [n, b, s, C/n] -> [b, n*s, C/n]
+            m, c = math.prod(shape[:-1]), shape[-1]
+            if c % n or not m:
+                return None, None
+            b = (1, m, next((f for f in range(2, m) if m % f == 0), 1))[form % 3]
+            s, hd = m // b, c // n
+            hl = next((f for f in range(2, hd) if hd % f == 0), 0) if form >= 4 else 0
+            heads = [hl, hd // hl] if hl else [hd]
+            rest = list(range(3, 3 + len(heads)))
+            view, perm = [b, s, n, *heads], [2, 0, 1, *rest]
+            back, out = [1, 0, 2, *rest], [b, n * s, *heads]
+            return (
+                f"{{}}.reshape({view}).permute({perm}).contiguous()",
+                lambda t: t.reshape(view).permute(perm).contiguous(),
+            ), (
+                f"{{}}.permute({back}).reshape({out})",
+                lambda t: t.permute(back).reshape(out),
+            )
+        if layout == 2:  # [b, S, R] -> [n, b, S/n, R] -> [b*S/n, n*R]
+            b, seq, r = 1, shape[0], math.prod(shape[1:])
+            if len(shape) >= 3 and shape[1] % n == 0 and form % 2:
+                b, seq, r = shape[0], shape[1], math.prod(shape[2:])
+            if seq % n or not seq:
+                return None, None
+            view, out = [b, n, seq // n, r], [b * seq // n, n * r]
+            return (
+                f"{{}}.reshape({view}).permute([1, 0, 2, 3]).contiguous()",
+                lambda t: t.reshape(view).permute(1, 0, 2, 3).contiguous(),
+            ), (
+                f"{{}}.permute([1, 2, 0, 3]).reshape({out})",
+                lambda t: t.permute(1, 2, 0, 3).reshape(out),
+            )
+        numel = x.numel()  # 3: [N] as [N/n, n], transposed: block j holds elements j, j+n, ...
+        if numel % n or not numel:
+            return None, None
+        view = [numel // n, n]
+        return (
+            f"{{}}.reshape({view}).t().contiguous().view([{numel}])",
+            lambda t: t.reshape(view).t().contiguous().view(numel),
+        ), None
 
     # -- matmuls
 
@@ -546,17 +684,31 @@ def _reaches_matmul(frontier: list[Node], step: Callable[[Node], list[Node]]) ->
     return False
 
 
-def next_to_matmul(gm: GraphModule) -> list[str]:
-    """Collectives that must be reported (property 6): all-gathers whose waited value flows
-    into a mm/addmm, reduce-scatters whose input flows out of one, through ``NEXT_TO`` ops."""
-    names = []
+def next_to_matmul(gm: GraphModule) -> dict[str, tuple[str, ...]]:
+    """Collectives that must be reported (property 6), with the kinds that may report
+    them: all-gathers whose waited value flows into a mm/addmm, reduce-scatters whose
+    input flows out of one, through ``NEXT_TO`` ops; all-to-alls either way (``a2a_mm``
+    where the value flows into one: the pass rewrites that side)."""
+    names: dict[str, tuple[str, ...]] = {}
+
+    def into(collective: Node) -> bool:
+        readers = [user for wait in collective.users for user in wait.users]
+        return _reaches_matmul(readers, lambda n: list(n.users))
+
+    def out_of(collective: Node) -> bool:
+        return _reaches_matmul([collective.args[0]], lambda n: n.all_input_nodes)  # type: ignore[list-item]
+
     for ag in calls(gm, ALL_GATHER):
-        readers = [user for wait in ag.users for user in wait.users]
-        if _reaches_matmul(readers, lambda n: list(n.users)):
-            names.append(ag.name)
+        if into(ag):
+            names[ag.name] = ("ag_mm",)
     for rs in calls(gm, REDUCE_SCATTER):
-        if _reaches_matmul([rs.args[0]], lambda n: n.all_input_nodes):  # type: ignore[list-item]
-            names.append(rs.name)
+        if out_of(rs):
+            names[rs.name] = ("mm_rs",)
+    for a2a in calls(gm, ALL_TO_ALL):
+        if into(a2a):
+            names[a2a.name] = ("a2a_mm",)
+        elif out_of(a2a):  # a2a_mm where it feeds a bmm/matmul, which the pass counts too
+            names[a2a.name] = A2A_KINDS
     return names
 
 
@@ -601,7 +753,7 @@ def check_rewrite(gm: GraphModule, schedule: str) -> list[SiteRecord]:
 
     # 3. declined sites keep the graph (their collectives, and all of it if none is rewritten)
     rewritten = [r for r in records if r.decision == "rewritten"]
-    left = {n.name for n in (*calls(gm, ALL_GATHER), *calls(gm, REDUCE_SCATTER))}
+    left = {n.name for target in COLLECTIVES for n in calls(gm, target)}
     for record in records:
         assert record.decision in ("rewritten", "declined"), record
         if record.decision == "declined":
@@ -640,11 +792,39 @@ def check_rewrite(gm: GraphModule, schedule: str) -> list[SiteRecord]:
         assert output_values(gm) == original_outputs
         assert values_of(gm) == recorded
 
-    # 6. every collective next to a matmul has exactly one record
+    # 4b. rewritten all-to-alls: n - 1 pairwise exchanges of one block each, in n steps
+    for record in rewritten:
+        if record.kind in A2A_KINDS:
+            check_exchange(gm, record)
+
+    # 6. every collective next to a matmul has exactly one record, of a kind that reports it
     reported = collections.Counter(c for r in records for c in r.match.get("collectives", []))
     assert {c: k for c, k in reported.items() if k > 1} == {}
     assert [c for c in must_report if c not in reported] == []
+    kinds = {c: r.kind for r in records for c in r.match.get("collectives", [])}
+    assert {c: kinds[c] for c, ok in must_report.items() if kinds[c] not in ok} == {}
     return records
+
+
+def check_exchange(gm: GraphModule, record: SiteRecord) -> None:
+    """A rewritten all-to-all (``mm_a2a``/``a2a_mm``): its p2p_ops are the site's P2P
+    nodes, n - 1 of them in n steps, step s sending this rank's block for rank r + s and
+    receiving rank r - s's, every block a 1/n of the exchanged shape on dim 0."""
+    n, rank = record.match["group_size"], dist.get_rank()
+    assert isinstance(n, int)
+    created = set(record.nodes)
+    p2ps = [node for node in calls(gm, P2P) if node.name in created]
+    assert record.schedule == "ring", record
+    assert (record.p2p_ops, record.steps) == (n - 1, n) == (len(p2ps), n), record
+    exchanged_shape = list(record.match["exchanged_shape"])  # type: ignore[call-overload]
+    block = [exchanged_shape[0] // n, *exchanged_shape[1:]]
+    for s, node in enumerate(p2ps, start=1):
+        sends, send_peers, recv_like, recv_peers, *_ = node.args
+        assert (list(send_peers), list(recv_peers)) == ([(rank + s) % n], [(rank - s) % n]), (  # type: ignore[arg-type]
+            node.format_node()
+        )
+        for buffer in (*sends, *recv_like):  # type: ignore[misc]
+            assert list(buffer.meta["val"].shape) == block, node.format_node()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -675,7 +855,10 @@ def test_rewrite_graph_on_random_programs(recipe: Recipe):
         _, traced = build(recipe)
         for schedule in SCHEDULES:
             note(f"schedule={schedule!r}")
-            check_rewrite(GraphModule(traced, copy.deepcopy(traced.graph)), schedule)
+            records = check_rewrite(GraphModule(traced, copy.deepcopy(traced.graph)), schedule)
+            if schedule == "ring":  # --hypothesis-show-statistics
+                for kind, decision in sorted({(r.kind, r.decision) for r in records}):
+                    event(f"{kind} {decision}")
     report.reset()
 
 
@@ -690,13 +873,20 @@ TO_INT64 = DTYPES.index(torch.int64)
 def runs_on_gloo(recipe: Recipe, gm: GraphModule) -> bool:
     """Can the traced program run on real ranks, and compare across a rewrite? Not if a
     collective names a group size it does not have, averages (gloo cannot), scatters a
-    dim 0 that does not divide, or moves an empty tensor; nor with a cast to int64 (a
-    different summation order can move a value across an integer)."""
+    dim 0 that does not divide, exchanges uneven blocks (the same split sizes on every
+    rank), or moves an empty tensor; nor with a cast to int64 (a different summation
+    order can move a value across an integer)."""
     if any(op == "cast" and params[1] % len(DTYPES) == TO_INT64 for op, params in recipe.steps):
         return False
-    for node in (*calls(gm, ALL_GATHER), *calls(gm, REDUCE_SCATTER)):
+    for node in (n for target in COLLECTIVES for n in calls(gm, target)):
         shard = node.args[0].meta["val"]  # type: ignore[union-attr]
-        size = node.args[1 if node.target is ALL_GATHER else 2]
+        if node.target is ALL_TO_ALL:
+            splits = list(node.args[1])  # type: ignore[arg-type]
+            size = len(splits)
+            if len(set(splits)) != 1 or list(node.args[2]) != splits:  # type: ignore[arg-type]
+                return False
+        else:
+            size = node.args[1 if node.target is ALL_GATHER else 2]
         if size != recipe.world or shard.numel() == 0:
             return False
         if node.target is REDUCE_SCATTER and (
@@ -749,7 +939,7 @@ def run_recipe_on_rank(
 )
 @seed(int(SEED or 0))
 @given(
-    recipe=recipes(GLOO_WORLDS),
+    recipe=st.one_of(recipes(GLOO_WORLDS), recipes(GLOO_WORLDS, exchange=True)),
     schedule=st.sampled_from(SCHEDULES),
     data_seed=st.integers(0, 2**16),
 )
@@ -766,6 +956,8 @@ def test_random_programs_compute_the_same_values_on_gloo(ranks, recipe, schedule
         report.reset()
     assert internal_errors(caught, records) == []
     assume(any(r.decision == "rewritten" for r in records))  # the graph fuzz covers the rest
+    for kind in sorted({r.kind for r in records if r.decision == "rewritten"}):
+        event(f"gloo: {kind} rewritten")  # --hypothesis-show-statistics
     results = ranks(recipe.world).run(run_recipe_on_rank, recipe, schedule, data_seed)
     assume(all(result is not None for result in results))
     for rank, result in enumerate(results):
