@@ -17,8 +17,17 @@ from pathlib import Path
 
 import pytest
 
+from commfuse_compile.tools import bench
 from commfuse_compile.tools.bench import QUICK, kind_rows, variants
-from commfuse_compile.tools.bench_report import KIND_TITLES, plot_speedup
+from commfuse_compile.tools.bench_report import (
+    KIND_TITLES,
+    block_result,
+    format_block,
+    markdown,
+    plot_speedup,
+    slowest,
+)
+from commfuse_compile.tools.cli import _parser
 from commfuse_compile.tools.netns import PREFIX, can_throttle, remove_stale_namespaces
 
 ROOT_ONLY = pytest.mark.skipif(can_throttle() is not None, reason=str(can_throttle()))
@@ -94,6 +103,7 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
             assert math.isclose(row["vs_limit"], row["median_s"] / cell["limit_s"])
             assert row["predicted_s"] is None or row["predicted_s"] > 0
         assert next(r for r in cell["rows"] if r["label"] == "ring")["ran"] == "ring"
+    assert results["block_2d"] is None  # opt-in: --block-2d
     block = results["block"]
     assert block["rows"][0]["label"] == "baseline" and len(block["rows"]) >= 2
     assert all(row["median_s"] > 0 for row in block["rows"])
@@ -111,6 +121,42 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     assert "| ag_mm |" in markdown and "| mm_a2a |" in markdown  # where the time goes
     assert "](speedup.svg)" in markdown
     check_plot(out / "speedup.svg", labels[1:])
+
+
+def test_2d_block_row_is_built_and_reported(ranks):
+    """``--block-2d``: training's fsdp front with tp=2 on a 2 x 2 mesh of its own 4 ranks,
+    every site of its step rewritten with the ring, none without the pass; its table
+    says the mesh, that the ranks share the cores, and the sites per graph and kind.
+    One untimed step per row on unthrottled gloo ranks (the shape of both presets)."""
+    assert _parser().parse_args(["bench", "--quick", "--block-2d"]).block_2d
+    assert not _parser().parse_args(["bench", "--quick"]).block_2d
+    spec = QUICK.block_2d
+    assert spec is not None and spec is bench.FULL.block_2d and spec.world_size == 4
+    assert spec.schedules == ("baseline", "ring", "auto")
+    rows = tuple(v for v in variants() if v.label in ("baseline", "ring"))
+    pool = ranks(spec.world_size)
+    sites = pool.run(bench.block_compile, bench.BlockJob(spec.shape, rows, None))
+    times = slowest(pool.run(bench.block_times, ["baseline", "ring"], 0, 1))
+    assert all(s == sites[0] for s in sites), "ranks disagree on the sites"
+    block = block_result(spec.shape, 1e8, 0.1, times, sites[0], spec.ratio, 4, 2)
+    off, ring = block["rows"]
+    assert off["sites"]["rewritten"] == 0 and off["sites"]["found"] > 0
+    assert ring["sites"]["rewritten"] == ring["sites"]["found"] == off["sites"]["found"]
+    assert ring["sites"]["schedules"] == ["ring"]
+    kinds = {(r["graph"], r["kind"]) for r in ring["sites"]["summary"]}
+    assert kinds == {(g, k) for g in ("forward", "backward") for k in ("ag_mm", "mm_rs")}
+    assert block["mesh"] == "dp=2 x tp=2" and block["world_size"] == 4
+    text = format_block(block)
+    assert "4 ranks (dp=2 x tp=2, sharing 2 cores)" in text and "forward ag_mm" in text
+    results = {"sites": [], "targets": [], "meta": {"preset": "quick", "world_size": 2}}
+    results["meta"] |= {"command": "commfuse bench --block-2d", "date": "-", "warmup": 2}
+    results["meta"] |= {"reps": 9, "network": {"throttled": True, "description": "veth"}}
+    machine = {"cpu": "x", "cores": 2, "kernel": "-", "python": "-", "torch": "-"}
+    machine["load_average"] = [1.0, 1.0, 1.0]
+    results["meta"] |= {"machine_before": machine, "machine_after": machine}
+    page = markdown({**results, "block": None, "block_2d": block})
+    assert "## 2-D block (data x tensor parallel, 4 ranks)" in page
+    assert "| ring |" in page and "sharing 2 cores" in page and "100 Mbit/s" in page
 
 
 def check_plot(path: Path, labels: list[str]) -> None:

@@ -98,17 +98,40 @@ ULYSSES_KINDS = ("mm_a2a", "a2a_mm")  # q/k/v projection -> all-to-all; all-to-a
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockBench:
+    """A whole-block figure: the block, its rows, how they are timed and on what ranks."""
+
+    shape: BlockShape
+    ratio: float  # communication / compute of the baseline's step (sets the link rate)
+    schedules: tuple[str, ...] | None  # rows (labels of ``variants()``; None: every row)
+    reps: int
+    world_size: int | None = None  # ranks of its own (None: the run's)
+    key: str = "block"  # in results.json, and its profile's file name
+
+
+@dataclasses.dataclass(frozen=True)
 class Preset:
     name: str
     cells: tuple[Cells, ...]
     warmup: int
     reps: int
-    block: BlockShape
-    block_ratio: float  # communication / compute of the block's step
-    block_schedules: tuple[str, ...] | None  # rows of the block (None: every row)
-    block_reps: int
+    block: BlockBench
     calibrate_reps: int
     rate_reps: int = 5  # calls per try while choosing a link rate
+    block_2d: BlockBench | None = None  # measured with ``--block-2d`` only
+
+
+# The 2-D block (data x tensor parallel): training's "fsdp" front with tp=2 on a 2 x 2
+# mesh, its own 4 ranks (oversubscribed on a 2-core machine: small, few steps). At this
+# shape the pass rewrites every site of the step with the ring.
+BLOCK_2D = BlockBench(
+    BlockShape(seq=128, dim=128, heads=4, hidden=384, batch=4, front="fsdp", tp=2),
+    ratio=1.0,
+    schedules=("baseline", "ring", "auto"),
+    reps=5,
+    world_size=4,
+    key="block_2d",
+)
 
 
 # The quick site is the full run's middle size: at the smallest one (matmul ~4 ms) the
@@ -125,11 +148,14 @@ QUICK = Preset(
     ),
     warmup=2,
     reps=9,
-    block=BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=2),
-    block_ratio=1.0,
-    block_schedules=("baseline", "ring", "auto"),
-    block_reps=7,
+    block=BlockBench(
+        BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=2),
+        ratio=1.0,
+        schedules=("baseline", "ring", "auto"),
+        reps=7,
+    ),
     calibrate_reps=3,
+    block_2d=BLOCK_2D,
 )
 FULL = Preset(
     name="full",
@@ -143,11 +169,14 @@ FULL = Preset(
     ),
     warmup=2,
     reps=9,
-    block=BlockShape(seq=256, dim=512, heads=8, hidden=1536, batch=4),
-    block_ratio=1.0,
-    block_schedules=None,
-    block_reps=7,
+    block=BlockBench(
+        BlockShape(seq=256, dim=512, heads=8, hidden=1536, batch=4),
+        ratio=1.0,
+        schedules=None,
+        reps=7,
+    ),
     calibrate_reps=5,
+    block_2d=BLOCK_2D,
 )
 PRESETS = {p.name: p for p in (QUICK, FULL)}
 
@@ -459,7 +488,8 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
 
     torch._dynamo.config.recompile_limit = 64  # one entry per row, same code objects
     cfg = TrainConfig(
-        front="tp",
+        front=job.shape.front,
+        tp=job.shape.tp,
         blocks=1,
         dim=job.shape.dim,
         heads=job.shape.heads,
@@ -611,21 +641,51 @@ def _choose_rate(
     return rate, tries
 
 
+def _calibrated(
+    network: Any, ranks: Any, description: str, reps: int, progress: Progress
+) -> LinkProfiles:
+    """``commfuse calibrate``'s measurement on these ranks, at the reference rate and
+    unthrottled."""
+    from .calibrate import profile_from
+
+    progress.stage(
+        f"calibrating the cost model's profile on {ranks.world_size} ranks at "
+        f"{REFERENCE_RATE / 1e6:.0f} Mbit/s and unthrottled"
+    )
+    calibrated = []
+    for rate in (REFERENCE_RATE, None):
+        network.set_rate(rate)
+        measured = ranks.run(calibrate_link, reps)[0]
+        where = f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled"
+        calibrated.append(
+            profile_from(
+                measured,
+                ranks.world_size,
+                "bench link",
+                f"`commfuse calibrate` measurement inside the benchmark's namespaces "
+                f"({description}) at {where}",
+            )
+        )
+    return LinkProfiles(*calibrated)
+
+
 def run(
     preset: Preset,
     out: Path,
     world_size: int = 2,
     topology: str | None = None,
     echo: Callable[[str], None] = print,
+    block_2d: bool = False,
 ) -> dict[str, Any]:
-    """The whole benchmark; writes ``out``/results.json, results.md, speedup.svg."""
-    from .calibrate import profile_from
+    """The whole benchmark; writes ``out``/results.json, results.md, speedup.svg.
+    ``block_2d``: also the preset's 2-D block, on ranks of its own after the rest."""
     from .netns import throttled_ranks
 
     out.mkdir(parents=True, exist_ok=True)
     rows = variants()
     cells = [cell for cells in preset.cells for cell in cells]
-    progress = Progress(len(cells) + 3, echo)
+    extra = preset.block_2d if block_2d else None
+    progress = Progress(len(cells) + 3 + 2 * (extra is not None), echo)
     results: dict[str, Any] = {
         "meta": {
             "preset": preset.name,
@@ -639,6 +699,7 @@ def run(
         },
         "sites": [],
         "block": None,
+        "block_2d": None,
     }
     with throttled_ranks(world_size, out / "logs", topology) as (network, ranks, description):
         throttled = network.topology != "none"
@@ -654,25 +715,7 @@ def run(
             echo("WARNING: overlap cannot show; run as root for meaningful numbers.")
             echo("WARNING: " + "!" * 60)
 
-        progress.stage(
-            f"calibrating the cost model's profile at {REFERENCE_RATE / 1e6:.0f} Mbit/s "
-            "and unthrottled"
-        )
-        calibrated = []
-        for rate in (REFERENCE_RATE, None):
-            network.set_rate(rate)
-            measured = ranks.run(calibrate_link, preset.calibrate_reps)[0]
-            where = f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled"
-            calibrated.append(
-                profile_from(
-                    measured,
-                    world_size,
-                    "bench link",
-                    f"`commfuse calibrate` measurement inside the benchmark's namespaces "
-                    f"({description}) at {where}",
-                )
-            )
-        base = LinkProfiles(*calibrated)
+        base = _calibrated(network, ranks, description, preset.calibrate_reps, progress)
         results["meta"]["profile"] = base.reference.as_json()
         results["meta"]["profile_unthrottled"] = base.free.as_json()
         tries: list[dict[str, float]]
@@ -698,9 +741,24 @@ def run(
             progress.advance()
             echo(bench_report.format_cell(cell))
 
-        results["block"] = _run_block(preset, network, ranks, base, rows, out, progress, echo)
+        results["block"] = _run_block(preset.block, network, ranks, base, rows, out, progress)
         progress.advance()
         results["meta"]["qdisc"] = network.qdisc_stats()
+    if extra is not None:
+        n = extra.world_size or world_size
+        with throttled_ranks(n, out / f"logs_{extra.key}", topology) as (
+            network,
+            ranks,
+            description,
+        ):
+            echo(f"network of the {extra.key} ranks: {description}")
+            before = machine()
+            base = _calibrated(network, ranks, description, preset.calibrate_reps, progress)
+            progress.advance()
+            block = _run_block(extra, network, ranks, base, rows, out, progress)
+            block |= {"network": description, "machine_before": before, "machine_after": machine()}
+            results[extra.key] = block
+            progress.advance()
     results["meta"]["machine_after"] = machine()
     results["noise"] = bench_report.run_noise(results["sites"])
     results["targets"] = bench_report.check_targets(results)
@@ -711,23 +769,23 @@ def run(
 
 
 def _run_block(
-    preset: Preset,
+    spec: BlockBench,
     network: Any,
     ranks: Any,
     base: LinkProfiles,
     rows: list[Variant],
     out: Path,
     progress: Progress,
-    echo: Callable[[str], None],
 ) -> dict[str, Any]:
     """The block's step, with and without the pass, on a link whose rate makes the
-    baseline's communication ``block_ratio`` times its compute."""
+    baseline's communication ``spec.ratio`` times its compute."""
 
-    shape = preset.block
-    wanted = preset.block_schedules
-    block_rows = [v for v in rows if wanted is None or v.label in wanted]
+    shape = spec.shape
+    block_rows = [v for v in rows if spec.schedules is None or v.label in spec.schedules]
     baseline, others = block_rows[0], block_rows[1:]
-    progress.stage(f"block {shape.label}: compiling the baseline")
+    progress.stage(
+        f"{spec.key} {shape.label} ({shape.mesh(ranks.world_size)}): compiling the baseline"
+    )
     network.set_rate(None)
     sites = ranks.run(block_compile, BlockJob(shape, (baseline,), None))[0]
     label = baseline.label
@@ -743,29 +801,35 @@ def _run_block(
         # both see the same machine; then the rate that makes it the target.
         rate = REFERENCE_RATE
         for _ in range(MAX_RATE_TRIES):
-            progress.stage(f"block: communication at {rate / 1e6:.0f} Mbit/s")
+            progress.stage(f"{spec.key}: communication at {rate / 1e6:.0f} Mbit/s")
             pairs = [(step_s(None), step_s(rate)) for _ in range(3)]
             compute_s = statistics.median(free for free, _ in pairs)
             comm_s = statistics.median(slow - free for free, slow in pairs)
-            target = preset.block_ratio * compute_s
+            target = spec.ratio * compute_s
             if abs(comm_s / target - 1) <= 2 * RATE_TOLERANCE:
                 break
             rate *= min(max(comm_s / target, 1 / 8), 8)
         network.set_rate(rate)
-    profile = base.file(rate, out / "profiles" / "block.json")
-    progress.stage(f"block: compiling {', '.join(v.label for v in others)}")
+    profile = base.file(rate, out / "profiles" / f"{spec.key}.json")
+    progress.stage(f"{spec.key}: compiling {', '.join(v.label for v in others)}")
     sites.update(ranks.run(block_compile, BlockJob(shape, tuple(others), profile))[0])
-    progress.stage(
-        f"block: {len(block_rows)} rows x 1+{preset.block_reps} at {rate / 1e6:.0f} Mbit/s"
-    )
+    progress.stage(f"{spec.key}: {len(block_rows)} rows x 1+{spec.reps} at {rate / 1e6:.0f} Mbit/s")
     labels = [v.label for v in block_rows]
-    times = bench_report.slowest(ranks.run(block_times, labels, 1, preset.block_reps))
-    block = bench_report.block_result(shape, rate, compute_s, times, sites, preset.block_ratio)
-    echo(bench_report.format_block(block))
+    times = bench_report.slowest(ranks.run(block_times, labels, 1, spec.reps))
+    block = bench_report.block_result(
+        shape, rate, compute_s, times, sites, spec.ratio, ranks.world_size, os.cpu_count()
+    )
+    progress.echo(bench_report.format_block(block))
     return block
 
 
-def main(quick: bool, out: str, world_size: int = 2, network: str | None = None) -> int:
+def main(
+    quick: bool,
+    out: str,
+    world_size: int = 2,
+    network: str | None = None,
+    block_2d: bool = False,
+) -> int:
     preset = QUICK if quick else FULL
-    results = run(preset, Path(out), world_size, network)
+    results = run(preset, Path(out), world_size, network, block_2d=block_2d)
     return 0 if results["sites"] else 1

@@ -52,6 +52,14 @@ class BlockShape:
     heads: int
     hidden: int
     batch: int = 1
+    front: str = "tp"  # training's front end: "tp" (TP+SP over every rank) or "fsdp"
+    tp: int = 1  # front "fsdp": the tensor-parallel mesh dim, the rest data parallel
+
+    def mesh(self, world_size: int) -> str:
+        """How the block's ranks are laid out."""
+        if self.front == "fsdp" and self.tp > 1:
+            return f"dp={world_size // self.tp} x tp={self.tp}"
+        return f"{self.front}={world_size}"
 
     @property
     def label(self) -> str:

@@ -122,8 +122,11 @@ def block_result(
     times: dict[str, list[float]],
     sites: dict[str, dict[str, Any]],
     ratio: float,
+    world_size: int = 2,
+    cores: int | None = None,
 ) -> dict[str, Any]:
-    """The block rows; ``compute_s``: the baseline's step on an unthrottled link."""
+    """The block rows; ``compute_s``: the baseline's step on an unthrottled link;
+    ``world_size`` ranks on a machine of ``cores`` cores."""
     labels = list(times)
     baseline = statistics.median(times[labels[0]])
     comm = max(baseline - compute_s, 0.0)
@@ -143,6 +146,9 @@ def block_result(
     return {
         "shape": dataclasses.asdict(shape),
         "size": shape.label,
+        "world_size": world_size,
+        "mesh": shape.mesh(world_size),
+        "cores": cores,
         "ratio": ratio,
         "rate_bits_per_s": rate if math.isfinite(rate) else None,
         "compute_s": compute_s,
@@ -383,10 +389,24 @@ def format_cell(cell: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _ranks(block: dict[str, Any]) -> str:
+    """The block's ranks, and whether they share the cores."""
+    n, cores = block.get("world_size", 2), block.get("cores")
+    shared = f", sharing {cores} cores" if cores is not None and n > cores else ""
+    return f"{n} ranks ({block.get('mesh', f'tp={n}')}{shared})"
+
+
+def site_counts(sites: dict[str, Any]) -> str:
+    """A row's sites rewritten per graph and kind: ``forward ag_mm 20/20, ...``."""
+    return ", ".join(
+        f"{r['graph']} {r['kind']} {r['rewritten']}/{r['found']}" for r in sites["summary"]
+    )
+
+
 def format_block(block: dict[str, Any]) -> str:
     rate = block["rate_bits_per_s"]
     lines = [
-        f"\nblock step (forward + backward) {block['size']}  link "
+        f"\nblock step (forward + backward) {block['size']}, {_ranks(block)}  link "
         + (f"{rate / 1e6:.0f} Mbit/s" if rate else "UNTHROTTLED")
         + f"  compute {_ms(block['compute_s'])} ms, communication {_ms(block['comm_s'])} ms",
         f"  {'row':<22}{'median ms':>10}{'min':>8}{'max':>8}{'speedup':>9}{'/limit':>8}"
@@ -398,6 +418,7 @@ def format_block(block: dict[str, Any]) -> str:
             f"  {row['label']:<22}{_ms(row['median_s']):>10}{_ms(row['min_s']):>8}"
             f"{_ms(row['max_s']):>8}{row['speedup']:>8.2f}x{row['vs_limit']:>8.2f}"
             f"  {sites['rewritten']}/{sites['found']} {','.join(sites['schedules'])}"
+            f" ({site_counts(sites)})"
         )
     return "\n".join(lines)
 
@@ -508,9 +529,9 @@ def markdown(results: dict[str, Any]) -> str:
                 )
         lines.append("")
     lines += _breakdown_table(results)
-    block = results.get("block")
-    if block is not None:
-        lines += _block_table(block)
+    for key in ("block", "block_2d"):
+        if results.get(key) is not None:
+            lines += _block_table(results[key])
     lines += ["## Targets", ""]
     for t in results["targets"]:
         mark = {True: "reached", False: "**missed**", None: "not judged"}[t["reached"]]
@@ -557,26 +578,45 @@ def _breakdown_table(results: dict[str, Any]) -> list[str]:
 
 def _block_table(block: dict[str, Any]) -> list[str]:
     rate = block["rate_bits_per_s"]
+    n = block.get("world_size", 2)
+    if block["shape"].get("front", "tp") == "fsdp":
+        title = f"2-D block (data x tensor parallel, {n} ranks)"
+        layout = (
+            f"on a {block['mesh']} mesh: every parameter sharded on dim 0 over the data-"
+            "parallel group and all-gathered in forward (its gradient reduce-scattered), "
+            "TP+SP over the tensor-parallel group (DTensor)"
+        )
+    else:
+        title, layout = "Whole block", "TP+SP over the ranks (DTensor)"
     lines = [
-        "## Whole block: training step (forward + backward)",
+        f"## {title}: training step (forward + backward)",
         "",
-        f"One Llama-style block ({block['size']}) with final norm and head, TP+SP over the "
-        'ranks (DTensor), `torch.compile(backend="commfuse")` with the eager inner compiler; '
+        f"One Llama-style block ({block['size']}) with final norm and head, {layout}; "
+        f"{_ranks(block)}, 1 torch thread each. "
+        '`torch.compile(backend="commfuse")` with the eager inner compiler; '
         'without the pass = the same compile with `schedule="off"`. Link '
         + (f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled")
         + f", chosen so that the step's communication is {block['ratio']:g}x its compute: "
         f"compute (unthrottled step) {_ms(block['compute_s'])} ms, communication "
-        f"(throttled minus unthrottled) {_ms(block['comm_s'])} ms.",
+        f"(throttled minus unthrottled) {_ms(block['comm_s'])} ms."
+        + (
+            f" Load average before {_loads(block['machine_before'])}, after "
+            f"{_loads(block['machine_after'])}."
+            if "machine_before" in block
+            else ""
+        ),
         "",
-        "| row | median ms | min-max ms | speedup | / limit | sites rewritten (schedules) |",
-        "|---|---|---|---|---|---|",
+        "| row | median ms | min-max ms | speedup | / limit | sites rewritten (schedules) "
+        "| per graph and kind |",
+        "|---|---|---|---|---|---|---|",
     ]
     for row in block["rows"]:
         sites = row["sites"]
         lines.append(
             f"| {row['label']} | {_ms(row['median_s'])} | {_ms(row['min_s'])}-"
             f"{_ms(row['max_s'])} | {row['speedup']:.2f}x | {row['vs_limit']:.2f} | "
-            f"{sites['rewritten']}/{sites['found']} ({', '.join(sites['schedules']) or '-'}) |"
+            f"{sites['rewritten']}/{sites['found']} ({', '.join(sites['schedules']) or '-'}) "
+            f"| {site_counts(sites)} |"
         )
     return [*lines, ""]
 

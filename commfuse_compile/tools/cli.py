@@ -221,6 +221,12 @@ def _parser() -> argparse.ArgumentParser:
         help="veth: a namespace per rank; lo: one namespace, throttled loopback; none: "
         "unthrottled; default: veth, else lo, else none",
     )
+    bench.add_argument(
+        "--block-2d",
+        action="store_true",
+        help="also the 2-D block (data x tensor parallel: training's fsdp front with tp=2 "
+        "on a 2 x 2 mesh), on 4 ranks of its own after the rest, with the pass and without",
+    )
     return parser
 
 
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from .bench import main as bench_main
 
-        return bench_main(args.quick, args.out, args.world_size, args.network)
+        return bench_main(args.quick, args.out, args.world_size, args.network, args.block_2d)
 
     if args.command == "calibrate":
         from .calibrate import run as calibrate_run
