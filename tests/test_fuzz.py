@@ -9,12 +9,13 @@ and reduce-scatters ("sum"/"avg"), all-to-alls of dim 0 (equal splits as lists o
 funcol API's ``None``, uneven ones; laid out as Ulysses does, [B, S/n, h, d] <-> [B, S,
 h/n, d] with the heads or the sequence moved to dim 0, or interleaved, and a projection
 matmul before, after or on both sides), mm/addmm in every operand role (biases of every
-shape, beta/alpha, weights transposed with ``.t()``, operands swapped), sums of matmuls,
-views/reshapes, transposes (cancelling pairs included), casts, relu/mul/add, copies,
-values with several users or none, and unsupported neighbours (slices, reductions, bmm,
-matmul, softmax, in-place ops, cat). The ops run once on meta tensors for the inputs'
-shapes, then the program is traced with ``make_fx(tracing_mode="fake")`` on the fake
-process group of that world size; recipes that fail to build or trace are skipped.
+shape, beta/alpha, weights transposed with ``.t()``, operands swapped, A @ A^T), sums of
+matmuls, views/reshapes, transposes (cancelling pairs included), casts, relu/mul/add,
+copies, values with several users or none, and unsupported neighbours (slices,
+reductions, bmm, matmul, softmax, in-place ops, cat). The ops run once on meta tensors
+for the inputs' shapes, then the program is traced with ``make_fx(tracing_mode="fake")``
+on the fake process group of that world size; recipes that fail to build or trace are
+skipped.
 For schedules ring and bidir:
 
 1. ``rewrite_graph`` never raises, warns of no internal error, and declines no site with
@@ -440,13 +441,17 @@ class Builder:
     # -- matmuls
 
     def op_mm(self, src: int, role: int, bias: int, other: int) -> None:
-        """One matmul reading ``src`` viewed 2-D as A [M, K] in one of four roles."""
+        """One matmul reading ``src`` viewed 2-D as A [M, K] in one of four roles (or as
+        both operands: A @ A^T)."""
         a = self.as2d(self.pick(src))
         m, k = self.v(a).shape
         dtype, name = self.v(a).dtype, self.names[a]
         p = (self.n, 2 * self.n, 3 * self.n, 5)[other % 4]
         role %= 4
-        if role == 0:  # rows: A @ W, W maybe given as [P, K] and transposed
+        if role == 0 and other == 7:  # A @ A^T: the same value on both sides
+            lhs, rhs, out = name, f"{name}.t()", (m, m)
+            lhs_v, rhs_v = self.v(a), self.v(a).t()
+        elif role == 0:  # rows: A @ W, W maybe given as [P, K] and transposed
             if other >= 4:
                 w = self.operand((p, k), dtype, a, other)
                 lhs, rhs, out = name, f"{self.names[w]}.t()", (m, p)

@@ -1007,6 +1007,26 @@ def test_all_to_all_between_two_matmuls_is_one_site():
     assert record.match["roles"] == {"mm_1": "rows"}
 
 
+@pytest.mark.parametrize("gram", ["rows", "columns"])
+def test_exchanged_tensor_as_both_operands_is_declined(gram):
+    """G @ G^T or G^T @ G, G one all-to-all's output read through two paths (found by the
+    fuzzer: the matmul was taken as two uses, and the rewrite left a block unread, an
+    internal error): no sum or concatenation of one operand's blocks."""
+
+    def program(x):
+        g = exchanged(x, N)
+        return (g.view(2 * N, 3) @ g.t() if gram == "rows" else g.t() @ g.view(2 * N, 3),)
+
+    gm = fx(program, (2 * N, 3))
+    before = gm.code
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        record = rewrite_one(gm)
+    assert record.decision == "declined" and record.decline_code == "a2a.matmuls_left_out"
+    assert record.reason == "mm: reads the exchanged tensor as both operands"
+    assert gm.code == before
+
+
 def test_all_to_all_of_a_permuted_tensor_copies_blocks_it_cannot_view():
     """The exchanged input is a permute (not contiguous), its output reshaped 2-D for the
     matmul: this rank's own block, a slice of that input, cannot be viewed so and is copied

@@ -192,6 +192,7 @@ def _match(a2a: Node) -> A2aMmSite | None:
             raise decline("a2a.uneven", node=a2a.name, splits=list(node_arg(a2a, 1, "")))
         check_tensor(wait, "exchanged tensor")
         _collect_uses(wait, n, uses, unmatched)
+        _drop_matmuls_reading_it_twice(wait, uses, unmatched)
         if not uses and unmatched:
             raise decline("a2a.matmuls_left_out", unmatched="; ".join(unmatched))
         if not uses:
@@ -229,6 +230,25 @@ def _collect_uses(wait: Node, n: int, uses: list[ExchangedUse], unmatched: list[
                     unmatched.append(f"{user.name}: the all-to-all's blocks do not stay blocks")
             elif reaches_matmul(user):
                 unmatched.append(between_note(user))
+
+
+def _drop_matmuls_reading_it_twice(
+    wait: Node, uses: list[ExchangedUse], unmatched: list[str]
+) -> None:
+    """``G @ G^T`` (the exchanged tensor as both operands, through two paths) is no sum
+    or concatenation of products of one operand's blocks: such a matmul keeps reading G."""
+    own = {wait, *(node for use in uses for node, _ in use.path)}
+    twice = {u.mm.node for u in uses if _other_operand(u) in own}
+    unmatched += [
+        f"{node.name}: reads the exchanged tensor as both operands"
+        for node in dict.fromkeys(u.mm.node for u in uses if u.mm.node in twice)
+    ]
+    uses[:] = [u for u in uses if u.mm.node not in twice]
+
+
+def _other_operand(use: ExchangedUse) -> Node:
+    """The matmul operand that is not (a layout of) the exchanged tensor."""
+    return use.mm.b if use.role in ("rows", "contract") else use.mm.a
 
 
 def _add_use(
