@@ -203,6 +203,62 @@ class Ulysses:
         return program
 
 
+@dataclasses.dataclass(frozen=True)
+class FusedQkv:
+    """One projection for q, k and v (``kv_heads`` k/v heads per rank: GQA when fewer):
+    ``side="in"``: x @ Wqkv split on its columns, each part's heads scattered by its own
+    all-to-all; ``"grad"``: the backward's dq, dk, dv, each gathered by its all-to-all and
+    concatenated, into dX = dQKV @ Wqkv^T and dW = dQKV^T @ x."""
+
+    side: str = "in"
+    batch: int = 2
+    seq_per_rank: int = 2
+    heads_per_rank: int = 2
+    kv_heads_per_rank: int = 1
+    head_dim: int = 3
+    dim: int = 5
+    bias: bool = False
+
+    def widths(self, n: int) -> list[int]:
+        d = self.head_dim * n
+        return [self.heads_per_rank * d, self.kv_heads_per_rank * d, self.kv_heads_per_rank * d]
+
+    def inputs(self, rank: int, seed: int, n: int = 1) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        wgen = torch.Generator().manual_seed(seed * 1000 + 999)  # same weights on every rank
+        b, s, d, width = self.batch, self.seq_per_rank, self.head_dim, sum(self.widths(n))
+        x = torch.randn(b * s, self.dim, generator=gen)
+        w = torch.randn(self.dim, width, generator=wgen)
+        if self.side == "in":
+            return [x, w, *([torch.randn(width, generator=wgen)] if self.bias else [])]
+        heads = (self.heads_per_rank, self.kv_heads_per_rank, self.kv_heads_per_rank)
+        grads = [torch.randn(b, s * n, h, d, generator=gen) for h in heads]
+        return [*grads, x, w]
+
+    def fn(self, n: int):
+        b, s, d = self.batch, self.seq_per_rank, self.head_dim
+
+        def program(*xs):
+            if self.side == "in":
+                x, w = xs[0], xs[1]
+                qkv = (torch.addmm(xs[2], x, w) if self.bias else x @ w).view(b, s, -1)
+                outs = []
+                for part in qkv.split(self.widths(n), dim=-1):
+                    v = part.reshape(b, s, n, -1, d).permute(2, 0, 1, 3, 4).contiguous()
+                    outs.append(exchanged(v, n) * 2)
+                return tuple(outs)
+            *grads, x, w = xs
+            parts = []
+            for g in grads:
+                hl = g.shape[2]
+                v = g.reshape(b, n, s, hl, d).permute(1, 0, 2, 3, 4).contiguous()
+                parts.append(exchanged(v, n).permute(1, 2, 0, 3, 4).reshape(b, s, n * hl * d))
+            dqkv = torch.cat(parts, dim=-1).view(b * s, -1)
+            return dqkv @ w.t(), dqkv.t() @ x
+
+        return program
+
+
 def trace(
     case, n: int, inputs: list[torch.Tensor], tracing_mode: str = "fake"
 ) -> torch.fx.GraphModule:
@@ -224,7 +280,7 @@ def run_case(
     ``inner="eager"``: the traced aten graph rewritten by ``apply`` and run as it is;
     ``"inductor"``: the program compiled with ``backend="commfuse"`` (Inductor after the
     pass; ``tracing_mode="symbolic"`` compiles with dynamic shapes)."""
-    takes_n = isinstance(case, AgMm | Ulysses)
+    takes_n = isinstance(case, AgMm | Ulysses | FusedQkv)
     inputs = case.inputs(rank, seed, n) if takes_n else case.inputs(rank, seed)
     # gloo has no "avg": the reference is the sum, divided by n as the collective would
     averaged = getattr(case, "op", "sum") == "avg"

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from cases import AgMm, MmRs, Ulysses, exchanged, gathered, scattered, trace
+from cases import AgMm, FusedQkv, MmRs, Ulysses, exchanged, gathered, scattered, trace
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -969,6 +969,45 @@ def test_all_to_all_next_to_a_projection_becomes_pairwise_steps(side, kind, layo
     peers = [(list(p.args[1]), list(p.args[3])) for p in calls(gm, P2P)]
     assert peers == [([(RANK + s) % N], [(RANK - s) % N]) for s in range(1, N)]
     gm.graph.lint()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_qkv_projection_is_split_into_one_matmul_per_all_to_all(bias):
+    """x @ Wqkv split on its columns into q, k, v (GQA: k, v narrower), each part's heads
+    all-to-all'd: one matmul per part (W's column slice), each its own mm_a2a site."""
+    case = FusedQkv(side="in", bias=bias)
+    gm = trace(case, N, case.inputs(RANK, 0, N))
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision) for r in records] == [("mm_a2a", "rewritten")] * 3
+    assert calls(gm, ALL_TO_ALL) == [] and len(calls(gm, P2P)) == 3 * (N - 1)
+    assert not calls(gm, aten.split_with_sizes.default)
+    assert len([n for n in gm.graph.nodes if n.target in MATMULS]) == 3 * N
+    gm.graph.lint()
+
+
+def test_fused_qkv_backward_concatenation_is_split_per_all_to_all():
+    """cat(dq, dk, dv) @ Wqkv^T is the sum of each part's product with W's rows of it, and
+    cat(...)^T @ x the concatenation of each part's: each all-to-all then feeds matmuls of
+    its own (contract and rows)."""
+    case = FusedQkv(side="grad")
+    gm = trace(case, N, case.inputs(RANK, 0, N))
+    records = rewrite_graph(gm, "backward", RING)
+    assert [(r.kind, r.decision) for r in records] == [("a2a_mm", "rewritten")] * 3
+    assert {tuple(sorted(set(r.match["roles"].values()))) for r in records} == {
+        ("contract", "rows")
+    }
+    assert calls(gm, ALL_TO_ALL) == []
+    gm.graph.lint()
+
+
+def test_fused_qkv_left_fused_when_no_site_is_rewritten():
+    case = FusedQkv(side="in")
+    gm = trace(case, N, case.inputs(RANK, 0, N))
+    before = gm.code
+    records = rewrite_graph(gm, "forward", Options(schedule="off", inner="eager"))
+    assert [r.decision for r in records] == ["declined"] * 3
+    gm.recompile()
+    assert gm.code == before
 
 
 def test_all_to_all_declines_say_why():

@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from cases import AgMm, MmRs, Ulysses, run_case
+from cases import AgMm, FusedQkv, MmRs, Ulysses, run_case
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -217,5 +217,26 @@ def test_weight_gradient_of_a_sequence_gathered_input_contracts_each_block(
     Y that meet them are sliced out of Y viewed [M, batch, seq] (role contract_left)."""
     case = AgMm(shard=(2, 2, 4), dim=1, consumers=0, left=2, bias=False)
     for out in _run(ranks(n), case, seed=3, schedule=schedule, inner=inner):
+        for actual, expected in zip(out["actual"], out["expected"], strict=True):
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("side", "n", "inner", "bias"),
+    [
+        ("in", 3, "inductor", True),
+        ("in", 4, "eager", False),
+        ("grad", 3, "inductor", False),
+        ("grad", 2, "eager", False),
+    ],
+)
+def test_fused_qkv_projection_matches(ranks, side, n, inner, bias):
+    """One projection for q, k and v (GQA: 2 q heads, 1 k/v head per rank), split into
+    one matmul per all-to-all: forward (each part's heads sent) and backward (each part's
+    gradient contracted with its rows of W, its weight-gradient rows filled)."""
+    case = FusedQkv(side=side, bias=bias)
+    results = ranks(n).run(run_case, case, 5, {"schedule": "ring"}, "fake", inner)
+    for out in results:
+        assert out["collectives_left"] == 0 and out["p2p"] == 3 * (n - 1)
         for actual, expected in zip(out["actual"], out["expected"], strict=True):
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)

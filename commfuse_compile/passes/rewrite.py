@@ -119,7 +119,7 @@ class Rewrite:
         self.created.append(node)
         if before is not None and before is not self.before:
             self.moved_sizes.append(node)
-        node.meta["val"] = _fake_eval(self.fake_mode, node.target, node.args, node.kwargs)  # type: ignore[arg-type]
+        node.meta["val"] = fake_eval(self.fake_mode, node.target, node.args, node.kwargs)  # type: ignore[arg-type]
         node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
         if node.target in (aten.mm.default, aten.addmm.default):
             self.matmuls.setdefault(step, []).append(node)
@@ -390,7 +390,7 @@ _SYMBOL_SOURCES: weakref.WeakKeyDictionary[Graph, dict[sympy.Symbol, tuple[Node,
 _SYMBOL_SOURCES = weakref.WeakKeyDictionary()
 
 
-def _fake_eval(
+def fake_eval(
     fake_mode: Any, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """The node's value on fake tensors, from its inputs' ``meta['val']``. Unpacking an
