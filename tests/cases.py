@@ -204,20 +204,13 @@ class Ulysses:
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedQkv:
+class FusedQkv(Ulysses):
     """One projection for q, k and v (``kv_heads`` k/v heads per rank: GQA when fewer):
     ``side="in"``: x @ Wqkv split on its columns, each part's heads scattered by its own
     all-to-all; ``"grad"``: the backward's dq, dk, dv, each gathered by its all-to-all and
     concatenated, into dX = dQKV @ Wqkv^T and dW = dQKV^T @ x."""
 
-    side: str = "in"
-    batch: int = 2
-    seq_per_rank: int = 2
-    heads_per_rank: int = 2
     kv_heads_per_rank: int = 1
-    head_dim: int = 3
-    dim: int = 5
-    bias: bool = False
 
     def widths(self, n: int) -> list[int]:
         d = self.head_dim * n
@@ -230,10 +223,11 @@ class FusedQkv:
         x = torch.randn(b * s, self.dim, generator=gen)
         w = torch.randn(self.dim, width, generator=wgen)
         if self.side == "in":
-            return [x, w, *([torch.randn(width, generator=wgen)] if self.bias else [])]
-        heads = (self.heads_per_rank, self.kv_heads_per_rank, self.kv_heads_per_rank)
-        grads = [torch.randn(b, s * n, h, d, generator=gen) for h in heads]
-        return [*grads, x, w]
+            xs = [x, w, *([torch.randn(width, generator=wgen)] if self.bias else [])]
+        else:
+            heads = (self.heads_per_rank, self.kv_heads_per_rank, self.kv_heads_per_rank)
+            xs = [*(torch.randn(b, s * n, h, d, generator=gen) for h in heads), x, w]
+        return [t.to(self.dtype) for t in xs]
 
     def fn(self, n: int):
         b, s, d = self.batch, self.seq_per_rank, self.head_dim
@@ -280,7 +274,7 @@ def run_case(
     ``inner="eager"``: the traced aten graph rewritten by ``apply`` and run as it is;
     ``"inductor"``: the program compiled with ``backend="commfuse"`` (Inductor after the
     pass; ``tracing_mode="symbolic"`` compiles with dynamic shapes)."""
-    takes_n = isinstance(case, AgMm | Ulysses | FusedQkv)
+    takes_n = isinstance(case, AgMm | Ulysses)
     inputs = case.inputs(rank, seed, n) if takes_n else case.inputs(rank, seed)
     # gloo has no "avg": the reference is the sum, divided by n as the collective would
     averaged = getattr(case, "op", "sum") == "avg"
