@@ -1082,6 +1082,21 @@ def test_all_to_all_of_a_permuted_tensor_copies_blocks_it_cannot_view():
     assert record.match["roles"] == {"mm": "rows"}
 
 
+def test_matmul_into_an_all_to_all_nothing_reads_is_declined():
+    """mm -> all-to-all whose result is dead (found by the fuzzer: the rewrite rebuilt a
+    tensor nothing reads, an internal error): nothing to compute, as for a reduce-scatter."""
+
+    def program(x, w):
+        exchanged(x @ w, N)
+        return (x * 2,)
+
+    gm = fx(program, (2 * N, 5), (5, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        record = rewrite_one(gm)
+    assert (record.kind, record.decline_code) == ("mm_a2a", "rs.unread")
+
+
 def test_declined_matmul_to_all_to_all_site_names_what_it_would_replace():
     """A matmul -> all-to-all site declined before its blocks reach a matmul (a cast in
     between: no product) still says which nodes it stands for (found by the fuzzer:

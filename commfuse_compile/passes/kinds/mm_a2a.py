@@ -156,6 +156,8 @@ def _match(a2a: Node) -> MmA2aSite | None:
     try:
         if wait is a2a or wait.target is not c10d.wait_tensor.default:
             raise decline("site.wait", node=a2a.name)
+        if not wait.users and not saved_unwaited(a2a):  # the rewrite would compute nothing
+            raise decline("rs.unread", node=a2a.name)
         if n < 2:
             raise decline("site.group_of_one")
         if equal_splits(a2a) is None:
