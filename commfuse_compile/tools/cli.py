@@ -206,7 +206,7 @@ def _parser() -> argparse.ArgumentParser:
         "and write results.json, results.md and a plot to --out.",
     )
     bench.add_argument(
-        "--quick", action="store_true", help="one size, fewer rows (about 2 minutes)"
+        "--quick", action="store_true", help="one size, fewer rows (about 3 minutes)"
     )
     bench.add_argument("--out", type=_directory, default="commfuse-bench", help="results directory")
     bench.add_argument(
