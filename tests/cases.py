@@ -242,15 +242,20 @@ class FusedQkv(Ulysses):
                     outs.append(exchanged(v, n) * 2)
                 return tuple(outs)
             *grads, x, w = xs
-            parts = []
-            for g in grads:
-                hl = g.shape[2]
-                v = g.reshape(b, n, s, hl, d).permute(1, 0, 2, 3, 4).contiguous()
-                parts.append(exchanged(v, n).permute(1, 2, 0, 3, 4).reshape(b, s, n * hl * d))
-            dqkv = torch.cat(parts, dim=-1).view(b * s, -1)
+            dqkv = self.concatenated(grads, n)
             return dqkv @ w.t(), dqkv.t() @ x
 
         return program
+
+    def concatenated(self, grads: list[torch.Tensor], n: int) -> torch.Tensor:
+        """dq, dk, dv ([B, S, heads/n, d] each) all-to-all'd and joined: [B*S/n, width]."""
+        b, s, d = self.batch, self.seq_per_rank, self.head_dim
+        parts = []
+        for g in grads:
+            hl = g.shape[2]
+            v = g.reshape(b, n, s, hl, d).permute(1, 0, 2, 3, 4).contiguous()
+            parts.append(exchanged(v, n).permute(1, 2, 0, 3, 4).reshape(b, s, n * hl * d))
+        return torch.cat(parts, dim=-1).view(b * s, -1)
 
 
 def trace(

@@ -1000,6 +1000,23 @@ def test_fused_qkv_backward_concatenation_is_split_per_all_to_all():
     gm.graph.lint()
 
 
+def test_fused_qkv_backward_parts_go_where_each_matmuls_operand_is():
+    """The weight-gradient matmul's operand (x * 2, computed after the input gradient's
+    matmul) is read where it stands: each part's matmuls go before their own matmul."""
+    case = FusedQkv(side="grad")
+
+    def late_operand(*xs):
+        *grads, x, w = xs
+        dqkv = case.concatenated(grads, N)
+        dx = dqkv @ w.t()
+        return dx, dqkv.t() @ (x * dx.sum())
+
+    gm = fx(late_operand, *(tuple(t.shape) for t in case.inputs(RANK, 0, N)))
+    records = rewrite_graph(gm, "backward", RING)
+    assert {r.decision for r in records} == {"rewritten"}
+    gm.graph.lint()
+
+
 def test_fused_qkv_left_fused_when_no_site_is_rewritten():
     case = FusedQkv(side="in")
     gm = trace(case, N, case.inputs(RANK, 0, N))

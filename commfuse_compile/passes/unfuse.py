@@ -122,9 +122,10 @@ def _split_concatenation(graph: Graph, cat: Node) -> bool:
     if found is None:
         return False
     views, uses = found
-    emit = _Emitter(graph, before=min((mm.node for mm, _ in uses), key=lambda n: n._sort_key))
-    parts2d = [emit.view(c, [-1, s]) for c, s in zip(inputs, sizes, strict=True)]
+    first = _Emitter(graph, before=min((mm.node for mm, _ in uses), key=lambda n: n._sort_key))
+    parts2d = [first.view(c, [-1, s]) for c, s in zip(inputs, sizes, strict=True)]
     for mm, form in uses:
+        emit = _Emitter(graph, before=mm.node)  # where its other operand is computed
         pieces = []
         for part, (start, size) in zip(parts2d, _offsets(sizes), strict=True):
             if form == "contract":  # P2d @ W: W's rows of the part
