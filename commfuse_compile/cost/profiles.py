@@ -21,7 +21,9 @@ class ProfileError(ValueError):
     """A profile name or file that cannot be used."""
 
 
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter")
+# what ``calibrate`` measures; a profile file may lack a kind (those written before
+# all-to-alls were measured): the model then times that kind with the ring formula
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
 CURVE_BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block, calibrated
 
 
@@ -29,7 +31,8 @@ CURVE_BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block, 
 class Curve:
     """A collective's time as measured on a group of one size: ``latency_s`` plus
     ``seconds_per_byte`` times the bytes of one rank's block (the all-gather's shard, the
-    reduce-scatter's output), fitted on ``points`` (block bytes, seconds)."""
+    reduce-scatter's output, the all-to-all's block for one peer: even splits), fitted on
+    ``points`` (block bytes, seconds)."""
 
     latency_s: float
     seconds_per_byte: float
@@ -58,8 +61,8 @@ class Profile:
     # 30 % slower): on CPUs the transport's threads take cores; ``calibrate`` measures it.
     overlap_slowdown: float = 0.0
     # The collectives as the backend runs them, by kind and group size (``calibrate``
-    # measures them); without a curve the model takes the faster of a ring and a
-    # bidirectional ring of the same messages plus ``collective_overhead_s``.
+    # measures them, ``COLLECTIVE_KINDS``); without a curve the model takes the faster of
+    # a ring and a bidirectional ring of the same messages plus ``collective_overhead_s``.
     collectives: dict[str, dict[int, Curve]] = dataclasses.field(default_factory=dict)
 
     def curve(self, kind: str, n: int) -> Curve | None:

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..schedules import Transfer, by_name, slicing
-from .profiles import Profile
+from .profiles import COLLECTIVE_KINDS, Profile
 
 SCHEDULES = ("collective", "ring", "bidir", "push", "slicing")
 
@@ -114,15 +114,21 @@ def collective_model(work: Work, p: Profile) -> str:
     kind = COLLECTIVE_OF[work.kind]
     if p.curve(kind, work.n) is not None:
         return f"{kind} as measured on {work.n} ranks ({p.name})"
-    return f"ring formula: {p.name} has no measured {kind} curve for {work.n} ranks"
+    why = f"ring formula: {p.name} has no measured {kind} curve for {work.n} ranks"
+    if any(p.curve(other, work.n) for other in COLLECTIVE_KINDS if other != kind):
+        # a file calibrated before this kind was measured: its other curves are there
+        why += " (calibrated before `commfuse calibrate` measured it; re-run it to add one)"
+    return why
 
 
 def _collective_s(work: Work, p: Profile) -> float:
-    """One all-gather or reduce-scatter call. As the backend runs it where the profile
-    has its measured curve (gloo's reduce-scatter, for one, moves far more than a ring's
-    bytes); else its overhead, then the faster of a ring and a bidirectional ring of the
-    same messages (and adds): a library picks its algorithm, and crediting it with the
-    ring alone would let ``bidir`` beat it on a tiny matmul by running fewer rounds."""
+    """One all-gather, reduce-scatter or all-to-all call. As the backend runs it where the
+    profile has its measured curve (gloo's reduce-scatter, for one, moves far more than a
+    ring's bytes; its ``all_to_all_single`` takes about twice a ring's time); else its
+    overhead, then the faster of a ring and a bidirectional ring of the same messages (and
+    adds; an all-to-all has the ring's pairwise order only): a library picks its
+    algorithm, and crediting it with the ring alone would let ``bidir`` beat it on a tiny
+    matmul by running fewer rounds."""
     if work.n == 1:
         return 0.0
     curve = p.curve(COLLECTIVE_OF[work.kind], work.n)

@@ -3,11 +3,12 @@
 On n local gloo ranks (or the ranks of a running job): matmul time by shape (fitted as
 call latency + FLOPs / throughput, all ranks computing at once as in training), P2P
 time by message size (a ring exchange, fitted as alpha + bytes/beta), an element-wise
-add, the backend's own all-gather and reduce-scatter by block size on every group size
-from 2 to n (fitted per kind and size: the model times the collective with these curves,
-not with a ring formula), how much a matmul slows while a transfer is in flight, and
-the fixed cost of one P2P step of a rewritten graph, from a tiny all-gather -> matmul
-site run both ways. The result loads with ``options={"profile": path}``.
+add, the backend's own all-gather, reduce-scatter and all-to-all (``all_to_all_single``,
+even splits) by block size on every group size from 2 to n (fitted per kind and size:
+the model times the collective with these curves, not with a ring formula), how much a
+matmul slows while a transfer is in flight, and the fixed cost of one P2P step of a
+rewritten graph, from a tiny all-gather -> matmul site run both ways. The result loads
+with ``options={"profile": path}``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cost.profiles import CURVE_BLOCK_BYTES, Curve, Profile
+from ..cost.profiles import COLLECTIVE_KINDS, CURVE_BLOCK_BYTES, Curve, Profile
 from ..cost.simulator import Work, simulate
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
@@ -119,12 +120,9 @@ def measure(rank: int, world_size: int, reps: int) -> Measurements:
 def _collective_curves(
     rank: int, world_size: int, reps: int
 ) -> dict[str, dict[int, list[tuple[float, float]]]]:
-    """The backend's all-gather and reduce-scatter, timed by block size on the groups of
-    ranks 0..g-1 for every g from 2 to the world size (the others wait)."""
-    curves: dict[str, dict[int, list[tuple[float, float]]]] = {
-        "all_gather": {},
-        "reduce_scatter": {},
-    }
+    """The backend's collectives (``COLLECTIVE_KINDS``), timed by block size on the groups
+    of ranks 0..g-1 for every g from 2 to the world size (the others wait)."""
+    curves: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVE_KINDS}
     for g in range(2, world_size + 1):
         group = dist.new_group(list(range(g))) if g < world_size else dist.group.WORLD
         for kind, by_size in curves.items():
@@ -140,14 +138,19 @@ def _collective_curves(
 
 def _collective_s(kind: str, block_bytes: int, g: int, group: Any, reps: int) -> float:
     """The median time of one all-gather of ``block_bytes`` blocks (or the reduce-scatter
-    down to them) on ``group`` of ``g`` ranks, as the functional collectives run it."""
+    down to them, or the all-to-all of one such block to each rank) on ``group`` of ``g``
+    ranks, as the functional collectives run it."""
     c10d = torch.ops._c10d_functional
     block = torch.randn(block_bytes // 4)
+    whole = torch.randn(g * block.numel())
+    call: Callable[[], torch.Tensor]
     if kind == "all_gather":
         call = functools.partial(c10d.all_gather_into_tensor, block, g, group.group_name)
-    else:
-        whole = torch.randn(g * block.numel())
+    elif kind == "reduce_scatter":
         call = functools.partial(c10d.reduce_scatter_tensor, whole, "sum", g, group.group_name)
+    else:  # all_to_all: even splits, as the Ulysses sites run it
+        splits = [block.numel()] * g
+        call = functools.partial(c10d.all_to_all_single, whole, splits, splits, group.group_name)
     dist.barrier(group)
     return _median(lambda: c10d.wait_tensor(call()), reps)
 
