@@ -447,8 +447,11 @@ def test_fit_line_recovers_a_line_and_keeps_both_terms_non_negative():
     assert 0 < b < 1e-20
 
 
+DIRECTION_OF = {"all_gather": "gather", "reduce_scatter": "reduce", "all_to_all": "exchange_in"}
+
+
 def _collective_s(p: Profile, kind: str, g: int, block_bytes: float) -> float:
-    work = Work("gather" if kind == "all_gather" else "reduce", g, 0.0, block_bytes)
+    work = Work(DIRECTION_OF[kind], g, 0.0, block_bytes)
     return simulate(work, "collective", p).end_s
 
 
@@ -519,6 +522,68 @@ def test_a_profile_file_without_curves_still_loads(tmp_path):
     del fields["collectives"], fields["overlap_slowdown"]
     path = _write(tmp_path / "old.json", json.dumps(fields))
     assert load(path).collectives == {} and load(path).overlap_slowdown == 0.0
+
+
+A2A_CURVE = Curve(latency_s=1e-3, seconds_per_byte=4e-9, points=((4096.0, 1.02e-3), (1e6, 5e-3)))
+
+
+@pytest.mark.parametrize("direction", ["exchange_in", "exchange_out"])
+def test_an_all_to_all_is_timed_by_its_measured_curve_either_way(direction, tmp_path):
+    """gloo's all_to_all_single takes about twice the ring's time for its bytes: where the
+    profile (a file written by ``calibrate``) has the curve, the baseline of an
+    all-to-all site is what the curve says, on its group size only."""
+    base = BUILTIN["gloo-loopback"]
+    path = tmp_path / "a2a.json"
+    save(
+        dataclasses.replace(base, collectives=base.collectives | {"all_to_all": {2: A2A_CURVE}}),
+        path,
+    )
+    p = load(path)
+    assert p.curve("all_to_all", 2) == A2A_CURVE
+    work = Work(direction, 2, block_flops=0.0, block_bytes=1e6)
+    assert simulate(work, "collective", p).end_s == pytest.approx(1e-3 + 4e-3 + p.matmul_s(0.0))
+    assert simulate(work, "collective", base).end_s < 0.7 * simulate(work, "collective", p).end_s
+    assert collective_model(work, p) == "all_to_all as measured on 2 ranks (gloo-loopback)"
+    # the decomposition's steps are P2P messages: the curve does not touch them
+    assert simulate(work, "ring", p).end_s == simulate(work, "ring", base).end_s
+    on_four = dataclasses.replace(work, n=4)
+    assert simulate(on_four, "collective", p).end_s == simulate(on_four, "collective", base).end_s
+
+
+def test_a_profile_file_without_the_all_to_all_curve_still_loads_and_uses_the_formula(tmp_path):
+    """Files calibrated before the all-to-all was measured: their all-gather and
+    reduce-scatter curves load and are used, the all-to-all falls back to the ring formula
+    (pairwise messages plus the call overhead), and ``collective_model`` says why."""
+    fields = BUILTIN["gloo-loopback"].as_json()
+    assert set(fields["collectives"]) == {"all_gather", "reduce_scatter"}
+    p = load(_write(tmp_path / "old.json", json.dumps(fields)))
+    assert p == BUILTIN["gloo-loopback"] and p.curve("all_to_all", 2) is None
+    work = Work("exchange_out", 2, block_flops=0.0, block_bytes=1e6)
+    formula = p.collective_overhead_s + p.message_s(1e6)  # one pairwise step on 2 ranks
+    assert simulate(work, "collective", p).end_s == pytest.approx(formula + p.matmul_s(0.0))
+    model = collective_model(work, p)
+    assert model.startswith("ring formula: gloo-loopback has no measured all_to_all curve")
+    assert "calibrated before `commfuse calibrate` measured it" in model
+    no_curves = dataclasses.replace(p, collectives={})  # no curve of any kind: no such hint
+    assert collective_model(work, no_curves) == (
+        "ring formula: gloo-loopback has no measured all_to_all curve for 2 ranks"
+    )
+
+
+def test_a_bad_all_to_all_curve_is_rejected(tmp_path):
+    fields = BUILTIN["gloo-loopback"].as_json()
+    fields["collectives"]["all_to_all"] = {
+        "2": {"latency_s": -1.0, "seconds_per_byte": 1e-9, "points": []}
+    }
+    with pytest.raises(
+        ProfileError, match="collectives all_to_all 2 latency_s must not be negative"
+    ):
+        load(_write(tmp_path / "bad.json", json.dumps(fields)))
+    fields["collectives"] = {"all_to_all_v": {}}
+    with pytest.raises(
+        ProfileError, match=r"kinds are \['all_gather', 'reduce_scatter', 'all_to_all'\]"
+    ):
+        load(_write(tmp_path / "bad.json", json.dumps(fields)))
 
 
 def test_a_transfer_slows_the_matmul_it_overlaps_by_the_profiles_slowdown():
