@@ -138,8 +138,8 @@ def is_transpose_2d(node: Node) -> bool:
     return False
 
 
-def between_note(user: Node) -> str:
-    return f"{user.name} ({op_name(user)}) sits between the gathered tensor and a matmul"
+def between_note(user: Node, what: str = "gathered") -> str:
+    return f"{user.name} ({op_name(user)}) sits between the {what} tensor and a matmul"
 
 
 def ordered_getitems(split: Node, n: int) -> list[Node] | None:

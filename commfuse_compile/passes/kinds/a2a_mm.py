@@ -229,7 +229,7 @@ def _collect_uses(wait: Node, n: int, uses: list[ExchangedUse], unmatched: list[
                 elif reaches_matmul(user):
                     unmatched.append(f"{user.name}: the all-to-all's blocks do not stay blocks")
             elif reaches_matmul(user):
-                unmatched.append(between_note(user))
+                unmatched.append(between_note(user, "exchanged"))
 
 
 def _drop_matmuls_reading_it_twice(
