@@ -154,9 +154,10 @@ def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
     dump_code(options.debug_dir, graph_index, graph_kind, "before", lambda: gm.code)
     result = _Result([], _Original(gm), graph_index, graph_kind, {})
     try:
+        split = False
         if gm.graph.find_nodes(op="call_function", target=ALL_TO_ALL):
             result.original.keep()  # fused projections may be split for the all-to-alls
-        split = unfuse.split_fused_projections(gm.graph)
+            split = unfuse.split_fused_projections(gm.graph)
         rewrites = _rewrite_sites(gm, options, result)
         if split and not rewrites:
             result.original.restore()

@@ -343,6 +343,16 @@ def rows_of_block(rw: Rewrite, x: Node, dim: int, b: int, width: dims.Size, step
     return viewed(rw, rows, [val(rows).numel() // k, k], step)
 
 
+def hoistable(node: Node, before: Node) -> bool:
+    """Can ``node`` be computed before ``before``: it stands there already, or it is a
+    pure computation (a weight's transpose, a bias view) of such nodes?"""
+    if position(node) < position(before):
+        return True
+    if node.op != "call_function" or node.is_impure() or node.target is c10d.wait_tensor.default:
+        return False
+    return all(hoistable(arg, before) for arg in node.all_input_nodes)
+
+
 def _inputs_to_hoist(created: list[Node]) -> tuple[Node, list[Node]]:
     """Pure producers (weights, biases) that sit after the first new node, to move before it."""
     first = min(created, key=position)
@@ -351,11 +361,7 @@ def _inputs_to_hoist(created: list[Node]) -> tuple[Node, list[Node]]:
     def visit(node: Node) -> None:
         if node in new or node in moves or position(node) < position(first):
             return
-        if (
-            node.op != "call_function"
-            or node.is_impure()
-            or node.target is c10d.wait_tensor.default
-        ):
+        if not hoistable(node, first):
             raise decline("lower.late_input", node=node.name)
         for arg in node.all_input_nodes:
             visit(arg)

@@ -18,13 +18,14 @@ no site is then rewritten is restored as it came (``passes._rewrite``).
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 
+from .declines import Declined
 from .graph import ALL_TO_ALL, LAYOUT_OPS, VIEWS, Matmul, data_users, is_transpose_2d, val
 from .rewrite import fake_eval
 
@@ -38,10 +39,19 @@ def split_fused_projections(graph: Graph) -> bool:
     changed = False
     for target in SPLITS:
         for split in graph.find_nodes(op="call_function", target=target):
-            changed |= _split_product(graph, split)
+            changed |= _split(_split_product, graph, split)
     for cat in graph.find_nodes(op="call_function", target=aten.cat.default):
-        changed |= _split_concatenation(graph, cat)
+        changed |= _split(_split_concatenation, graph, cat)
     return changed
+
+
+def _split(how: Callable[[Graph, Node], bool], graph: Graph, node: Node) -> bool:
+    """``how`` on ``node``; a node whose neighbours carry no fake values is left alone
+    (the sites there are declined for it, with the reason)."""
+    try:
+        return how(graph, node)
+    except Declined:
+        return False
 
 
 # ----------------------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from ..rewrite import (
     column_block,
     contiguous,
     finish_sum,
+    hoistable,
     matmul,
     new_tag,
     rows_of_block,
@@ -554,38 +555,48 @@ def _outside_readers(site: AgMmSite) -> list[Node]:
 
 
 def _late_inputs(use: GatherUse, site: AgMmSite) -> list[Node]:
-    """What ``use``'s matmul reads besides the gathered tensor, computed after it."""
-    own, start = {*site.waits, *site.chain}, position(_first_reader(site))
-    return [a for a in use.mm.node.all_input_nodes if a not in own and position(a) > start]
+    """What ``use``'s matmul reads besides the gathered tensor that cannot be computed
+    before the collective's first reader (a pure one, a weight's transpose, is hoisted
+    there at commit instead)."""
+    own, first = {*site.waits, *site.chain}, _first_reader(site)
+    return [a for a in use.mm.node.all_input_nodes if a not in own and not hoistable(a, first)]
+
+
+def _start_point(use: GatherUse, site: AgMmSite) -> Node | None:
+    """The earliest node the ring may go before for ``use``'s sake, if later than the
+    collective's first reader: after the inputs of its matmul that cannot be computed
+    earlier (a recomputed activation under checkpointing), and, for a matmul another
+    ring emitted (a 2-D matmul, ``_nested_in_one_window``), right at it, inside that
+    ring's window."""
+    points = [a.next for a in _late_inputs(use, site)]
+    if _emitted_by_a_rewrite([use]):
+        points.append(use.mm.node)
+    return max(points, key=position, default=None)
 
 
 def _without_uses_read_too_late(site: AgMmSite) -> AgMmSite:
-    """A matmul whose other operand is computed after something else has to read the
-    gathered tensor (so after the latest point the ring can move to) keeps reading the
-    rebuilt tensor."""
-    outside = _outside_readers(site)
-    if not outside:
-        return site
-    limit = position(min(outside, key=position))
-    left = {
-        u: "its other operand is computed after the gathered tensor's first other reader"
-        for u in site.uses
-        if any(position(a) > limit for a in _late_inputs(u, site))
-    }
+    """The ring must be done before anything reads the gathered tensor or a product of
+    the site: a matmul that would make it start later than that keeps reading the
+    rebuilt tensor instead (the earliest such starts are kept first)."""
+    points = {u: p for u in site.uses if (p := _start_point(u, site)) is not None}
+    readers = [*_outside_readers(site)]
+    readers += [r for u in site.uses if u not in points for r in data_users(u.mm.node)]
+    left = {}
+    for use, point in sorted(points.items(), key=lambda item: position(item[1])):
+        if readers and position(point) > position(min(readers, key=position)):
+            left[use] = "it could only start after the site's results are first read"
+        else:
+            readers += data_users(use.mm.node)
     return site.leaving_out(left) if left else site
 
 
 def _ring_place(site: AgMmSite) -> Node:
-    """Where the ring goes: where the collective's first reader stood, or later, right
-    after the last input its matmuls read that is computed later (a recomputed activation
-    under checkpointing; in a 2-D matmul, the other site's block in the window this ring
-    nests in). The views the ring leaves behind follow the tensor it rebuilds
-    (``Rewrite.commit`` sorts them after it); nothing outside the site reads the gathered
-    tensor before that place (``_without_uses_read_too_late``)."""
-    late = [a for u in site.uses for a in _late_inputs(u, site)]
-    if not late:
-        return _first_reader(site)
-    return max(late, key=position).next
+    """Where the ring goes: where the collective's first reader stood, or later where a
+    matmul needs it (``_start_point``). The views the ring leaves behind follow the tensor
+    it rebuilds (``Rewrite.commit`` sorts them after it); nothing reads the gathered
+    tensor or the site's products before that place (``_without_uses_read_too_late``)."""
+    points = [p for u in site.uses if (p := _start_point(u, site)) is not None]
+    return max(points, key=position) if points else _first_reader(site)
 
 
 def _emitted_by_a_rewrite(uses: Sequence[GatherUse]) -> list[GatherUse]:
