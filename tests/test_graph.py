@@ -19,16 +19,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from cases import AgMm, FusedQkv, MmRs, Ulysses, exchanged, gathered, scattered, trace
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse_compile
 from commfuse_compile import CommfuseOptionError, Options, report
 from commfuse_compile.cost.profiles import BUILTIN, save
 from commfuse_compile.options import DEBUG_DIR_ENV
-from commfuse_compile.passes import rewrite_and_compile, rewrite_graph
+from commfuse_compile.passes import rewrite_and_compile, rewrite_graph, unfuse
 from commfuse_compile.passes.kinds import mm_a2a
 
 N, RANK = 4, 1
@@ -1015,6 +1017,24 @@ def test_fused_qkv_backward_parts_go_where_each_matmuls_operand_is():
     records = rewrite_graph(gm, "backward", RING)
     assert {r.decision for r in records} == {"rewritten"}
     gm.graph.lint()
+
+
+@pytest.mark.parametrize("side", ["in", "grad"])
+def test_split_projection_keeps_every_fake_value_true(side):
+    """After the split, every node's meta["val"] has the layout the node really produces
+    (a part is contiguous where the split's output was a strided view): what a compiler
+    below lays its buffers out by, whichever sites are then rewritten or declined."""
+    case = FusedQkv(side=side)
+    gm = trace(case, N, case.inputs(RANK, 0, N))
+    assert unfuse.split_fused_projections(gm.graph)
+    gm.graph.lint()
+    stored = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
+    placeholders = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    FakeTensorProp(gm, detect_fake_mode(placeholders)).propagate_dont_convert_inputs(*placeholders)
+    for node, value in stored.items():
+        fresh = node.meta["val"]
+        if isinstance(fresh, torch.Tensor):
+            assert (value.shape, value.stride()) == (fresh.shape, fresh.stride()), node.name
 
 
 def test_fused_qkv_left_fused_when_no_site_is_rewritten():

@@ -77,7 +77,10 @@ def _split_product(graph: Graph, split: Node) -> bool:
         else:
             bias = emit(aten.slice.Tensor, (mm.bias, -1, start, start + size))
             part = emit(aten.addmm.default, (bias, mm.a, w), dict(mm.node.kwargs))
-        getitem.replace_all_uses_with(emit(aten.view.default, (part, [*shape[:-1], size])))
+        part = emit(aten.view.default, (part, [*shape[:-1], size]))
+        readers = list(getitem.users)
+        getitem.replace_all_uses_with(part)
+        emit.refresh(readers)
     _erase_dead(graph, [*getitems, split, *views, mm.node])
     return True
 
@@ -247,3 +250,27 @@ class _Emitter:
 
     def transposed(self, node: Node) -> Node:
         return self(aten.permute.default, (node, [1, 0]))
+
+    def refresh(self, readers: Sequence[Node]) -> None:
+        """Recompute the fake values of ``readers`` and of what they feed, for as long as
+        they change: a part is now contiguous where the split's was a strided view, and a
+        compiler below lays buffers out by these values."""
+        stack = list(readers)
+        while stack:
+            node = stack.pop()
+            if node.op != "call_function" or "val" not in node.meta:
+                continue
+            new = fake_eval(self.fake_mode, node.target, node.args, node.kwargs)  # type: ignore[arg-type]
+            old = node.meta["val"]
+            if _same_layout(old, new):
+                continue
+            node.meta["val"] = new
+            stack += node.users
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_layout(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
