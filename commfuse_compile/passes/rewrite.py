@@ -346,11 +346,20 @@ def rows_of_block(rw: Rewrite, x: Node, dim: int, b: int, width: dims.Size, step
 def hoistable(node: Node, before: Node) -> bool:
     """Can ``node`` be computed before ``before``: it stands there already, or it is a
     pure computation (a weight's transpose, a bias view) of such nodes?"""
-    if position(node) < position(before):
-        return True
-    if node.op != "call_function" or node.is_impure() or node.target is c10d.wait_tensor.default:
-        return False
-    return all(hoistable(arg, before) for arg in node.all_input_nodes)
+    start, stack, seen = position(before), [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen or position(current) < start:
+            continue
+        seen.add(current)
+        if (
+            current.op != "call_function"
+            or current.is_impure()
+            or current.target is c10d.wait_tensor.default
+        ):
+            return False
+        stack += current.all_input_nodes
+    return True
 
 
 def _inputs_to_hoist(created: list[Node]) -> tuple[Node, list[Node]]:
