@@ -32,9 +32,10 @@ RTOL = 1e-5  # float32 losses; the ring changes summation order only
 RING = "ring"  # the schedule of a rewritten site; a declined one's is its decline code
 
 
-def run(ranks, n: int, cfg: training.TrainConfig, dump: Path) -> list[dict]:
+def run(ranks, n: int, cfg: training.TrainConfig, dump: Path, inner: str = "eager") -> list[dict]:
     """Train with and without the pass on n ranks; per rank the results and site table."""
-    results = ranks(n).run(training.compare, cfg, {**OPTIONS, "debug_dir": str(dump)})
+    options = {**OPTIONS, "inner": inner, "debug_dir": str(dump)}
+    results = ranks(n).run(training.compare, cfg, options)
     out = []
     for rank, (fused, eager) in enumerate(results):
         assert len(fused.losses) == cfg.steps
@@ -296,9 +297,10 @@ def test_fsdp_style_trains_like_eager(ranks, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp_times_tp_on_a_2x2_mesh_trains_like_eager(ranks, tmp_path):
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.matrix)])
+def test_fsdp_times_tp_on_a_2x2_mesh_trains_like_eager(ranks, tmp_path, inner):
     cfg = training.TrainConfig(**{**vars(CFG), "front": "fsdp", "tp": 2, "batch": 4, "steps": 2})
-    (first, *_) = run(ranks, 4, cfg, tmp_path)
+    (first, *_) = run(ranks, 4, cfg, tmp_path, inner)
     assert first["table"] == {
         # 15 dp weight gathers (columns), as in 1-D, and the 5 TP activation gathers (norm
         # -> q/k/v, norm -> w1/w3, norm -> head) that feed the same matmuls: each weight
