@@ -1026,7 +1026,7 @@ def test_split_projection_keeps_every_fake_value_true(side):
     below lays its buffers out by, whichever sites are then rewritten or declined."""
     case = FusedQkv(side=side)
     gm = trace(case, N, case.inputs(RANK, 0, N))
-    assert unfuse.split_fused_projections(gm.graph)
+    assert unfuse.split_fused_projections(gm.graph, before_change=lambda: None)
     gm.graph.lint()
     stored = {n: n.meta["val"] for n in gm.graph.nodes if "val" in n.meta}
     placeholders = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]

@@ -25,7 +25,7 @@ from ..runtime import groups
 from ..schedules import by_name
 from . import match, order, program, unfuse, verify
 from .declines import Declined, decline
-from .graph import ALL_TO_ALL, position
+from .graph import position
 from .kinds import of
 from .lower import lower, site_nodes, start
 from .plan import check_applies, plan, plan_options, profile_for, site_work
@@ -154,10 +154,7 @@ def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
     dump_code(options.debug_dir, graph_index, graph_kind, "before", lambda: gm.code)
     result = _Result([], _Original(gm), graph_index, graph_kind, {})
     try:
-        split = False
-        if gm.graph.find_nodes(op="call_function", target=ALL_TO_ALL):
-            result.original.keep()  # fused projections may be split for the all-to-alls
-            split = unfuse.split_fused_projections(gm.graph)
+        split = unfuse.split_fused_projections(gm.graph, before_change=result.original.keep)
         rewrites = _rewrite_sites(gm, options, result)
         if split and not rewrites:
             result.original.restore()

@@ -142,6 +142,17 @@ def between_note(user: Node, what: str = "gathered") -> str:
     return f"{user.name} ({op_name(user)}) sits between the {what} tensor and a matmul"
 
 
+def read_twice(uses: Iterable[tuple[Node, Node]], own: set[Node], what: str) -> dict[Node, str]:
+    """Of (matmul, its other operand) pairs, the matmuls whose other operand is the
+    collective's tensor too (``G @ G^T``), each with a note: no sum or concatenation of
+    products of one operand's blocks, such a matmul keeps reading the tensor."""
+    return {
+        mm: f"{mm.name}: reads the {what} tensor as both operands"
+        for mm, other in uses
+        if other in own
+    }
+
+
 def ordered_getitems(split: Node, n: int) -> list[Node] | None:
     parts: dict[int, Node] = {}
     for u in split.users:

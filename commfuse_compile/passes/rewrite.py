@@ -331,7 +331,7 @@ def viewed(rw: Rewrite, node: Node, shape: Sequence[dims.Size], step: int) -> No
     if dims.same_shape(val(node).shape, shape):
         return node
     with rw.fake_mode:
-        if not _can_view(val(node), shape):
+        if not can_view(val(node), shape):
             node = contiguous(rw, node, step)
     return rw.emit(aten.view.default, (node, rw.shape(shape, step)), step=step, lane="compute")
 
@@ -343,6 +343,15 @@ def rows_of_block(rw: Rewrite, x: Node, dim: int, b: int, width: dims.Size, step
     return viewed(rw, rows, [val(rows).numel() // k, k], step)
 
 
+def _movable(node: Node) -> bool:
+    """A pure computation, free to move (not an input, a wait or a side effect)."""
+    return (
+        node.op == "call_function"
+        and not node.is_impure()
+        and node.target is not c10d.wait_tensor.default
+    )
+
+
 def hoistable(node: Node, before: Node) -> bool:
     """Can ``node`` be computed before ``before``: it stands there already, or it is a
     pure computation (a weight's transpose, a bias view) of such nodes?"""
@@ -352,11 +361,7 @@ def hoistable(node: Node, before: Node) -> bool:
         if current in seen or position(current) < start:
             continue
         seen.add(current)
-        if (
-            current.op != "call_function"
-            or current.is_impure()
-            or current.target is c10d.wait_tensor.default
-        ):
+        if not _movable(current):
             return False
         stack += current.all_input_nodes
     return True
@@ -370,7 +375,7 @@ def _inputs_to_hoist(created: list[Node]) -> tuple[Node, list[Node]]:
     def visit(node: Node) -> None:
         if node in new or node in moves or position(node) < position(first):
             return
-        if not hoistable(node, first):
+        if not _movable(node):
             raise decline("lower.late_input", node=node.name)
         for arg in node.all_input_nodes:
             visit(arg)
@@ -449,7 +454,7 @@ def replay(
         if node.target in VIEWS:
             shape[dim] = shape[dim] // n
             with rw.fake_mode:
-                if not _can_view(val(block), shape):
+                if not can_view(val(block), shape):
                     block = contiguous(rw, block, step)
             block = rw.emit(aten.view.default, (block, rw.shape(shape, step)), step=step, lane=lane)
         elif node.target in (aten.clone.default, aten.alias.default):
@@ -460,7 +465,7 @@ def replay(
     return block
 
 
-def _can_view(value: torch.Tensor, shape: Sequence[Any]) -> bool:
+def can_view(value: torch.Tensor, shape: Sequence[Any]) -> bool:
     try:
         value.view(dims.sizes(shape))
     except (RuntimeError, ValueError):  # a fake tensor's view raises ValueError

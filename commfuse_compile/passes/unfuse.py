@@ -27,29 +27,36 @@ from torch.fx import Graph, Node
 
 from .declines import Declined
 from .graph import ALL_TO_ALL, LAYOUT_OPS, VIEWS, Matmul, data_users, is_transpose_2d, val
-from .rewrite import fake_eval
+from .rewrite import can_view, fake_eval
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
 
 
-def split_fused_projections(graph: Graph) -> bool:
+Change = Callable[[], None]  # called before the graph is first changed
+
+
+def split_fused_projections(graph: Graph, before_change: Change) -> bool:
     """Split every fused projection whose parts all meet all-to-alls; did any change?"""
+    if not graph.find_nodes(op="call_function", target=ALL_TO_ALL):
+        return False
     changed = False
     for target in SPLITS:
         for split in graph.find_nodes(op="call_function", target=target):
-            changed |= _split(_split_product, graph, split)
+            changed |= _split(_split_product, graph, split, before_change)
     for cat in graph.find_nodes(op="call_function", target=aten.cat.default):
-        changed |= _split(_split_concatenation, graph, cat)
+        changed |= _split(_split_concatenation, graph, cat, before_change)
     return changed
 
 
-def _split(how: Callable[[Graph, Node], bool], graph: Graph, node: Node) -> bool:
+def _split(
+    how: Callable[[Graph, Node, Change], bool], graph: Graph, node: Node, before_change: Change
+) -> bool:
     """``how`` on ``node``; a node whose neighbours carry no fake values is left alone
     (the sites there are declined for it, with the reason)."""
     try:
-        return how(graph, node)
+        return how(graph, node, before_change)
     except Declined:
         return False
 
@@ -58,7 +65,7 @@ def _split(how: Callable[[Graph, Node], bool], graph: Graph, node: Node) -> bool
 # forward: a product split on its columns
 
 
-def _split_product(graph: Graph, split: Node) -> bool:
+def _split_product(graph: Graph, split: Node, before_change: Change) -> bool:
     parts = _last_dim_parts(split)
     if parts is None:
         return False
@@ -69,6 +76,7 @@ def _split_product(graph: Graph, split: Node) -> bool:
     shape = list(val(split.args[0]).shape)  # type: ignore[arg-type]
     if not all(isinstance(size, int) for size in shape):
         return False
+    before_change()
     emit = _Emitter(graph, before=split)
     for getitem, (start, size) in zip(getitems, _offsets(sizes), strict=True):
         w = emit(aten.slice.Tensor, (mm.b, 1, start, start + size))
@@ -120,7 +128,7 @@ def _views_back_to_matmul(node: Node) -> tuple[list[Node], Matmul | None]:
 # backward: a concatenation the matmuls contract or keep
 
 
-def _split_concatenation(graph: Graph, cat: Node) -> bool:
+def _split_concatenation(graph: Graph, cat: Node, before_change: Change) -> bool:
     inputs: list[Node] = list(cat.args[0])  # type: ignore[arg-type]
     value = val(cat)
     dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
@@ -135,6 +143,7 @@ def _split_concatenation(graph: Graph, cat: Node) -> bool:
     if found is None:
         return False
     views, uses = found
+    before_change()
     first = _Emitter(graph, before=min((mm.node for mm, _ in uses), key=lambda n: n._sort_key))
     parts2d = [first.view(c, [-1, s]) for c, s in zip(inputs, sizes, strict=True)]
     for mm, form in uses:
@@ -242,9 +251,7 @@ class _Emitter:
     def view(self, node: Node, shape: list[int]) -> Node:
         """``node`` viewed as ``shape``, copied first where its strides forbid it."""
         with self.fake_mode:
-            try:
-                val(node).view(shape)
-            except (RuntimeError, ValueError):
+            if not can_view(val(node), shape):
                 node = self(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
         return self(aten.view.default, (node, shape))
 

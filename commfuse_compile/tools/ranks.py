@@ -7,6 +7,7 @@ example is far too slow for property tests, so a ``RankPool`` keeps its ranks an
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import socket
@@ -80,7 +81,7 @@ def _worker(rank: int, world_size: int, port: int, conn: Any, timeout_s: float) 
     serve(rank, world_size, conn)
 
 
-class Ranks:
+class Ranks(abc.ABC):
     """Rank processes that ``serve`` jobs over connections; subclasses start them."""
 
     def __init__(self, world_size: int, timeout_s: float) -> None:
@@ -129,11 +130,13 @@ class Ranks:
         self.close(force=True)
         raise RankError(f"rank {rank} {what}{detail}")
 
+    @abc.abstractmethod
     def _alive(self, rank: int) -> bool:
-        raise NotImplementedError
+        """Is ``rank``'s process still running?"""
 
+    @abc.abstractmethod
     def _stop(self, proc: Any, wait_s: float) -> None:
-        raise NotImplementedError
+        """End ``proc``: let it exit within ``wait_s``, then kill it."""
 
     def _detail(self, rank: int) -> str:
         """What to add to a failure's message (a log, where there is one)."""

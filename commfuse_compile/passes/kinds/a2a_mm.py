@@ -45,6 +45,7 @@ from ..graph import (
     numel,
     position,
     reaches_matmul,
+    read_twice,
     saved_unwaited,
     split_dim_in_output,
     the_wait,
@@ -235,14 +236,11 @@ def _collect_uses(wait: Node, n: int, uses: list[ExchangedUse], unmatched: list[
 def _drop_matmuls_reading_it_twice(
     wait: Node, uses: list[ExchangedUse], unmatched: list[str]
 ) -> None:
-    """``G @ G^T`` (the exchanged tensor as both operands, through two paths) is no sum
-    or concatenation of products of one operand's blocks: such a matmul keeps reading G."""
+    """``G @ G^T``, the exchanged tensor as both operands through two paths
+    (``graph.read_twice``)."""
     own = {wait, *(node for use in uses for node, _ in use.path)}
-    twice = {u.mm.node for u in uses if _other_operand(u) in own}
-    unmatched += [
-        f"{node.name}: reads the exchanged tensor as both operands"
-        for node in dict.fromkeys(u.mm.node for u in uses if u.mm.node in twice)
-    ]
+    twice = read_twice(((u.mm.node, _other_operand(u)) for u in uses), own, "exchanged")
+    unmatched += twice.values()
     uses[:] = [u for u in uses if u.mm.node not in twice]
 
 

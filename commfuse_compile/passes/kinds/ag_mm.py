@@ -42,6 +42,7 @@ from ..graph import (
     ordered_getitems,
     position,
     reaches_matmul,
+    read_twice,
     saved_unwaited,
     the_wait,
     val,
@@ -320,13 +321,9 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
 
 
 def _drop_matmuls_reading_it_twice(site: _Uses, own: set[Node]) -> None:
-    """``G @ G^T`` (the gathered tensor as both operands) is not a sum or a concatenation
-    of products of one operand's blocks: such a matmul keeps reading G."""
-    twice = {u.mm.node for u in site.uses if _other_operand(u) in own}
-    site.unmatched += [
-        f"{node.name}: reads the gathered tensor as both operands"
-        for node in dict.fromkeys(u.mm.node for u in site.uses if u.mm.node in twice)
-    ]
+    """``G @ G^T``, the gathered tensor as both operands (``graph.read_twice``)."""
+    twice = read_twice(((u.mm.node, _other_operand(u)) for u in site.uses), own, "gathered")
+    site.unmatched += twice.values()
     site.uses = [u for u in site.uses if u.mm.node not in twice]
 
 
