@@ -276,14 +276,29 @@ def test_rewritten_graph_runs_with_the_original_output_shapes():
     assert [(t.shape, t.dtype) for t in gm(*inputs)] == expected
 
 
+def wrapped(gm: GraphModule, target) -> list[torch.fx.Node]:
+    """Nodes calling ``target``, directly or wrapped in ``control_deps`` (Inductor mode)."""
+
+    def inner(node):
+        if node.target is not torch.ops.higher_order.control_deps:
+            return node.target
+        subgraph = getattr(gm, node.args[1].target).graph
+        return next(n.target for n in subgraph.nodes if n.op == "call_function")
+
+    return [n for n in gm.graph.nodes if n.op == "call_function" and inner(n) is target]
+
+
 def test_inductor_mode_orders_the_steps_with_control_deps():
     gm = build(AgMm())
     record = rewrite_one(gm, Options(schedule="ring"))
     assert record.decision == "rewritten"
-    assert len(calls(gm, P2P)) == N - 1
+    p2ps = wrapped(gm, P2P)
+    assert len(p2ps) == N - 1
     deps = calls(gm, torch.ops.higher_order.control_deps)
     ordered_after = {d for node in deps for d in node.args[0]}
-    assert set(calls(gm, P2P)) <= ordered_after  # every transfer starts before its matmuls
+    assert set(p2ps) <= ordered_after  # every transfer starts before its matmuls
+    for previous, start in zip(p2ps, p2ps[1:], strict=False):  # and after the one before
+        assert previous in start.args[0]
     for node in new_nodes(gm, record):  # wrapped nodes keep name, tag and value
         assert node.meta["commfuse"]["site"] == record.site and "val" in node.meta
 

@@ -11,19 +11,21 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 from torch.fx import Graph, GraphModule
 
 from ..cost.profiles import Profile
 from ..cost.simulator import collective_model, predict
 from ..options import Options
-from ..report import REPORT, SiteRecord, dump_code
+from ..report import REPORT, SiteRecord, dump_code, log
 from ..runtime import groups
 from ..schedules import by_name
-from . import match, order, program, unfuse, verify
+from . import match, order, program, sequence, unfuse, verify
 from .declines import Declined, decline
 from .graph import position
 from .kinds import of
@@ -37,8 +39,12 @@ T = TypeVar("T")
 
 
 def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[SiteRecord]:
-    """Rewrite ``gm`` in place; returns one record per site found (also in the report)."""
+    """Rewrite ``gm`` in place; returns one record per site found (also in the report).
+    The graph runs node by node (eager FX), so its order of transfers is the graph's."""
     result = _rewrite(gm, graph_kind, options)
+    why = _agree(result, options, lambda: sequence.from_graph(gm.graph, groups.ranks_of))
+    if why is not None and _rewritten(result):
+        _fall_back(result, why, options)  # the restored graph recompiles
     _finish(result, options)
     return result.records
 
@@ -52,28 +58,32 @@ def rewrite_and_compile(
 ) -> T:
     """Rewrite ``gm``, then compile it. ``program_of`` gives the code the compiler
     generated, which is checked for buffers reused or written while a transfer uses them
-    (``program.check``). Should the compiler reject the rewritten graph, or its program
-    fail that check, warn, record every site as declined and compile the original graph."""
+    (``program.check``) and compared across the ranks: they must start their transfers
+    in one order, and run together they must complete (``_agree``). Should the compiler
+    reject the rewritten graph, or its program fail either check, warn, record every
+    site as declined and compile the original graph (on every rank, for the second)."""
     result = _rewrite(gm, graph_kind, options)
-    rewritten = [r for r in result.records if r.decision == "rewritten"]
+    checked: list[program.Result] = []
     try:
         compiled = compile_fn(gm)
-        if rewritten and program_of is not None:
-            _check_program(program_of(compiled), rewritten, options, result)
-            if options.debug_dir:
-                REPORT.write(options.debug_dir)
+        if _rewritten(result) and program_of is not None:
+            checked.append(_check_program(program_of(compiled), options, result))
     except Exception as err:
-        if not rewritten:
+        if not _rewritten(result):
             raise
-        why = err if isinstance(err, Declined) else decline("compiler.failed", error=_brief(err))
-        warnings.warn(f"commfuse: {why.reason}; compiling the original graph", stacklevel=2)
-        result.original.restore()
-        for record in rewritten:
-            record.decision, record.schedule = "declined", "off"
-            record.declined(why)
-        if options.debug_dir:
-            REPORT.write(options.debug_dir)
+        failed = err if isinstance(err, Declined) else decline("compiler.failed", error=_brief(err))
+        _fall_back(result, failed, options)
         compiled = compile_fn(gm)
+    why = _agree(
+        result,
+        options,
+        lambda: checked[0].sequence if checked else sequence.from_graph(gm.graph, groups.ranks_of),
+    )
+    if why is not None and _rewritten(result):
+        _fall_back(result, why, options)
+        compiled = compile_fn(gm)
+    if options.debug_dir:
+        REPORT.write(options.debug_dir)
     _finish(result, options)
     return compiled
 
@@ -81,7 +91,7 @@ def rewrite_and_compile(
 @dataclasses.dataclass
 class _Result:
     """One graph's pass: its records, how to restore it, and what every site's group
-    must agree on (``groups.agree``)."""
+    must agree on (``_agree``)."""
 
     records: list[SiteRecord]
     original: _Original
@@ -90,25 +100,100 @@ class _Result:
     groups: dict[int, tuple[groups.Group, dict[str, Any]]]  # site id -> (group, inputs)
 
 
+def _rewritten(result: _Result) -> list[SiteRecord]:
+    return [r for r in result.records if r.decision == "rewritten"]
+
+
+def _fall_back(result: _Result, why: Declined, options: Options) -> None:
+    """Restore the graph as it came and record every rewritten site as declined."""
+    warnings.warn(f"commfuse: {why.reason}; compiling the original graph", stacklevel=3)
+    result.original.restore()
+    for record in _rewritten(result):
+        record.decision, record.schedule = "declined", "off"
+        record.exposed_steps = []
+        record.declined(why)
+    if options.debug_dir:
+        REPORT.write(options.debug_dir)
+
+
 def _finish(result: _Result, options: Options) -> None:
-    """The graph's decisions are final: check that the ranks agree, then log them."""
-    _agree(result)
+    """The graph's decisions are final: log them."""
     REPORT.log_graph(result.records, result.graph_kind)
     if options.measure and options.debug_dir:
         REPORT.write_at_exit(options.debug_dir)
 
 
-def _agree(result: _Result) -> None:
-    """Every group's ranks decided alike on this graph, from the same inputs."""
-    by_group: dict[str, tuple[groups.Group, dict[str, Any], list[Any]]] = {}
-    for record in result.records:
-        if record.site in result.groups:
-            group, inputs = result.groups[record.site]
-            _, known, decisions = by_group.setdefault(group.name, (group, {}, []))
-            known.update({k: sorted({*known.get(k, []), v}) for k, v in inputs.items()})
-            decisions.append([record.kind, record.decision, record.schedule])
-    for group, inputs, decisions in by_group.values():
-        groups.agree(group, inputs, decisions)
+def _agree(
+    result: _Result, options: Options, program: Callable[[], list[sequence.Event]]
+) -> Declined | None:
+    """Compare this graph across the ranks of its groups (``groups.exchange``): they must
+    have been given the same inputs (else ``RankMismatchError``), have decided alike,
+    start their transfers in one order, and their programs run together must complete
+    (``sequence.simulate``). Returns why the graph falls back, the same on every rank
+    (each reads the same exchange), or None. A graph with no site on a group costs
+    nothing; otherwise one store exchange, and a replay of the sequences."""
+    if not result.groups:
+        return None
+    started = time.perf_counter()
+    try:
+        events: list[sequence.Event] | None = program()
+    except Exception as err:  # noqa: BLE001 - a fault of the reading: decline, never break
+        log.warning("commfuse: cannot read this graph's transfers: %s", _brief(err))
+        events = None
+    member_of = {g.name: g.ranks for g, _ in result.groups.values()}
+    member_of |= {e.group: e.ranks for e in events or () if e.ranks}
+    inputs: dict[str, list[Any]] = {}
+    for _, site_inputs in result.groups.values():
+        inputs |= {k: sorted({*inputs.get(k, []), v}) for k, v in site_inputs.items()}
+    mine = {
+        "inputs": inputs,
+        "decisions": [[r.kind, r.decision, r.schedule] for r in result.records],
+        "rewritten": bool(_rewritten(result)),
+        "sequence": None if events is None else [e.as_json() for e in events],
+    }
+    read = time.perf_counter()
+    seen = groups.exchange(mine, member_of)
+    if seen is None:
+        return None
+    exchanged = time.perf_counter()
+    groups.check_inputs(seen)
+    why = _verdict(seen)
+    log.info(
+        "commfuse: %s graph %d, ranks %s: %d transfer events read in %.1f ms, exchanged in "
+        "%.1f ms (waiting for the slowest rank's compile), compared in %.1f ms: %s",
+        result.graph_kind,
+        result.graph_index,
+        sorted(seen),
+        len(events or ()),
+        (read - started) * 1e3,
+        (exchanged - read) * 1e3,
+        (time.perf_counter() - exchanged) * 1e3,
+        "ok" if why is None else why.reason,
+    )
+    return why
+
+
+def _verdict(seen: dict[int, dict[str, Any]]) -> Declined | None:
+    """Why the ranks' programs cannot run together, from every rank's exchange."""
+    if not any(s["rewritten"] for s in seen.values()):
+        return None  # nothing of the pass's runs: the graphs as they came
+    decisions = {r: s["decisions"] for r, s in seen.items()}
+    differ = sorted(r for r, d in decisions.items() if d != decisions[min(decisions)])
+    if differ:
+        detail = "; ".join(f"rank {r}: {decisions[r]}" for r in [min(decisions), *differ])
+        return decline("compiler.rank_decisions", ranks=differ, detail=detail[:600])
+    unread = sorted(r for r, s in seen.items() if s["sequence"] is None)
+    if unread:
+        return decline("compiler.unverifiable", error=f"ranks {unread} could not read theirs")
+    programs = {r: [sequence.Event.from_json(e) for e in s["sequence"]] for r, s in seen.items()}
+    digests = {r: sequence.digest(events) for r, events in programs.items()}
+    where = sequence.first_divergence(digests)
+    if where is not None:
+        return decline("compiler.rank_order", detail=sequence.divergence_text(digests, where))
+    stuck = sequence.simulate(programs)
+    if stuck is not None:
+        return decline("compiler.rank_deadlock", detail=str(stuck)[:600])
+    return None
 
 
 class _Original:
@@ -128,24 +213,23 @@ class _Original:
             self.gm.graph = self.graph  # recompiles
 
 
-def _check_program(
-    code: str | None, rewritten: list[SiteRecord], options: Options, result: _Result
-) -> None:
+def _check_program(code: str | None, options: Options, result: _Result) -> program.Result:
     """Decline the graph's rewrites unless the generated program keeps every transfer's
     memory intact until its wait; record the steps whose overlap the compiler lost."""
     if code is None:
         raise decline("compiler.unreadable")
     dump_code(options.debug_dir, result.graph_index, result.graph_kind, "inductor", lambda: code)
     try:
-        checked = program.check(code)
+        checked = program.check(code, groups.ranks_of)
     except Exception as err:  # noqa: BLE001 - unreadable code, or a fault of the check
         raise decline("compiler.unverifiable", error=_brief(err)) from None
     if checked.violations:
         shown = "; ".join(checked.violations[:3])
         raise decline("compiler.breaks_buffer", violations=shown)
-    for record in rewritten:
+    for record in _rewritten(result):
         prefix = f"site {record.site} "
         record.exposed_steps = [e for e in checked.exposed if e.startswith(prefix)]
+    return checked
 
 
 def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
@@ -159,7 +243,7 @@ def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
         if split and not rewrites:
             result.original.restore()
         if rewrites and options.inner == "inductor":
-            order.keep_overlap_order(gm.graph, (s for rw in rewrites for s in rw.steps))
+            order.keep_order(gm.graph, (s for rw in rewrites for s in rw.steps))
         if rewrites and options.inner != "inductor":  # Inductor lints and recompiles
             gm.graph.lint()
             gm.recompile()
@@ -282,6 +366,9 @@ def _group(site: Site) -> groups.Group:
 def _inputs(options: Options, profile: Profile) -> dict[str, Any]:
     """What a rank's decisions depend on besides the graph: every rank must share it."""
     return {
+        "torch": torch.__version__,
+        "inner": options.inner,
+        "measure": options.measure,
         "schedule": options.schedule,
         "slices": options.slices,
         "disable": ",".join(sorted(options.disable)),

@@ -150,6 +150,22 @@ _REASONS = (
         "compiler",
         "the inner compiler's program breaks a transfer's buffer: {violations}",
     ),
+    # the ranks' programs, compared across the ranks (every rank falls back together)
+    Reason(
+        "compiler.rank_decisions",
+        "compiler",
+        "ranks {ranks} rewrote this graph differently ({detail})",
+    ),
+    Reason(
+        "compiler.rank_order",
+        "compiler",
+        "the ranks' programs start transfers in different orders, which can hang: {detail}",
+    ),
+    Reason(
+        "compiler.rank_deadlock",
+        "compiler",
+        "the ranks' programs, run together, would hang: {detail}",
+    ),
     # faults of the pass itself (each one also warns)
     Reason("internal.error", "internal", "internal error: {error}"),
     Reason("internal.unpacked", "internal", "internal: {node} outputs are not all unpacked"),

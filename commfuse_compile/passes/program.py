@@ -28,9 +28,12 @@ import dataclasses
 import itertools
 import re
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+
+from .sequence import START, WAIT, Event
 
 P2P_CALL = "torch.ops.commfuse.p2p.default"
 WAIT_CALL = "torch.ops._c10d_functional.wait_tensor.default"
@@ -75,15 +78,20 @@ class Result:
     violations: list[str]
     exposed: list[str]  # transfers waited with no matmul while they were in flight
     transfers: int
+    sequence: list[Event]  # every start and wait of a transfer, in program order
 
 
-def check(code: str) -> Result:
-    """Replay ``code`` (Inductor's Python wrapper module) and return what it breaks."""
-    replay = _Replay(_kernel_writes(code))
+GroupRanks = Callable[[str], tuple[int, ...]]
+
+
+def check(code: str, group_ranks: GroupRanks | None = None) -> Result:
+    """Replay ``code`` (Inductor's Python wrapper module) and return what it breaks.
+    ``group_ranks`` gives a collective's group's global ranks (for ``sequence``)."""
+    replay = _Replay(_kernel_writes(code), group_ranks)
     for statement in _flatten(_call_function(code).body):
         replay.statement(statement)
     replay.finish()
-    return Result(replay.violations, replay.exposed, replay.transfers)
+    return Result(replay.violations, replay.exposed, replay.transfers, replay.sequence)
 
 
 def _call_function(code: str) -> ast.FunctionDef:
@@ -145,8 +153,13 @@ def _kernel_writes(code: str) -> dict[str, list[bool]]:
 
 
 class _Replay:
-    def __init__(self, kernel_writes: dict[str, list[bool]]) -> None:
+    def __init__(
+        self, kernel_writes: dict[str, list[bool]], group_ranks: GroupRanks | None
+    ) -> None:
         self.kernel_writes = kernel_writes
+        self.group_ranks = group_ranks
+        self.sequence: list[Event] = []
+        self.started: dict[int, Event] = {}  # transfer -> its start
         self.names: dict[str, View] = {}
         self.holders: collections.Counter[int] = collections.Counter()  # storage -> names
         self.p2p: dict[str, tuple[str, int]] = {}  # name of a P2P result -> (label, transfer)
@@ -330,13 +343,31 @@ class _Replay:
         self.labels[self.transfers] = label
         return self.transfers
 
+    def record(self, action: str, transfer: int, **fields: Any) -> None:
+        """A start (with its peers or group) or, with the start's label, a wait."""
+        if action == WAIT:
+            event = dataclasses.replace(self.started[transfer], action=WAIT)
+        else:
+            event = self.started[transfer] = Event(action, transfer, **fields)
+        self.sequence.append(event)
+
     def start(self, what: str, view: View, name: str, writes: bool, transfer: int) -> None:
         waited_on = self.names[name].storage
         self.flights.append(Flight(what, view, waited_on, self.line, writes, transfer))
 
     def issue_p2p(self, node: ast.Call, result: str | None) -> None:
-        label = ast.literal_eval(node.args[6]) if len(node.args) > 6 else "a P2P op"
+        args = [_literal(a) for a in node.args]
+        label = args[6] if len(args) > 6 else "a P2P op"
         transfer = self.new_transfer(label)
+        self.record(
+            START,
+            transfer,
+            label=label,
+            group=args[5],
+            tag=args[4],
+            sends=tuple(args[1] or ()),
+            recvs=tuple(args[3] or ()),
+        )
         sends = node.args[0]
         for i, expr in enumerate(sends.elts if isinstance(sends, ast.List) else []):
             view = self.view(expr)
@@ -354,6 +385,10 @@ class _Replay:
         waited; an in-place one (name ending in ``_``) uses its tensors until then."""
         op = func.removeprefix(COLLECTIVE_PREFIX).split(".")[0]
         transfer = self.new_transfer(f"{op} (line {self.line})")
+        names = [a for a in map(_literal, node.args) if isinstance(a, str)]
+        group = names[-1] if names else ""
+        ranks = self.group_ranks(group) if self.group_ranks and group else ()
+        self.record(START, transfer, label=op, group=group, ranks=ranks)
         in_place = op.endswith("_")
         tensors = [v for v in map(self.view, _tensor_args(node)) if v is not None]
         if in_place:
@@ -378,6 +413,7 @@ class _Replay:
         done = [f for f in self.flights if f.waited_on == view.storage]
         self.flights = [f for f in self.flights if f.waited_on != view.storage]
         for transfer in dict.fromkeys(f.transfer for f in done):
+            self.record(WAIT, transfer)
             if transfer in self.matmuls_seen and not self.matmuls_seen[transfer]:
                 self.exposed.append(f"{self.labels[transfer]}: waited with no matmul in flight")
             self.matmuls_seen.pop(transfer, None)
@@ -391,6 +427,14 @@ class _Replay:
 
     def violate(self, what: str) -> None:
         self.violations.append(f"line {self.line}: {what}")
+
+
+def _literal(expr: ast.expr) -> Any:
+    """A literal argument's value (a peer list, a tag, a label); None for anything else."""
+    try:
+        return ast.literal_eval(expr)
+    except (ValueError, TypeError, SyntaxError):
+        return None
 
 
 def _tensor_args(node: ast.Call) -> list[ast.expr]:

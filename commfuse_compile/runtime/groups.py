@@ -1,5 +1,5 @@
 """Process groups as the pass sees them: a name in the graph, resolved to global ranks;
-and the check that every rank of a group rewrote a graph alike."""
+and the exchange through which the ranks of a job compare what they made of a graph."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import json
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -17,8 +18,8 @@ class GroupError(Exception):
 
 
 class RankMismatchError(RuntimeError):
-    """The ranks of a group did not decide alike on one graph: rewritten on some ranks and
-    not on others, their P2P steps would wait for messages that are never sent."""
+    """The ranks of a job cannot compare what they made of one graph: given different
+    inputs, or one of them never compiled it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,48 +56,86 @@ def resolve(group_name: object, group_size: int) -> Group:
     return Group(name=name, ranks=ranks, rank=pg.rank())
 
 
+def ranks_of(group_name: str) -> tuple[int, ...]:
+    """The global ranks of the group named ``group_name``; () if this process cannot know."""
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
+        return tuple(dist.get_process_group_ranks(pg))
+    except (LookupError, ValueError, RuntimeError, AttributeError):
+        return ()
+
+
 def this_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 _checks: dict[str, itertools.count[int]] = {}  # group name -> graphs checked on it
+# The exchange waits for every rank to finish compiling this graph: ranks sharing two
+# cores can take minutes longer than each other, far more than a group timeout set short
+# for a fast deadlock error, so it waits at least this long.
+EXCHANGE_WAIT_S = 600.0
 
 
-def agree(group: Group, inputs: Mapping[str, Any], decisions: list[Any]) -> None:
-    """Raise ``RankMismatchError`` unless every rank of ``group`` decided ``decisions``
-    from the same ``inputs`` (options and profile) for this graph.
+def exchange(
+    mine: Mapping[str, Any], member_of: Mapping[str, tuple[int, ...]]
+) -> dict[int, dict[str, Any]] | None:
+    """Every rank's ``mine`` for this graph, by global rank: this rank's, and that of every
+    rank reachable from it through the groups of this graph (``member_of``: group name ->
+    global ranks), so that every rank of a job whose groups connect (a 2-D mesh's rows
+    and columns) reads the same set and decides alike. None on torch's fake process group
+    or without peers.
 
-    Each rank writes both to the job's c10d store (any backend has one) and reads the
-    others': one exchange per graph and group, at compile time, before any P2P is issued.
-    Ranks compile the same graphs in the same order (SPMD), so the n-th check of a group
-    is the same graph on every rank. Skipped on torch's fake process group (no peers)."""
-    if group.size < 2 or dist.get_backend() == "fake":
-        return
+    Each rank writes to the job's c10d store (any backend has one) under each of its
+    groups, then reads the others': one exchange per graph, at compile time, before any
+    transfer of the graph starts. Ranks compile the same graphs in the same order (SPMD),
+    so the n-th exchange on a group is the same graph on every rank of it."""
+    if not dist.is_initialized() or dist.get_backend() == "fake":
+        return None
+    if all(len(ranks) < 2 for ranks in member_of.values()):
+        return None
     store = dist.distributed_c10d._get_default_store()
-    check = next(_checks.setdefault(group.name, itertools.count()))
-    prefix = f"commfuse/agree/{group.name}/{check}"
-    mine = json.dumps({"inputs": inputs, "decisions": decisions}, sort_keys=True)
-    store.set(f"{prefix}/{group.ranks[group.rank]}", mine)
-    keys = [f"{prefix}/{r}" for r in group.ranks]
-    try:
-        store.wait(keys)
-    except RuntimeError as err:  # the store's timeout (the process group's)
-        raise RankMismatchError(
-            f"commfuse: a rank of group {group.name!r} did not compile this graph within the "
-            f"store's timeout (compiled a different program?): {err}"
-        ) from None
-    seen = {r: json.loads(store.get(k)) for r, k in zip(group.ranks, keys, strict=True)}
-    if all(s["inputs"] == seen[group.ranks[0]]["inputs"] for s in seen.values()):
-        if all(s["decisions"] == seen[group.ranks[0]]["decisions"] for s in seen.values()):
-            return
-        raise RankMismatchError(
-            f"commfuse: the ranks of group {group.name!r} rewrote a graph differently from "
-            "the same options and profile (a bug: please report it with the debug dumps): "
-            + "; ".join(f"rank {r}: {s['decisions']}" for r, s in seen.items())
-        )
+    me = dist.get_rank()
+    groups: list[tuple[str, int, list[int]]] = [
+        (name, next(_checks.setdefault(name, itertools.count())), list(ranks))
+        for name, ranks in sorted(member_of.items())
+    ]
+    payload = {**mine, "groups": groups}
+    text = json.dumps(payload, sort_keys=True)
+    for name, index, _ in groups:
+        store.set(f"commfuse/graph/{name}/{index}/{me}", text)
+    seen: dict[int, dict[str, Any]] = {me: payload}
+    visited: set[tuple[str, int]] = set()
+    todo = list(groups)
+    timeout = max(timedelta(seconds=EXCHANGE_WAIT_S), store.timeout)  # type: ignore[attr-defined]
+    while todo:
+        name, index, ranks = todo.pop()
+        if (name, index) in visited:
+            continue
+        visited.add((name, index))
+        missing = [r for r in ranks if r not in seen]
+        keys = [f"commfuse/graph/{name}/{index}/{r}" for r in missing]
+        try:
+            store.wait(keys, timeout)
+        except RuntimeError as err:  # a rank never compiled this graph
+            raise RankMismatchError(
+                f"commfuse: a rank of group {name!r} did not compile this graph within "
+                f"{timeout.total_seconds():.0f} s (compiled a different program?): {err}"
+            ) from None
+        for rank, key in zip(missing, keys, strict=True):
+            seen[rank] = json.loads(store.get(key))
+            todo += [(g[0], g[1], g[2]) for g in seen[rank]["groups"]]
+    return dict(sorted(seen.items()))
+
+
+def check_inputs(seen: Mapping[int, Mapping[str, Any]]) -> None:
+    """Raise ``RankMismatchError`` unless every rank decided from the same inputs
+    (options, profile, torch): with different ones they could rewrite differently."""
+    first = next(iter(seen.values()))["inputs"]
+    if all(s["inputs"] == first for s in seen.values()):
+        return
     raise RankMismatchError(
-        f"commfuse: the ranks of group {group.name!r} were given different options or cost "
-        "profiles, so they could decide differently and hang in mismatched P2P steps; give "
-        "every rank the same (options, COMMFUSE_PROFILE, COMMFUSE_DISABLE): "
+        "commfuse: the ranks were given different options or cost profiles (or torch builds), "
+        "so they could decide differently and hang in mismatched P2P steps; give every "
+        "rank the same (options, COMMFUSE_PROFILE, COMMFUSE_DISABLE): "
         + "; ".join(f"rank {r}: {s['inputs']}" for r, s in seen.items())
     )

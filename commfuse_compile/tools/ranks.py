@@ -150,16 +150,23 @@ class Ranks(abc.ABC):
 
 
 class RankPool(Ranks):
-    """``world_size`` gloo ranks on loopback, alive until ``close``."""
+    """``world_size`` gloo ranks on loopback, alive until ``close``. ``timeout_s`` bounds
+    one job; ``group_timeout_s`` (default: the same) is the process group's, after which
+    a transfer that waits for a stalled peer raises (a deadlock fails fast and named)."""
 
-    def __init__(self, world_size: int, timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, world_size: int, timeout_s: float = 300.0, group_timeout_s: float | None = None
+    ) -> None:
         super().__init__(world_size, timeout_s)
+        group_timeout = timeout_s if group_timeout_s is None else group_timeout_s
         ctx = mp.get_context("spawn")
         port = free_port()
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(
-                target=_worker, args=(rank, world_size, port, child, timeout_s), daemon=True
+                target=_worker,
+                args=(rank, world_size, port, child, group_timeout),
+                daemon=True,
             )
             proc.start()
             self._conns.append(parent)
