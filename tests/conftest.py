@@ -11,15 +11,21 @@ from commfuse_compile.tools.ranks import RankPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The process group's timeout on every pool: a transfer whose peer never comes raises
+# this soon, naming its site and step, instead of stalling the suite (compiles may take
+# minutes: the pass's compile-time exchange waits for them on its own clock).
+GROUP_TIMEOUT_S = 60.0
+
 
 @pytest.fixture(scope="session")
 def ranks() -> Iterator[Callable[[int], RankPool]]:
-    """``ranks(n)``: a pool of n gloo ranks on loopback (kept for the session)."""
+    """``ranks(n)``: a pool of n gloo ranks on loopback (kept for the session), whose
+    process group times out after ``GROUP_TIMEOUT_S``."""
     pools: dict[int, RankPool] = {}
 
     def get(n: int) -> RankPool:
         if n not in pools:
-            pools[n] = RankPool(n, timeout_s=300)
+            pools[n] = RankPool(n, timeout_s=900, group_timeout_s=GROUP_TIMEOUT_S)
         return pools[n]
 
     yield get

@@ -8,10 +8,13 @@ import os
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch._C._distributed_c10d import _get_work_registry_size
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
     parallelize_module,
 )
 
@@ -72,3 +75,45 @@ def mlp_train_step(
         "report": report,
         "files": sorted(os.listdir(Path(debug_dir) / f"rank{rank}")),
     }
+
+
+class SequenceParallelBlock(torch.nn.Module):
+    """A transformer block as torchtitan writes one, sequence-first shards in and out:
+    LayerNorm -> q/k/v (no bias) -> causal attention -> o; LayerNorm -> SwiGLU with
+    biases; both residual. Heads of 8."""
+
+    def __init__(self, dim: int = 96, hidden: int = 96) -> None:
+        super().__init__()
+        linear = torch.nn.Linear
+        self.attention_norm, self.ffn_norm = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.q, self.k = linear(dim, dim, bias=False), linear(dim, dim, bias=False)
+        self.v, self.o = linear(dim, dim, bias=False), linear(dim, dim, bias=False)
+        self.gate, self.up = linear(dim, hidden), linear(dim, hidden)
+        self.down = linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attention_norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        batch, seq, width = q.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(batch, seq, -1, 8).transpose(1, 2)
+
+        a = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(batch, seq, width))
+        h = self.ffn_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def sequence_parallel_blocks(n: int, blocks: int = 2) -> torch.nn.Module:
+    """``blocks`` of :class:`SequenceParallelBlock` (seed 0) with DTensor TP+SP over a
+    1-D mesh of the world: activations enter and leave sharded on the sequence."""
+    mesh = init_device_mesh("cpu", (n,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[SequenceParallelBlock() for _ in range(blocks)])
+    columns = ColwiseParallel(input_layouts=Shard(1))
+    rows = RowwiseParallel(output_layouts=Shard(1))
+    plan = {"q": columns, "k": columns, "v": columns, "o": rows}
+    for block in model:
+        parallelize_module(block, mesh, {**plan, "gate": columns, "up": columns, "down": rows})
+    return model
