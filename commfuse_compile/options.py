@@ -36,6 +36,22 @@ class CommfuseOptionError(ValueError):
     """An option given to the backend or to ``apply`` is not valid."""
 
 
+# Every option can come from the environment, for frameworks that pass only a backend
+# name (torchtitan's ``compile.backend``, Hugging Face's ``torch_compile_backend``,
+# Lightning): an option given explicitly wins over its variable.
+ENV = {
+    "schedule": "COMMFUSE_SCHEDULE",
+    "inner": "COMMFUSE_INNER",
+    "slices": "COMMFUSE_SLICES",
+    "measure": "COMMFUSE_MEASURE",
+    "profile": PROFILE_ENV,
+    "debug_dir": DEBUG_DIR_ENV,
+    "disable": DISABLE_ENV,
+}
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+UNSET_BY_NONE = frozenset({"debug_dir", "profile", "disable"})  # None: not given
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     schedule: str = "auto"
@@ -45,59 +61,126 @@ class Options:
     profile: str | None = None  # built-in profile name or profile file; None: by device
     slices: int = 2  # chunks of the slicing schedule
     measure: bool = False  # time each rewritten site's P2P steps into report.json
+    # option -> where its value came from: "option", "environment variable NAME", "default"
+    origins: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 
     @classmethod
     def from_mapping(cls, given: Mapping[str, Any] | None) -> Options:
-        given = dict(given or {})
-        known = {f.name for f in dataclasses.fields(cls)}
+        given = {k: v for k, v in (given or {}).items() if k != "origins"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"origins"}
         unknown = sorted(set(given) - known)
         if unknown:
             raise CommfuseOptionError(
                 f"commfuse: unknown option(s) {unknown}; valid options are {sorted(known)}"
             )
-        _check_choice("schedule", given.get("schedule", "auto"), SCHEDULES)
-        _check_choice("inner", given.get("inner", "inductor"), INNER_COMPILERS)
-        debug_dir, where = _path_or_env(given, "debug_dir", DEBUG_DIR_ENV, "a path")
-        if debug_dir is not None:
-            debug_dir = os.fspath(debug_dir)
-            problem = dump_dir_problem(debug_dir)
-            if problem:
-                raise CommfuseOptionError(f"commfuse: {where}: {problem}")
-        given["debug_dir"] = debug_dir
-        disable, where = given.get("disable"), "option 'disable'"
-        if disable is None:
-            where = _from_env(DISABLE_ENV, "disable")
-            disable = [d for d in os.environ.get(DISABLE_ENV, "").split(",") if d.strip()]
-        if isinstance(disable, str) or not all(isinstance(d, str) for d in disable):
-            raise CommfuseOptionError(
-                f"commfuse: option 'disable' must be a list of names, got {disable!r}"
-            )
-        names = frozenset(d.strip() for d in disable)
-        if names - set(DISABLEABLE):
-            raise CommfuseOptionError(
-                f"commfuse: {where}: cannot disable {sorted(names - set(DISABLEABLE))}; "
-                f"names are {list(DISABLEABLE)}"
-            )
-        given["disable"] = names
-        profile, where = _path_or_env(given, "profile", PROFILE_ENV, "a profile name or a path")
-        if profile is not None:
-            from .cost.profiles import ProfileError, load
+        values, where = {}, {}
+        for name in ENV:
+            values[name], where[name] = _given_or_env(given, name)
+        _check_choice(where["schedule"], values["schedule"], SCHEDULES)
+        _check_choice(where["inner"], values["inner"], INNER_COMPILERS)
+        values["debug_dir"] = _debug_dir(values["debug_dir"], where["debug_dir"])
+        values["disable"] = _disable(values["disable"], where["disable"])
+        values["profile"] = _profile(values["profile"], where["profile"])
+        values["slices"] = _slices(values["slices"], where["slices"])
+        values["measure"] = _measure(values["measure"], where["measure"])
+        origins = tuple((name, _origin(where[name], values[name])) for name in ENV)
+        return cls(**{k: v for k, v in values.items() if v is not None}, origins=origins)
 
-            try:
-                load(profile)
-            except ProfileError as err:
-                raise CommfuseOptionError(f"commfuse: {where}: {err}") from None
-            given["profile"] = os.fspath(profile)
-        slices = given.get("slices", 2)
-        if not isinstance(slices, int) or isinstance(slices, bool) or not 1 < slices <= MAX_SLICES:
+    def described(self) -> dict[str, dict[str, Any]]:
+        """Each option's value and where it came from (report.json's ``options``)."""
+        return {
+            name: {"value": _plain(getattr(self, name)), "from": origin}
+            for name, origin in self.origins
+        }
+
+
+def _given_or_env(given: Mapping[str, Any], name: str) -> tuple[Any, str]:
+    """The option's value, else its environment variable's (a string), else None; and
+    where it came from, as messages name it."""
+    if given.get(name) is not None or (name in given and name not in UNSET_BY_NONE):
+        return given[name], f"option {name!r}"
+    raw = os.environ.get(ENV[name], "").strip()
+    return (raw or None), f"environment variable {ENV[name]} (option {name!r})"
+
+
+def _origin(where: str, value: object) -> str:
+    if where.startswith("option"):
+        return "option"
+    return where.split(" (")[0] if value is not None and value != frozenset() else "default"
+
+
+def _plain(value: object) -> object:
+    return sorted(value) if isinstance(value, frozenset) else value
+
+
+def _debug_dir(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise CommfuseOptionError(f"commfuse: {where} must be a path, got {value!r}")
+    path = os.fspath(value)
+    problem = dump_dir_problem(path)
+    if problem:
+        raise CommfuseOptionError(f"commfuse: {where}: {problem}")
+    return path
+
+
+def _disable(value: Any, where: str) -> frozenset[str]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, str) and where.startswith("environment"):
+        value = [d for d in value.split(",") if d.strip()]
+    if isinstance(value, str) or not all(isinstance(d, str) for d in value):
+        raise CommfuseOptionError(f"commfuse: {where} must be a list of names, got {value!r}")
+    names = frozenset(d.strip() for d in value)
+    if names - set(DISABLEABLE):
+        raise CommfuseOptionError(
+            f"commfuse: {where}: cannot disable {sorted(names - set(DISABLEABLE))}; "
+            f"names are {list(DISABLEABLE)}"
+        )
+    return names
+
+
+def _profile(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise CommfuseOptionError(
+            f"commfuse: {where} must be a profile name or a path, got {value!r}"
+        )
+    from .cost.profiles import ProfileError, load
+
+    try:
+        load(value)
+    except ProfileError as err:
+        raise CommfuseOptionError(f"commfuse: {where}: {err}") from None
+    return os.fspath(value)
+
+
+def _slices(value: Any, where: str) -> int:
+    if value is None and _unset(where):
+        return 2
+    if isinstance(value, str) and where.startswith("environment") and value.isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 < value <= MAX_SLICES:
+        raise CommfuseOptionError(
+            f"commfuse: {where} must be an integer in 2..{MAX_SLICES}, got {value!r}"
+        )
+    return value
+
+
+def _measure(value: Any, where: str) -> bool:
+    if value is None and _unset(where):
+        return False
+    if isinstance(value, str) and where.startswith("environment"):
+        if value.lower() not in TRUE + FALSE:
             raise CommfuseOptionError(
-                f"commfuse: option 'slices' must be an integer in 2..{MAX_SLICES}, got {slices!r}"
+                f"commfuse: {where} must be one of {list(TRUE + FALSE)}, got {value!r}"
             )
-        if not isinstance(given.get("measure", False), bool):
-            raise CommfuseOptionError(
-                f"commfuse: option 'measure' must be True or False, got {given['measure']!r}"
-            )
-        return cls(**given)
+        return value.lower() in TRUE
+    if not isinstance(value, bool):
+        raise CommfuseOptionError(f"commfuse: {where} must be True or False, got {value!r}")
+    return value
 
 
 def dump_dir_problem(path: str) -> str | None:
@@ -113,23 +196,13 @@ def dump_dir_problem(path: str) -> str | None:
     return None
 
 
-def _path_or_env(given: Mapping[str, Any], name: str, env: str, what: str) -> tuple[Any, str]:
-    """The option's value, else the environment variable's, and where it came from (for
-    messages); must be ``what`` (a path)."""
-    value = given.get(name)
-    if value is None:
-        return os.environ.get(env) or None, _from_env(env, name)
-    if not isinstance(value, (str, os.PathLike)):
-        raise CommfuseOptionError(f"commfuse: option {name!r} must be {what}, got {value!r}")
-    return value, f"option {name!r}"
+def _unset(where: str) -> bool:
+    """A None that means "not given": neither the option nor its variable is set."""
+    return where.startswith("environment")
 
 
-def _from_env(env: str, name: str) -> str:
-    return f"environment variable {env} (option {name!r})"
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
+def _check_choice(where: str, value: object, choices: tuple[str, ...]) -> None:
+    if not (value is None and _unset(where)) and value not in choices:
         raise CommfuseOptionError(
-            f"commfuse: option {name!r} must be one of {list(choices)}, got {value!r}"
+            f"commfuse: {where} must be one of {list(choices)}, got {value!r}"
         )

@@ -77,6 +77,7 @@ class Report:
     def __init__(self) -> None:
         self.sites: list[SiteRecord] = []
         self.graphs = 0
+        self.options: dict[str, Any] = {}  # the last compile's options and their origins
         self._at_exit: set[str] = set()
 
     def add(self, record: SiteRecord) -> None:
@@ -98,7 +99,10 @@ class Report:
             log.info("commfuse: %s", summary_line(records, graph))
 
     def as_json(self) -> dict[str, Any]:
-        return {"sites": [_with_measurements(s.as_json()) for s in self.sites]}
+        return {
+            "options": self.options,
+            "sites": [_with_measurements(s.as_json()) for s in self.sites],
+        }
 
     def write(self, debug_dir: str, rank: int | None = None) -> None:
         _write(
@@ -192,3 +196,4 @@ def reset() -> None:
     """Forget every recorded site (tests; a fresh process starts empty)."""
     REPORT.sites.clear()
     REPORT.graphs = 0
+    REPORT.options = {}

@@ -171,6 +171,55 @@ def test_an_error_from_the_environment_names_the_variable(env, value, message, i
         Options.from_mapping({option: [value] if option == "disable" else value})
 
 
+@pytest.mark.parametrize(
+    ("env", "value", "message"),
+    [
+        ("COMMFUSE_SCHEDULE", "rign", "must be one of ['auto', 'ring'"),
+        ("COMMFUSE_INNER", "aot", "must be one of ['inductor', 'eager'], got 'aot'"),
+        ("COMMFUSE_SLICES", "1", "must be an integer in 2..64, got 1"),
+        ("COMMFUSE_SLICES", "four", "must be an integer in 2..64, got 'four'"),
+        ("COMMFUSE_MEASURE", "maybe", "must be one of ['1', 'true', 'yes', 'on', '0'"),
+    ],
+)
+def test_every_option_reads_its_variable_and_a_bad_value_names_it(env, value, message, monkeypatch):
+    monkeypatch.setenv(env, value)
+    option = env.removeprefix("COMMFUSE_").lower()
+    with pytest.raises(CommfuseOptionError) as info:
+        Options.from_mapping({})
+    assert str(info.value).startswith(f"commfuse: environment variable {env} (option '{option}')")
+    assert message in str(info.value)
+
+
+def test_options_from_the_environment_explicit_ones_win_and_each_origin_is_kept(monkeypatch):
+    """What torchtitan or Hugging Face's Trainer can do: pass only the backend's name."""
+    for env, value in [("SCHEDULE", "ring"), ("INNER", "eager"), ("SLICES", "4")]:
+        monkeypatch.setenv(f"COMMFUSE_{env}", value)
+    monkeypatch.setenv("COMMFUSE_MEASURE", "yes")
+    opts = Options.from_mapping({})
+    assert (opts.schedule, opts.inner, opts.slices, opts.measure) == ("ring", "eager", 4, True)
+    opts = Options.from_mapping({"schedule": "bidir", "measure": False})
+    assert (opts.schedule, opts.inner, opts.slices, opts.measure) == ("bidir", "eager", 4, False)
+    described = opts.described()
+    assert described["schedule"] == {"value": "bidir", "from": "option"}
+    assert described["slices"] == {"value": 4, "from": "environment variable COMMFUSE_SLICES"}
+    assert described["profile"] == {"value": None, "from": "default"}
+    monkeypatch.setenv("COMMFUSE_MEASURE", "0")
+    assert Options.from_mapping({}).measure is False
+
+
+def test_report_json_says_where_each_option_came_from(fake_world, tmp_path, monkeypatch):
+    monkeypatch.setenv("COMMFUSE_SCHEDULE", "ring")
+    commfuse_compile.apply(ag_mm(), debug_dir=str(tmp_path), inner="eager")
+    report = json.loads((tmp_path / f"rank{RANK}" / "report.json").read_text())
+    assert report["options"]["schedule"] == {
+        "value": "ring",
+        "from": "environment variable COMMFUSE_SCHEDULE",
+    }
+    assert report["options"]["inner"] == {"value": "eager", "from": "option"}
+    assert report["options"]["debug_dir"]["from"] == "option"
+    assert [s["schedule"] for s in report["sites"]] == ["ring"]
+
+
 def test_a_profile_file_names_the_curve_points_it_cannot_use(in_tmp):
     fields = BUILTIN["gloo-loopback"].as_json()
     fields["collectives"]["all_gather"]["2"]["points"] = [[4096, "fast"]]
