@@ -1,4 +1,5 @@
-"""The CommFuse pass: match -> plan -> lower -> verify, over one aten-level FX graph.
+"""The CommFuse pass: canonical form -> match -> plan -> lower -> verify, over one
+aten-level FX graph.
 
 Every site is found before any is rewritten. A site the pass cannot prove correct or
 profitable is declined with a reason and left untouched; an unexpected error inside
@@ -26,6 +27,7 @@ from ..report import REPORT, SiteRecord, dump_code, log
 from ..runtime import groups
 from ..schedules import by_name
 from . import match, order, program, sequence, unfuse, verify
+from .canonical import canonicalize
 from .declines import Declined, decline
 from .graph import position
 from .kinds import of
@@ -235,12 +237,15 @@ def _check_program(code: str | None, options: Options, result: _Result) -> progr
 def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
     graph_index = REPORT.graphs
     REPORT.graphs += 1
+    REPORT.options = options.described()
     dump_code(options.debug_dir, graph_index, graph_kind, "before", lambda: gm.code)
     result = _Result([], _Original(gm), graph_index, graph_kind, {})
     try:
-        split = unfuse.split_fused_projections(gm.graph, before_change=result.original.keep)
+        keep = result.original.keep
+        canonical = canonicalize(gm.graph, before_change=keep)
+        split = unfuse.split_fused_projections(gm.graph, before_change=keep)
         rewrites = _rewrite_sites(gm, options, result)
-        if split and not rewrites:
+        if (canonical or split) and not rewrites:
             result.original.restore()
         if rewrites and options.inner == "inductor":
             order.keep_order(gm.graph, (s for rw in rewrites for s in rw.steps))
