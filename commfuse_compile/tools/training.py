@@ -43,8 +43,12 @@ from torch.utils.checkpoint import checkpoint
 from .. import report
 from ..passes.declines import REASONS
 from .models import Block, UlyssesBlock, block_plan
+from .styles import DeepSpeedUlyssesBlock, MegatronBlock
 
-FRONT_ENDS = ("tp", "fsdp", "ulysses")
+FRONT_ENDS = ("tp", "fsdp", "ulysses", "megatron", "deepspeed")
+# fronts whose activations are sharded on the sequence over the whole world, and whose
+# replicated parameters' gradients are summed over it after the backward
+SEQUENCE_SHARDED = ("ulysses", "megatron", "deepspeed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +56,9 @@ class TrainConfig:
     """One training run; sizes are global (batch over dp ranks, sequence over tp ranks,
     or over every rank with "ulysses")."""
 
-    front: str = "tp"  # "tp", "fsdp" or "ulysses"
+    # "tp", "fsdp", "ulysses"; "megatron" and "deepspeed": the same parallelisms written
+    # as those frameworks write them (in-place collectives, sequence-first; tools/styles)
+    front: str = "tp"
     blocks: int = 2
     dim: int = 32
     heads: int = 4
@@ -71,8 +77,8 @@ class TrainConfig:
     norm: str = "rms"  # "rms" or "layer" (LayerNorm: weight and bias)
     bias: bool = False  # biases on q/k/v, w1, w3
     dtype: str = "float32"  # of parameters and activations ("bfloat16": half precision)
-    gqa_kv_heads: int = 0  # "ulysses": k/v heads (0: ``heads``; fewer: grouped-query)
-    fused_qkv: bool = False  # "ulysses": q, k and v as one linear whose output is split
+    gqa_kv_heads: int = 0  # "ulysses", "deepspeed": k/v heads (0: ``heads``; fewer: GQA)
+    fused_qkv: bool = False  # "ulysses", "deepspeed": q, k, v as one linear, split after
     # "tp": token ids in, an nn.Embedding(vocab, dim) first (0: none, the input is the
     # activations), sharded as torchtitan does (row-parallel, its output the local
     # sequence shard); the blocks then take and return local tensors (torchtitan's plan)
@@ -98,33 +104,17 @@ class TrainResult:
 
 
 class Transformer(nn.Module):
-    """``blocks`` Llama-style blocks, a final RMSNorm and a linear head (no embedding).
+    """``blocks`` transformer blocks, a final RMSNorm and a linear head (no embedding).
 
-    Front "ulysses": :class:`UlyssesBlock` blocks that all-to-all over ``ulysses_group``
-    (None: one rank, no communication); the final norm and the head are local. Other
-    fronts: :class:`Block` (parallelized afterwards by :func:`build`)."""
+    Fronts "ulysses", "megatron", "deepspeed": blocks that communicate over ``group``
+    themselves (:class:`UlyssesBlock`, ``styles``' blocks; "ulysses" with None: one rank,
+    no communication); the final norm and the head are local. Other fronts:
+    :class:`Block` (parallelized afterwards by :func:`build`)."""
 
-    def __init__(self, cfg: TrainConfig, ulysses_group: Any = None) -> None:
+    def __init__(self, cfg: TrainConfig, group: Any = None) -> None:
         super().__init__()
         self.embed = nn.Embedding(cfg.vocab, cfg.dim) if cfg.vocab else None
-        if cfg.front == "ulysses":
-            self.layers = nn.ModuleList(
-                UlyssesBlock(
-                    cfg.dim,
-                    cfg.heads,
-                    cfg.hidden,
-                    cfg.gqa_kv_heads,
-                    cfg.fused_qkv,
-                    cfg.norm,
-                    cfg.bias,
-                    ulysses_group,
-                )
-                for _ in range(cfg.blocks)
-            )
-        else:
-            self.layers = nn.ModuleList(
-                Block(cfg.dim, cfg.heads, cfg.hidden, cfg.norm, cfg.bias) for _ in range(cfg.blocks)
-            )
+        self.layers = nn.ModuleList(_block(cfg, group) for _ in range(cfg.blocks))
         self.norm = nn.RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.dim, bias=False)
         self.context_fn = checkpoint_context(cfg.activation_checkpointing)
@@ -138,6 +128,27 @@ class Transformer(nn.Module):
             else:
                 x = layer(x)
         return self.head(self.norm(x))
+
+
+def _block(cfg: TrainConfig, group: Any) -> nn.Module:
+    if cfg.front == "megatron":
+        return MegatronBlock(cfg.dim, cfg.heads, cfg.hidden, group, cfg.bias)
+    if cfg.front == "deepspeed":
+        return DeepSpeedUlyssesBlock(
+            cfg.dim, cfg.heads, cfg.hidden, group, cfg.gqa_kv_heads, cfg.fused_qkv
+        )
+    if cfg.front == "ulysses":
+        return UlyssesBlock(
+            cfg.dim,
+            cfg.heads,
+            cfg.hidden,
+            cfg.gqa_kv_heads,
+            cfg.fused_qkv,
+            cfg.norm,
+            cfg.bias,
+            group,
+        )
+    return Block(cfg.dim, cfg.heads, cfg.hidden, cfg.norm, cfg.bias)
 
 
 class Checkpointed(nn.Module):
@@ -328,15 +339,20 @@ class Setup:
     inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # step -> (x, target)
     dp: int  # ranks whose losses are averaged (1 for "tp"; every rank for "ulysses")
     dp_group: dist.ProcessGroup | None  # None when dp == 1
-    # "ulysses": the parameters are whole on every rank; their gradients are summed over
+    # fronts sharded on the sequence: the replicated parameters' gradients are summed over
     # this group after the backward (outside the compiled region, like DDP)
     grad_group: dist.ProcessGroup | None = None
 
     def sync_gradients(self) -> None:
-        """Sum the replicated parameters' gradients over ``grad_group`` (if any)."""
+        """Sum the replicated parameters' gradients over ``grad_group`` (if any); a
+        parameter marked ``tensor_model_parallel`` (Megatron's mark) is a shard: kept."""
         if self.grad_group is None:
             return
-        grads = [p.grad for p in self.loss_module.parameters() if p.grad is not None]
+        grads = [
+            p.grad
+            for p in self.loss_module.parameters()
+            if p.grad is not None and not getattr(p, "tensor_model_parallel", False)
+        ]
         if grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.grad_group)
@@ -361,8 +377,8 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
 
     if cfg.front not in FRONT_ENDS:
         raise ValueError(f"front must be one of {FRONT_ENDS}, got {cfg.front!r}")
-    if cfg.front == "ulysses":
-        return build_ulysses(cfg, rank, world_size)
+    if cfg.front in SEQUENCE_SHARDED:
+        return build_sequence_sharded(cfg, rank, world_size)
     tp = world_size if cfg.front == "tp" else cfg.tp
     if world_size % tp:
         raise ValueError(f"tp={tp} does not divide the world size {world_size}")
@@ -429,10 +445,12 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
     return Setup(MSELoss(model), inputs, dp, dp_group)
 
 
-def build_ulysses(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
-    """Front "ulysses": every rank holds the whole model and batch and its ``seq / n``
-    tokens (rank r: the r-th block of the sequence); ``world_size == 1``: no communication
-    (the single-process reference)."""
+def build_sequence_sharded(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
+    """Fronts whose blocks communicate themselves over the whole world: every rank builds
+    the global model and batch and keeps its ``seq / n`` tokens (rank r: the r-th block of
+    the sequence; ``[b, s/n, d]``, or ``[s/n, b, d]`` for the sequence-first "megatron"
+    and "deepspeed"). ``world_size == 1`` ("ulysses" only): no communication (the
+    single-process reference)."""
     n = world_size
     kv_heads = cfg.gqa_kv_heads or cfg.heads
     if cfg.seq % n or cfg.heads % n or kv_heads % n:
@@ -442,12 +460,16 @@ def build_ulysses(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
     group = dist.group.WORLD if n > 1 else None
     torch.manual_seed(cfg.seed)
     dtype = getattr(torch, cfg.dtype)
-    model = Transformer(cfg, ulysses_group=group).to(cfg.device, dtype)
+    model = Transformer(cfg, group=group).to(cfg.device, dtype)
+    sequence_first = cfg.front != "ulysses"
 
     def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(cfg.seed * 1000 + step)
-        x, target = torch.randn(2, cfg.batch, cfg.seq, cfg.dim, generator=gen).to(cfg.device, dtype)
-        return x.chunk(n, dim=1)[rank].contiguous(), target.chunk(n, dim=1)[rank].contiguous()
+        both = torch.randn(2, cfg.batch, cfg.seq, cfg.dim, generator=gen).to(cfg.device, dtype)
+        if sequence_first:
+            both = both.transpose(1, 2)
+        x, target = (t.chunk(n, dim=0 if sequence_first else 1)[rank] for t in both)
+        return x.contiguous(), target.contiguous()
 
     # the mean over this rank's tokens; the global loss is the average over the ranks
     return Setup(MSELoss(model), inputs, n, group, grad_group=group)
