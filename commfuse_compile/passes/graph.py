@@ -31,6 +31,19 @@ SIZE_READERS = frozenset(
 )
 
 
+# allocate a new tensor like their input: they read its sizes, dtype and device, not its
+# values (in-place c10d code allocates its output buffer like its input)
+ALLOCATE_LIKE = frozenset(
+    {
+        aten.empty_like.default,
+        aten.new_empty.default,
+        aten.new_empty_strided.default,
+        aten.zeros_like.default,
+        aten.new_zeros.default,
+    }
+)
+
+
 TRANSPOSES = frozenset({aten.t.default, aten.permute.default, aten.transpose.int})
 
 
@@ -104,8 +117,13 @@ def is_matmul(node: Node) -> bool:
 
 
 def data_users(node: Node) -> list[Node]:
-    """The users that read ``node``'s values, not only its sizes."""
-    return [user for user in node.users if user.target not in SIZE_READERS]
+    """The users that read ``node``'s values, not only its sizes (the one predicate every
+    site kind's walk uses)."""
+    return [
+        user
+        for user in node.users
+        if user.target not in SIZE_READERS and user.target not in ALLOCATE_LIKE
+    ]
 
 
 def is_full_slice(node: Node) -> bool:
