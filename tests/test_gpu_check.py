@@ -129,3 +129,18 @@ def test_without_a_gpu_it_points_to_the_dry_mode(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         gpu_check.main(["--out", str(tmp_path)])
     assert exit_.value.code == 2 and "--cpu runs the dry mode" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", [gpu_check.gpu_mode(), gpu_check.cpu_mode()], ids=["gpu", "cpu"])
+def test_every_shape_splits_evenly(mode):
+    """The GPU mode's sizes cannot be run here: at least they divide as the run needs
+    (even blocks for every n and direction; the block's heads, sequence and slicing
+    chunks over the fake group's ranks)."""
+    for name in gpu_check.MODELS:
+        preset = gpu_check.PRESETS[name]
+        for n in gpu_check.GROUP_SIZES:
+            assert preset.ffn // mode.shrink % (n * n) == 0
+            assert preset.tokens // mode.shrink % n == 0
+    block, ranks = mode.block, gpu_check.WORLD_SIZE
+    assert block.dim % block.heads == 0 and block.heads % ranks == 0
+    assert block.hidden % ranks == 0 and block.seq % (ranks * gpu_check.SLICES) == 0
