@@ -29,8 +29,7 @@ from commfuse_compile.tools import training
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     training.add_arguments(parser)
-    parser.add_argument("--gqa", type=int, default=0, help="k/v heads (default: all 8 heads)")
-    parser.add_argument("--fused-qkv", action="store_true", help="q, k and v as one linear")
+    training.add_ulysses_arguments(parser)
     args = parser.parse_args()
     device = training.init_torchrun()
     world_size = dist.get_world_size()

@@ -210,21 +210,28 @@ class UlyssesBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
-        h = self.attention_norm(x)
-        if self.fused_qkv:
-            kv_dim = self.kv_heads * self.head_dim
-            q, k, v = self.wqkv(h).split([dim, kv_dim, kv_dim], dim=-1)
-        else:
-            q, k, v = self.wq(h), self.wk(h), self.wv(h)
+        q, k, v = self.project(self.attention_norm(x))
         # [B, S/n, heads, d] -> [B, S, heads/n, d] -> [B, heads/n, S, d]
         q, k, v = (
             seq_to_heads(t.view(b, s, -1, self.head_dim), self.group).transpose(1, 2)
             for t in (q, k, v)
         )
-        o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads
-        )
-        o = heads_to_seq(o.transpose(1, 2), self.group)  # [B, S/n, heads, d]
+        o = heads_to_seq(self.attend(q, k, v).transpose(1, 2), self.group)  # [B, S/n, h, d]
         x = x + self.wo(o.reshape(b, s, dim))
-        h = self.ffn_norm(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+        return x + self.mlp(self.ffn_norm(x))
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v of the normed input (one fused linear, split; or three)."""
+        if self.fused_qkv:
+            kv_dim = self.kv_heads * self.head_dim
+            q, k, v = self.wqkv(h).split([h.shape[-1], kv_dim, kv_dim], dim=-1)
+            return q, k, v
+        return self.wq(h), self.wk(h), self.wv(h)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention over ``[B, heads/n, S, d]`` (grouped-query where k/v have fewer)."""
+        gqa = self.kv_heads != self.heads
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(h)) * self.w3(h))

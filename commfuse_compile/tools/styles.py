@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .models import UlyssesBlock
+
 # ----------------------------------------------------------------------------------------
 # Megatron-style sequence parallelism
 
@@ -181,8 +183,8 @@ class SeqAllToAll(torch.autograd.Function):
         return None, single_all_to_all(grad, ctx.gather, ctx.scatter, ctx.group), None, None
 
 
-class DeepSpeedUlyssesBlock(nn.Module):
-    """A Llama-style block with DeepSpeed-Ulysses attention on ``[s/n, b, dim]``:
+class DeepSpeedUlyssesBlock(UlyssesBlock):
+    """:class:`UlyssesBlock`'s weights, with DeepSpeed-Ulysses attention on ``[s/n, b, dim]``:
     RMSNorm -> q, k, v (or one fused linear) -> ``SeqAllToAll`` -> causal attention over
     every token of this rank's heads -> ``SeqAllToAll`` back -> output projection;
     RMSNorm -> SwiGLU; both residual. Every weight whole on every rank."""
@@ -196,42 +198,15 @@ class DeepSpeedUlyssesBlock(nn.Module):
         kv_heads: int = 0,
         fused_qkv: bool = False,
     ) -> None:
-        super().__init__()
-        kv_heads = kv_heads or heads
-        n = dist.get_world_size(group)
-        if heads % kv_heads or kv_heads % n:
-            raise ValueError(f"{n} ranks must divide kv_heads={kv_heads}, which divides heads")
-        self.group, self.heads, self.kv_heads = group, heads, kv_heads
-        self.head_dim = dim // heads
-        self.fused_qkv = fused_qkv
-        kv_dim = kv_heads * self.head_dim
-        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
-        if fused_qkv:
-            self.wqkv = nn.Linear(dim, dim + 2 * kv_dim, bias=False)
-        else:
-            self.wq = nn.Linear(dim, dim, bias=False)
-            self.wk = nn.Linear(dim, kv_dim, bias=False)
-            self.wv = nn.Linear(dim, kv_dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
-        self.w1, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+        super().__init__(dim, heads, hidden, kv_heads, fused_qkv, "rms", False, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, dim = x.shape
-        h = self.attention_norm(x)
-        if self.fused_qkv:
-            kv_dim = self.kv_heads * self.head_dim
-            q, k, v = self.wqkv(h).split([dim, kv_dim, kv_dim], dim=-1)
-        else:
-            q, k, v = self.wq(h), self.wk(h), self.wv(h)
+        q, k, v = self.project(self.attention_norm(x))
         q, k, v = (
             SeqAllToAll.apply(self.group, t.view(s, b, -1, self.head_dim), 2, 0) for t in (q, k, v)
         )
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/n, s, d]
-        o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.kv_heads != self.heads
-        )
+        o = self.attend(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))  # [b, heads/n, s, d]
         o = SeqAllToAll.apply(self.group, o.permute(2, 0, 1, 3), 0, 2)  # [s/n, b, heads, d]
         x = x + self.wo(o.reshape(s, b, dim))
-        h = self.ffn_norm(x)
-        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+        return x + self.mlp(self.ffn_norm(x))

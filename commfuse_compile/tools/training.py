@@ -648,6 +648,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug-dir", default=None, help="write commfuse's debug dump here")
 
 
+def add_ulysses_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the Ulysses examples (functional and DeepSpeed-style)."""
+    parser.add_argument("--gqa", type=int, default=0, help="k/v heads (default: all 8 heads)")
+    parser.add_argument("--fused-qkv", action="store_true", help="q, k and v as one linear")
+
+
 def example_config(
     args: argparse.Namespace,
     front: str,
