@@ -23,7 +23,9 @@ restores the graph as it came when no site is then rewritten.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch.fx import Graph, Node
@@ -87,39 +89,58 @@ def _copied_value(copy: Node) -> Node | None:
 
 
 def _reassembled(cat: Node) -> Node | None:
-    """``w`` of ``cat([w[0:s], w[s:2s], ...], dim)``: consecutive slices of one waited
-    collective along ``dim`` that cover it, read by nothing but the ``cat``."""
+    """``w`` of ``cat([w[0:s], w[s:2s], ...], dim)``, or of ``cat(split(w, s, dim))``
+    taken in order: the parts of one waited collective, read by nothing but the ``cat``,
+    that cover it along ``dim``."""
     if cat.target is not aten.cat.default or not cat.args[0]:
         return None
     parts, dim = cat.args[0], node_arg(cat, 1, "dim", 0)
-    if not isinstance(parts, (list, tuple)) or not all(isinstance(p, Node) for p in parts):
+    if not isinstance(parts, (list, tuple)) or not isinstance(dim, int):
         return None
-    sources = {p.args[0] for p in parts if p.target is aten.slice.Tensor}
-    if len(sources) != 1 or any(len(p.users) != 1 for p in parts):
+    if not all(isinstance(p, Node) and len(p.users) == 1 for p in parts):
         return None
-    (whole,) = sources
-    if not isinstance(whole, Node) or not _collective_value(whole):
+    found = [_part_of(p) for p in parts if isinstance(p, Node)]
+    bounds = [b for b in found if b is not None]
+    if len(bounds) != len(parts) or len({b.whole for b in bounds}) != 1:
         return None
+    whole = bounds[0].whole
     value = whole.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not isinstance(dim, int):
+    if not _collective_value(whole) or not isinstance(value, torch.Tensor):
         return None
-    dim %= value.dim()
     end: object = 0
-    for part in parts:
-        if part.target is not aten.slice.Tensor:
+    for part in bounds:
+        if part.dim % value.dim() != dim % value.dim() or not _equal((part.start,), (end,)):
             return None
-        part_dim, start, stop, step = (
-            _value(node_arg(part, i, name, d)) for i, name, d in SLICE_ARGS
-        )
-        if (
-            not isinstance(part_dim, int)
-            or part_dim % value.dim() != dim
-            or step != 1
-            or not _equal((start or 0,), (end,))
-        ):
-            return None
-        end = stop
+        end = part.end
     return whole if _equal((end,), (value.shape[dim],)) else None
+
+
+class _Part(NamedTuple):
+    whole: Node
+    dim: int
+    start: object
+    end: object
+
+
+def _part_of(node: Node) -> _Part | None:
+    """Which elements of which tensor ``node`` is: a slice with step 1, a split's part."""
+    if node.target is aten.slice.Tensor and isinstance(node.args[0], Node):
+        dim, start, end, step = (_value(node_arg(node, i, name, d)) for i, name, d in SLICE_ARGS)
+        return (
+            _Part(node.args[0], dim, start or 0, end)
+            if isinstance(dim, int) and step == 1
+            else None
+        )
+    split = node.args[0] if node.target is operator.getitem else None
+    if isinstance(split, Node) and split.target is aten.split.Tensor:
+        whole, size, dim = split.args[0], split.args[1], node_arg(split, 2, "dim", 0)
+        index = node.args[1]
+        if not all(isinstance(v, int) for v in (size, dim, index)) or not isinstance(whole, Node):
+            return None
+        full = whole.meta["val"].shape[dim]
+        end = (index + 1) * size  # type: ignore[operator]
+        return _Part(whole, dim, index * size, end if statically_known_true(end <= full) else full)  # type: ignore[arg-type,operator]
+    return None
 
 
 def _value(arg: object) -> object:
@@ -128,9 +149,10 @@ def _value(arg: object) -> object:
 
 
 def _collective_value(node: Node) -> bool:
-    """Is ``node`` a waited collective's result, or a slice of one?"""
-    while node.target is aten.slice.Tensor and isinstance(node.args[0], Node):
-        node = node.args[0]
+    """Is ``node`` a waited collective's result, or a part of one (slice, split)?"""
+    part = _part_of(node)
+    while part is not None:
+        node, part = part.whole, _part_of(part.whole)
     return node.target is WAIT_TENSOR
 
 
