@@ -127,6 +127,7 @@ OPS = (
 )
 # between a collective and its matmul: mostly what the pass sees through
 CHAIN_OPS = ("view",) * 3 + ("transpose",) * 2 + ("cast", "copy", "eltwise", "neighbour")
+CHAIN_OPS += ("in_place",) * 2  # Megatron- and DeepSpeed-style code
 WORLDS = (2, 4, 3, 8, 1, 5, 6, 7)
 
 Step = tuple[str, tuple[int, int, int, int]]
@@ -291,6 +292,7 @@ class Builder:
                 "import torch.distributed._functional_collectives as funcol",
                 "from cases import exchanged, gathered, scattered",
                 "c10d = torch.ops._c10d_functional",
+                "aten = torch.ops.aten",
                 f"def program({args}):",
                 *(f"    {line}" for line in body),
                 f"gm = make_fx(program, tracing_mode='fake')({inputs})",
@@ -586,6 +588,32 @@ class Builder:
         else:
             self.emit(f"{name}.to({x.dtype}, copy=True)", x.to(x.dtype, copy=True))
 
+    def op_in_place(self, src: int, kind: int, _: int, __: int) -> None:
+        """The in-place c10d spelling as Dynamo traces it (Megatron's and DeepSpeed's
+        code): the value copied into a preallocated buffer (``torch.empty``,
+        ``empty_like``, ``new_empty``), or (kind 3) split into n parts copied into buffers
+        and concatenated again (``dist.all_gather`` into a list, then ``torch.cat``)."""
+        i = self.pick(src)
+        x, name = self.v(i), self.names[i]
+        shape, kind = list(x.shape), kind % 4
+        if kind == 3 and x.dim() and x.shape[0] and x.shape[0] % self.n == 0:
+            parts = x.split(x.shape[0] // self.n)
+            split = f"{name}.split({len(parts[0])})"
+            code = f"[aten.copy.default(torch.empty_like(p), p) for p in {split}]"
+            value = torch.cat([aten.copy.default(torch.empty_like(p), p) for p in parts])
+            self.emit(f"torch.cat({code})", value)
+            return
+        buffers = (
+            (
+                f"torch.empty({shape}, dtype={x.dtype})",
+                lambda: torch.empty(shape, dtype=x.dtype, device=x.device),
+            ),
+            (f"torch.empty_like({name})", lambda: torch.empty_like(x)),
+            (f"{name}.new_empty({shape})", lambda: x.new_empty(shape)),
+        )
+        code, buffer = buffers[kind % 3]
+        self.emit(f"aten.copy.default({code}, {name})", aten.copy.default(buffer(), x))
+
     def op_neighbour(self, src: int, kind: int, _: int, __: int) -> None:
         """An op the pass does not see through, next to whatever ``src`` is."""
         i = self.pick(src)
@@ -683,10 +711,27 @@ def _reaches_matmul(frontier: list[Node], step: Callable[[Node], list[Node]]) ->
             continue
         if node.target in MATMULS:
             return True
-        if node.target in NEXT_TO:
+        if node.target in NEXT_TO or copies_a_collective(node):
             seen.add(node)
             frontier.extend(step(node))
     return False
+
+
+FRESH = frozenset({aten.empty.memory_format, aten.empty_like.default, aten.new_empty.default})
+
+
+def copies_a_collective(node: Node) -> bool:
+    """The in-place spelling (Dynamo's): a waited collective's value, or a slice of it,
+    copied whole into a new buffer of its dtype (the pass must see through it)."""
+    if node.target is not aten.copy.default:
+        return False
+    buffer, src = node.args[:2]
+    while isinstance(src, Node) and src.target in (aten.slice.Tensor, operator.getitem):
+        src = src.args[0]
+        if src.target is aten.split.Tensor:
+            src = src.args[0]
+    same = node.meta["val"].dtype == src.meta["val"].dtype if isinstance(src, Node) else False
+    return buffer.target in FRESH and src.target is WAIT and same
 
 
 def next_to_matmul(gm: GraphModule) -> dict[str, tuple[str, ...]]:
@@ -864,6 +909,8 @@ def test_rewrite_graph_on_random_programs(recipe: Recipe):
             if schedule == "ring":  # --hypothesis-show-statistics
                 for kind, decision in sorted({(r.kind, r.decision) for r in records}):
                     event(f"{kind} {decision}")
+                if any(copies_a_collective(n) for n in traced.graph.nodes):
+                    event("in-place spelling of a collective")
     report.reset()
 
 
