@@ -19,33 +19,7 @@ trains without the pass and prints the largest relative loss difference.
 
 from __future__ import annotations
 
-import argparse
-
-import torch.distributed as dist
-
 from commfuse_compile.tools import training
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    training.add_arguments(parser)
-    training.add_ulysses_arguments(parser)
-    args = parser.parse_args()
-    device = training.init_torchrun()
-    world_size = dist.get_world_size()
-    cfg = training.example_config(
-        args,
-        "deepspeed",
-        1,
-        4,
-        32 * world_size,
-        device,
-        gqa_kv_heads=args.gqa,
-        fused_qkv=args.fused_qkv,
-    )
-    training.run_and_print(cfg, args)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    training.ulysses_example("deepspeed", __doc__.splitlines()[0])

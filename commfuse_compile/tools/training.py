@@ -1,8 +1,8 @@
 """Small training runs that feed the pass real forward and backward graphs.
 
-Shared by ``examples/train_tp_transformer.py``, ``examples/train_fsdp_style.py``,
-``examples/train_ulysses.py`` and ``tests/test_training.py``. Three front ends put
-collectives next to matmuls:
+Shared by the training examples (``examples/train_*.py``) and the tests. Three front ends
+put collectives next to matmuls, and two more write two of them as Megatron-LM and
+DeepSpeed do (``"megatron"``, ``"deepspeed"``: :mod:`.styles`):
 
 * ``"tp"``: a stack of :class:`~commfuse_compile.tools.models.Block` sharded with DTensor's
   ``parallelize_module`` (tensor + sequence parallel over the whole world): activations
@@ -648,10 +648,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--debug-dir", default=None, help="write commfuse's debug dump here")
 
 
-def add_ulysses_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of the Ulysses examples (functional and DeepSpeed-style)."""
+def ulysses_example(front: str, description: str) -> None:
+    """The Ulysses examples' ``main`` (``front`` "ulysses" or "deepspeed"): the common
+    options and ``--gqa``/``--fused-qkv``; the whole batch on every rank, 32 tokens per
+    rank (the sequence is sharded)."""
+    parser = argparse.ArgumentParser(description=description)
+    add_arguments(parser)
     parser.add_argument("--gqa", type=int, default=0, help="k/v heads (default: all 8 heads)")
     parser.add_argument("--fused-qkv", action="store_true", help="q, k and v as one linear")
+    args = parser.parse_args()
+    device = init_torchrun()
+    seq = 32 * dist.get_world_size()
+    extra = {"gqa_kv_heads": args.gqa, "fused_qkv": args.fused_qkv}
+    run_and_print(example_config(args, front, 1, 4, seq, device, **extra), args)
+    dist.destroy_process_group()
 
 
 def example_config(
