@@ -209,6 +209,7 @@ def test_options_from_the_environment_explicit_ones_win_and_each_origin_is_kept(
 
 def test_report_json_says_where_each_option_came_from(fake_world, tmp_path, monkeypatch):
     monkeypatch.setenv("COMMFUSE_SCHEDULE", "ring")
+    commfuse_compile.report.reset()
     commfuse_compile.apply(ag_mm(), debug_dir=str(tmp_path), inner="eager")
     report = json.loads((tmp_path / f"rank{RANK}" / "report.json").read_text())
     assert report["options"]["schedule"] == {

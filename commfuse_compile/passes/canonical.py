@@ -137,7 +137,10 @@ def _part_of(node: Node) -> _Part | None:
         index = node.args[1]
         if not all(isinstance(v, int) for v in (size, dim, index)) or not isinstance(whole, Node):
             return None
-        full = whole.meta["val"].shape[dim]
+        value = whole.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            return None
+        full = value.shape[dim]
         end = (index + 1) * size  # type: ignore[operator]
         return _Part(whole, dim, index * size, end if statically_known_true(end <= full) else full)  # type: ignore[arg-type,operator]
     return None
