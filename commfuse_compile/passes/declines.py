@@ -89,6 +89,13 @@ _REASONS = (
     Reason("rs.empty", "unsupported", "{node} has a zero-size dim: nothing to overlap"),
     Reason("rs.shapes_differ", "unsupported", "the summed matmuls have different shapes ({node})"),
     Reason("rs.bias_rows", "unsupported", "bias of {node} has a row dim"),
+    Reason("rs.scales", "unsupported", "scaled matmul {node}: {problem}"),
+    Reason(
+        "rs.scaled_sum",
+        "unsupported",
+        "scaled matmul {node} computes {dtype}: float8 partial sums cannot be added as the "
+        "reduce-scatter adds them (torch adds no float8 tensors)",
+    ),
     Reason(
         "rs.not_a_block",
         "unsupported",
@@ -125,6 +132,11 @@ _REASONS = (
         "lower.slices",
         "unsupported",
         "slicing: {k} chunks do not{provably} divide {what} of size {size}",
+    ),
+    Reason(
+        "lower.scaled_block",
+        "unsupported",
+        "the kernel refuses a block of scaled matmul {node}: {error}",
     ),
     Reason(
         "size.expression", "unsupported", "cannot compute the symbolic size {expr} in the graph"

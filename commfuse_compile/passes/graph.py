@@ -60,25 +60,42 @@ PASS_THROUGH = (
         aten.contiguous.default,
         aten.slice.Tensor,  # DTensor unpads an uneven gather with a slice ...
         aten.constant_pad_nd.default,  # ... and pads an uneven reduce-scatter
+        aten.view.dtype,  # float8 data gathered as bytes (view -> gather -> view back)
+        aten.detach.default,
+        aten.alias.default,
     }
 )
 
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+FLOAT8_DTYPES = frozenset(
+    {torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz}
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class MatmulForm:
-    """Where the operands of a matmul op sit in its args (patterns as data)."""
+    """Where the operands of a matmul op sit in its args (patterns as data): A, B, the
+    bias and, for a scaled (float8) matmul, A's and B's scales, the result's scale and
+    the output dtype."""
 
     a: int
     b: int
     bias: int | None
+    scale_a: int | None = None
+    scale_b: int | None = None
+    scale_result: int | None = None
+    out_dtype: int | None = None
 
 
 MATMULS = {
     aten.addmm.default: MatmulForm(a=1, b=2, bias=0),
     aten.mm.default: MatmulForm(a=0, b=1, bias=None),
+    # _scaled_mm(A, B, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum):
+    # (A * scale_a) @ (B * scale_b) (+ bias), accumulated in float32, in out_dtype
+    aten._scaled_mm.default: MatmulForm(
+        a=0, b=1, bias=4, scale_a=2, scale_b=3, scale_result=5, out_dtype=6
+    ),
 }
 
 
@@ -87,22 +104,112 @@ OTHER_MATMULS = frozenset({aten.bmm.default, aten.baddbmm.default, aten.matmul.d
 
 @dataclasses.dataclass(frozen=True)
 class Matmul:
+    """A matmul node and its operands, read with its op's ``MatmulForm``."""
+
     node: Node
     a: Node
     b: Node
     bias: Node | None
+    scale_a: Node | None = None  # a scaled matmul's: per tensor, or [M, 1] (per row of A)
+    scale_b: Node | None = None  # per tensor, or [1, N] (per column of B)
 
     @staticmethod
     def of(node: Node) -> Matmul | None:
         form = MATMULS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
         if form is None:
             return None
-        bias = node_arg(node, form.bias, "self") if form.bias is not None else None
-        return Matmul(node, node_arg(node, form.a, "mat1"), node_arg(node, form.b, "mat2"), bias)
+        a, b, bias, scale_a, scale_b = (
+            _form_arg(node, i) for i in (form.a, form.b, form.bias, form.scale_a, form.scale_b)
+        )
+        return Matmul(node, a, b, bias, scale_a, scale_b)
 
     @property
     def out_shape(self) -> tuple[dims.Size, ...]:
         return dims.sizes(val(self.node).shape)
+
+    @property
+    def form(self) -> MatmulForm:
+        return MATMULS[self.node.target]  # type: ignore[index]
+
+    @property
+    def scaled(self) -> bool:
+        return self.scale_a is not None
+
+    @property
+    def inputs(self) -> tuple[Node, ...]:
+        """Every tensor the product reads: operands, bias, scales."""
+        nodes = (self.a, self.b, self.bias, self.scale_a, self.scale_b, self.scale_result)
+        return tuple(node for node in nodes if node is not None)
+
+    @property
+    def scale_result(self) -> Node | None:
+        return _form_arg(self.node, self.form.scale_result)
+
+    def reads_as(self, node: Node) -> str:
+        """What the product reads ``node`` as: "a", "b", "bias", "scale_a", ..."""
+        fields = ("a", "b", "bias", "scale_a", "scale_b", "scale_result")
+        return next((f for f in fields if getattr(self, f) is node), "")
+
+    def args(self, a: Node, b: Node, **given: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """This op's arguments with other operands: ``a``, ``b`` and any of the form's
+        other fields (``bias``, ``scale_a``, ``out_dtype``, ...) given; the rest as the
+        node has them (addmm's beta and alpha, use_fast_accum)."""
+        form, node = self.form, self.node
+        args, kwargs = list(node.args), dict(node.kwargs)
+        schema = node.target._schema  # type: ignore[union-attr]
+        for field, value in {"a": a, "b": b, **given}.items():
+            index = getattr(form, field)
+            if index is None:
+                assert value is None, f"{op_name(node)} has no {field}"
+            elif index < len(args):
+                args[index] = value
+            elif value is not None or schema.arguments[index].name in kwargs:
+                kwargs[schema.arguments[index].name] = value
+        return tuple(args), kwargs
+
+
+def _form_arg(node: Node, index: int | None) -> Any:
+    """Argument ``index`` of a matmul node, by position or by its schema's name."""
+    if index is None:
+        return None
+    name = node.target._schema.arguments[index].name  # type: ignore[union-attr]
+    return node_arg(node, index, name)
+
+
+def scales_problem(mm: Matmul) -> str | None:
+    """Why the blocks of a scaled matmul cannot take slices of its scales, or None: both
+    scales per tensor (shared by every block), or per row of A ([M, 1]) and per column of
+    B ([1, N]), which a block of rows or columns slices with its operand and a block of
+    the contracting dim leaves whole; the result's scale, if any, per tensor."""
+    if not mm.scaled:
+        return None
+    assert mm.scale_a is not None and mm.scale_b is not None
+    a, b = val(mm.scale_a), val(mm.scale_b)
+    rows, cols = mm.out_shape
+    per_tensor = dims.equal(math.prod(a.shape), 1) and dims.equal(math.prod(b.shape), 1)
+    per_row = dims.same_shape(a.shape, (rows, 1)) and dims.same_shape(b.shape, (1, cols))
+    if not per_tensor and not per_row:
+        return (
+            f"scales {dims.as_json(a.shape)} and {dims.as_json(b.shape)} are neither per "
+            f"tensor nor per row and column of the [{rows}, {cols}] product"
+        )
+    result = mm.scale_result
+    if result is not None and not dims.equal(math.prod(val(result).shape), 1):
+        return f"result scale {dims.as_json(val(result).shape)} is not per tensor"
+    return None
+
+
+def sums_problem(mm: Matmul) -> str | None:
+    """Why partial products of a scaled matmul cannot be summed as the fused op would,
+    or None. Each partial is computed in float32 (its scales applied, as the fused op
+    does before rounding) and the sum rounded to the output dtype once; a float8 output
+    (or a result scale, which only a float8 output takes) cannot be."""
+    if not mm.scaled:
+        return None
+    dtype = val(mm.node).dtype
+    if dtype in FLOAT8_DTYPES or mm.scale_result is not None:
+        return f"a {dtype} product (or result scale) summed over blocks"
+    return None
 
 
 def val(node: Node) -> torch.Tensor:
@@ -235,9 +342,37 @@ def has_zero_size_dim(mm: Matmul) -> bool:
 
 
 def check_tensor(node: Node, what: str) -> None:
-    value = val(node)
-    if value.dtype not in FLOAT_DTYPES:
-        raise decline("site.dtype", what=what, dtype=value.dtype)
+    """Floating point data (float8 included: the operands of a scaled matmul, also as
+    the bytes a view of them reinterprets, see ``data_dtype``), or declined."""
+    dtype = data_dtype(node)
+    if dtype not in FLOAT_DTYPES and dtype not in FLOAT8_DTYPES:
+        raise decline("site.dtype", what=what, dtype=dtype)
+
+
+def reinterprets(node: Node) -> bool:
+    """Is ``node`` a view of its input's bytes as another dtype of the same element size
+    (float8 data gathered as uint8: view -> gather -> view back)?"""
+    if node.target is not aten.view.dtype or not isinstance(node.args[0], Node):
+        return False
+    source = node.args[0].meta.get("val")
+    dtype = node_arg(node, 1, "dtype")
+    return isinstance(source, torch.Tensor) and source.element_size() == dtype.itemsize
+
+
+def same_data(node: Node) -> bool:
+    """Does ``node`` hold its input's data as it is: a detach or alias, or a view of its
+    bytes as another dtype of one element size (``reinterprets``)?"""
+    return node.target in (aten.detach.default, aten.alias.default) or reinterprets(node)
+
+
+def data_dtype(node: Node) -> torch.dtype:
+    """The dtype of the data ``node`` holds: a float8 tensor's, where ``node`` views its
+    bytes (as uint8, which every collective backend moves)."""
+    source = node
+    while same_data(source):
+        source = source.args[0]  # type: ignore[assignment]
+    dtype = val(source).dtype
+    return dtype if dtype in FLOAT8_DTYPES else val(node).dtype
 
 
 def is_mutating(node: Node) -> bool:
@@ -363,8 +498,4 @@ def needs_own_result(matmuls: list[Matmul], own: set[Node], before: Node) -> lis
                 stack += current.all_input_nodes
         return False
 
-    return [
-        mm
-        for mm in matmuls
-        if any(depends(op) for op in (mm.a, mm.b, mm.bias) if op is not None and op not in own)
-    ]
+    return [mm for mm in matmuls if any(depends(op) for op in mm.inputs if op not in own)]

@@ -17,6 +17,7 @@ with ``sym_size``/``operator`` nodes, and a view with one symbolic size takes -1
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
 import weakref
@@ -37,7 +38,7 @@ from ..runtime.p2p import p2p_fake  # (importing it registers commfuse::p2p)
 from ..schedules import Transfer
 from . import dims
 from .declines import decline
-from .graph import VIEWS, Matmul, in_graph_order, position, split_dim_in_input, val
+from .graph import MATMULS, VIEWS, Matmul, in_graph_order, position, split_dim_in_input, val
 from .site import Site
 
 aten = torch.ops.aten
@@ -121,7 +122,7 @@ class Rewrite:
             self.moved_sizes.append(node)
         node.meta["val"] = fake_eval(self.fake_mode, node.target, node.args, node.kwargs)  # type: ignore[arg-type]
         node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
-        if node.target in (aten.mm.default, aten.addmm.default):
+        if node.target in MATMULS:
             self.matmuls.setdefault(step, []).append(node)
 
     def size(self, size: dims.Size, step: int, before: Node | None = None) -> int | Node:
@@ -258,12 +259,59 @@ def wait_transfers(
     return waits
 
 
-def matmul(rw: Rewrite, mm: Matmul, a: Node, b: Node, bias: Node | None, step: int) -> Node:
-    if bias is None:
-        return rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
-    return rw.emit(
-        aten.addmm.default, (bias, a, b), dict(mm.node.kwargs), step=step, lane="compute"
-    )
+# a block's rows of a tensor laid out like a matmul's A (its [M, c] rows), as a site
+# kind cuts them: applied to A's per-row scale the way the kind cut A
+Rows = Callable[[Node], Node]
+
+
+def matmul(
+    rw: Rewrite,
+    mm: Matmul,
+    a: Node,
+    b: Node,
+    step: int,
+    rows: Rows | None = None,
+    cols: tuple[int, dims.Size] | None = None,
+) -> Node:
+    """One block of ``mm``'s product, by ``mm``'s own op: ``a``, the block's rows of A (cut
+    by ``rows``, or all of them), times ``b``, its columns of B (block ``cols`` = (index,
+    width), or all). What goes with an operand follows it: the bias and B's per-column
+    scale take the block's columns, A's per-row scale its rows; a per-tensor scale and a
+    row-broadcast bias are shared by every block."""
+    bias, scale_a, scale_b = mm.bias, mm.scale_a, mm.scale_b
+    if cols is not None:
+        bias = bias and column_block(rw, bias, *cols, step)
+        scale_b = scale_b and column_block(rw, scale_b, *cols, step)
+    if rows is not None and scale_a is not None and not _shared_by_rows(scale_a):
+        scale_a = _per_row(rw, rows(scale_a), step)
+    args, kwargs = mm.args(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b)
+    return _emit_matmul(rw, mm, args, kwargs, step)
+
+
+def _shared_by_rows(node: Node) -> bool:
+    value = val(node)
+    return value.dim() == 0 or dims.equal(value.shape[0], 1)
+
+
+def _per_row(rw: Rewrite, scale: Node, step: int) -> Node:
+    """A block's per-row scale, [rows, 1], with strides (1, 1): the CPU kernel checks the
+    size-1 dim's stride too, and Inductor lays a view of a copy out with stride 0 there."""
+    scale = contiguous(rw, scale, step)
+    sizes = [rw.size(size, step) for size in val(scale).shape]
+    return rw.emit(aten.as_strided.default, (scale, sizes, [1, 1]), step=step, lane="compute")
+
+
+def _emit_matmul(
+    rw: Rewrite, mm: Matmul, args: tuple[Any, ...], kwargs: dict[str, Any], step: int
+) -> Node:
+    """The block's matmul node. A scaled matmul's kernel may refuse a block the whole
+    passed (CUDA's takes only dims divisible by 16, B column-major): declined then."""
+    try:
+        return rw.emit(mm.node.target, args, kwargs, step=step, lane="compute")  # type: ignore[arg-type]
+    except RuntimeError as err:  # torch._check's error in the op's meta function
+        if not mm.scaled:
+            raise
+        raise decline("lower.scaled_block", node=mm.node.name, error=err) from None
 
 
 def chunk_width(width: dims.Size, k: int, what: str) -> dims.Size:
@@ -278,6 +326,14 @@ def slice_block(
 ) -> Node:
     bounds = (rw.size(index * width, step), rw.size((index + 1) * width, step))
     return rw.emit(aten.slice.Tensor, (node, dim, *bounds), step=step, lane=lane)
+
+
+def row_block(rw: Rewrite, index: int, width: dims.Size, step: int) -> Rows:
+    """Cuts rows [index * width, (index + 1) * width) of a 2-D tensor (a block of A's
+    rows, and so of its per-row scale)."""
+    return functools.partial(
+        slice_block, rw, dim=0, index=index, width=width, step=step, lane="compute"
+    )
 
 
 def contiguous(rw: Rewrite, node: Node, step: int) -> Node:
@@ -306,15 +362,21 @@ def column_block(rw: Rewrite, node: Node, b: int, width: dims.Size, step: int) -
     return slice_block(rw, node, -1, b, width, step, "compute")
 
 
-def accumulate(rw: Rewrite, total: Node | None, a: Node, b: Node, step: int) -> Node:
-    """``total + a @ b``: one addmm in float32/64; half-precision partials are summed in
-    float32 (as one matmul would accumulate them), see ``finish_sum``."""
-    if val(a).dtype in (torch.float32, torch.float64):
+def accumulate(rw: Rewrite, mm: Matmul, total: Node | None, a: Node, b: Node, step: int) -> Node:
+    """``total + a @ b``, ``a @ b`` one block of ``mm``'s contracting dim: one addmm in
+    float32/64; half-precision partials are summed in float32 (as one matmul would
+    accumulate them), see ``finish_sum``; a scaled matmul's partial is computed in float32
+    (its scales, which the contracting dim does not cut, applied) and summed so."""
+    if mm.scaled:
+        args, kwargs = mm.args(a, b, bias=None, scale_result=None, out_dtype=torch.float32)
+        part = _emit_matmul(rw, mm, args, kwargs, step)
+    elif val(a).dtype in (torch.float32, torch.float64):
         if total is None:
             return rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
         return rw.emit(aten.addmm.default, (total, a, b), step=step, lane="compute")
-    part = rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
-    part = rw.emit(CONVERT, (part, torch.float32), step=step, lane="compute")
+    else:
+        part = rw.emit(aten.mm.default, (a, b), step=step, lane="compute")
+        part = rw.emit(CONVERT, (part, torch.float32), step=step, lane="compute")
     if total is None:
         return part
     return rw.emit(aten.add.Tensor, (total, part), step=step, lane="compute")

@@ -47,7 +47,9 @@ from ..graph import (
     reaches_matmul,
     read_twice,
     saved_unwaited,
+    scales_problem,
     split_dim_in_output,
+    sums_problem,
     the_wait,
     val,
 )
@@ -61,6 +63,7 @@ from ..rewrite import (
     matmul,
     new_tag,
     replay,
+    row_block,
     slice_block,
     start_transfers,
     viewed,
@@ -262,7 +265,7 @@ def _add_use(
         unmatched.append(f"{mm.node.name}: reads the exchanged tensor as both operands")
         return
     if operand not in (mm.a, mm.b):
-        unmatched.append(f"{mm.node.name}: the exchanged tensor is its bias")
+        unmatched.append(f"{mm.node.name}: the exchanged tensor is its {mm.reads_as(operand)}")
         return
     role = {(True, 0): "rows", (True, 1): "contract", (False, 1): "columns"}.get(
         (mm.a is operand, dim), "contract_left"
@@ -276,6 +279,10 @@ def _add_use(
         problem = "a bias on a contracted product"
     elif role == "rows" and mm.bias is not None and not bias_is_row_broadcast(mm.bias):
         problem = "bias has a row dim"
+    elif scales := scales_problem(mm):
+        problem = scales
+    elif role.startswith("contract") and (sums := sums_problem(mm)):
+        problem = sums
     if problem:
         unmatched.append(f"{mm.node.name} ({role}): {problem}")
         return
@@ -335,19 +342,19 @@ class _Products:
         for i, use in enumerate(self.site.uses):
             mm = use.mm
             g = replay(rw, block, use.path, n, s, "compute")  # the operand's block b
-            if use.role == "rows":
-                self.blocks[i][b] = matmul(rw, mm, g, mm.b, mm.bias, s)
+            if use.role == "rows":  # block b: A's rows [b*M/n, (b+1)*M/n)
+                rows = row_block(rw, b, val(mm.a).shape[0] // n, s)
+                self.blocks[i][b] = matmul(rw, mm, g, mm.b, s, rows=rows)
             elif use.role == "columns":
-                width = val(mm.b).shape[1] // n
-                bias = mm.bias and column_block(rw, mm.bias, b, width, s)
-                self.blocks[i][b] = matmul(rw, mm, mm.a, g, bias, s)
+                cols = (b, val(mm.b).shape[1] // n)
+                self.blocks[i][b] = matmul(rw, mm, mm.a, g, s, cols=cols)
             elif use.role == "contract":
                 k = val(mm.a).shape[1] // n
                 w = slice_block(rw, mm.b, 0, b, k, s, "compute")
-                self.sums[i] = accumulate(rw, self.sums[i], g, w, s)
+                self.sums[i] = accumulate(rw, mm, self.sums[i], g, w, s)
             else:  # contract_left
                 x = column_block(rw, mm.a, b, val(mm.b).shape[0] // n, s)
-                self.sums[i] = accumulate(rw, self.sums[i], x, g, s)
+                self.sums[i] = accumulate(rw, mm, self.sums[i], x, g, s)
 
     def finish(self, step: int) -> None:
         rw = self.rw

@@ -10,6 +10,7 @@ fill columns block by block (``GatherUse.role``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import ClassVar
@@ -43,7 +44,10 @@ from ..graph import (
     position,
     reaches_matmul,
     read_twice,
+    same_data,
     saved_unwaited,
+    scales_problem,
+    sums_problem,
     the_wait,
     val,
 )
@@ -274,7 +278,10 @@ def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
     all_gather_into_tensor concatenates on dim 0; DTensor gathers any other dim g by
     ``cat(split(out, s0), dim=g)``. Longest form first; otherwise the gather dim is 0.
     """
-    users = data_users(wait)
+    users, before = data_users(wait), []
+    while len(users) == 1 and same_data(users[0]):  # float8 data gathered as bytes
+        before.append(users[0])
+        users = data_users(users[0])
     if len(users) == 1 and users[0].target is aten.split.Tensor:
         split = users[0]
         parts = ordered_getitems(split, n)
@@ -285,7 +292,7 @@ def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
                 cat = cats.pop()
                 if cat.target is aten.cat.default and list(node_arg(cat, 0, "tensors")) == parts:
                     g = normalized_dim(cat, node_arg(cat, 1, "dim", 0))
-                    return cat, g, [split, *parts, cat]
+                    return cat, g, [*before, split, *parts, cat]
     return wait, 0, []
 
 
@@ -298,11 +305,14 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
             if user.op == "call_function" and is_mutating(user):
                 raise decline("ag.mutated", node=user.name)
             mm = Matmul.of(user)
-            if (user.target in VIEWS or is_full_slice(user)) and user.args[0] is node:
+            if (user.target in VIEWS or is_full_slice(user) or same_data(user)) and (
+                user.args[0] is node
+            ):
                 site.chain.append(user)
                 frontier.append(user)
             elif mm is not None and node not in (mm.a, mm.b):
-                site.unmatched.append(f"{mm.node.name}: the gathered tensor is its bias")
+                what = mm.reads_as(node)
+                site.unmatched.append(f"{mm.node.name}: the gathered tensor is its {what}")
             elif mm is not None:
                 _add_use(site, node, mm, "rows" if mm.a is node else "contract_left")
             elif is_transpose_2d(user) and user.args[0] is node:
@@ -322,14 +332,15 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
 
 def _drop_matmuls_reading_it_twice(site: _Uses, own: set[Node]) -> None:
     """``G @ G^T``, the gathered tensor as both operands (``graph.read_twice``)."""
-    twice = read_twice(((u.mm.node, _other_operand(u)) for u in site.uses), own, "gathered")
+    twice = read_twice(((u.mm.node, _operands(u)[1]) for u in site.uses), own, "gathered")
     site.unmatched += twice.values()
     site.uses = [u for u in site.uses if u.mm.node not in twice]
 
 
-def _other_operand(use: GatherUse) -> Node:
-    """The matmul operand that is not (a view or transpose of) the gathered tensor."""
-    return use.mm.b if use.role in ("rows", "contract", "contract_k") else use.mm.a
+def _operands(use: GatherUse) -> tuple[Node, Node]:
+    """(the matmul operand that is a view or transpose of the gathered tensor, the other)."""
+    mm = use.mm
+    return (mm.a, mm.b) if use.role in ("rows", "contract", "contract_k") else (mm.b, mm.a)
 
 
 def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str) -> None:
@@ -358,6 +369,10 @@ def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str) -> None:
         problem = "bias has a row dim"
     elif role == "contract" and not dims.equal(val(mm.b).shape[0], rows):
         problem = f"its other operand does not have {rows} rows"
+    elif scales := scales_problem(mm):
+        problem = scales
+    elif role.startswith("contract") and (sums := sums_problem(mm)):
+        problem = sums
     if problem:
         site.unmatched.append(f"{mm.node.name} ({role}): {problem}")
         return
@@ -386,34 +401,46 @@ class _GatherProducts:
     def add(self, piece: Node, index: int, shape: Sequence[dims.Size], s: int) -> None:
         rw, site = self.rw, self.site
         width = shape[site.gather_dim]
-        views: dict[tuple[int | str, ...], Node] = {}  # one 2-D view of the piece per shape
+        views: dict[tuple[object, ...], Node] = {}  # one 2-D view of the piece per shape
         for i, use in enumerate(site.uses):
             mm, lead = use.mm, shape[: use.row_dims]
             shape2d = (math.prod(lead), math.prod(shape[use.row_dims :]))
-            key = tuple(dims.as_json(shape2d))
+            dtype = val(_operands(use)[0]).dtype  # float8 data may travel as bytes
+            key = (*dims.as_json(shape2d), dtype)
             if key not in views:
+                data = piece
+                if val(piece).dtype != dtype:
+                    data = rw.emit(aten.view.dtype, (piece, dtype), step=s, lane="compute")
                 views[key] = rw.emit(
-                    aten.view.default, (piece, rw.shape(shape2d, s)), step=s, lane="compute"
+                    aten.view.default, (data, rw.shape(shape2d, s)), step=s, lane="compute"
                 )
             g2d = views[key]
             if use.role == "rows":
-                part = matmul(rw, mm, g2d, mm.b, mm.bias, s)
+                rows = functools.partial(self._rows_of, use, index, width, s)
+                part = matmul(rw, mm, g2d, mm.b, s, rows=rows)
                 self.blocks[i][index] = viewed(rw, part, [*lead, val(part).shape[1]], s)
             elif use.role == "columns":
-                bias = mm.bias and column_block(rw, mm.bias, index, shape2d[0], s)
-                self.blocks[i][index] = matmul(rw, mm, mm.a, transposed(rw, g2d, s), bias, s)
+                g_t = transposed(rw, g2d, s)
+                self.blocks[i][index] = matmul(rw, mm, mm.a, g_t, s, cols=(index, shape2d[0]))
             elif use.role == "contract":
                 if i not in self.others:
                     k = val(mm.b).shape[1]
                     self.others[i] = viewed(rw, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
                 x_b = rows_of_block(rw, self.others[i], site.gather_dim, index, width, s)
-                self.sums[i] = accumulate(rw, self.sums[i], transposed(rw, g2d, s), x_b, s)
+                self.sums[i] = accumulate(rw, mm, self.sums[i], transposed(rw, g2d, s), x_b, s)
             elif use.role == "contract_k":
                 w_b = slice_block(rw, mm.b, 0, index, shape2d[1], s, "compute")
-                self.sums[i] = accumulate(rw, self.sums[i], g2d, w_b, s)
+                self.sums[i] = accumulate(rw, mm, self.sums[i], g2d, w_b, s)
             else:  # contract_left
                 y_b = self._columns_meeting(i, use, index, width, shape2d[0], s)
-                self.sums[i] = accumulate(rw, self.sums[i], y_b, g2d, s)
+                self.sums[i] = accumulate(rw, mm, self.sums[i], y_b, g2d, s)
+
+    def _rows_of(self, use: GatherUse, index: int, width: dims.Size, s: int, x: Node) -> Node:
+        """Piece ``index``'s rows of ``x``, laid out like the rows of the gathered tensor
+        viewed 2-D (a per-row scale of A: the rows the piece holds, in its order)."""
+        rw, site = self.rw, self.site
+        lead = [*site.gathered_shape[: use.row_dims], val(x).shape[-1]]
+        return rows_of_block(rw, viewed(rw, x, lead, s), site.gather_dim, index, width, s)
 
     def _columns_meeting(
         self, i: int, use: GatherUse, index: int, width: dims.Size, rows: dims.Size, s: int
@@ -452,7 +479,7 @@ def _lower(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule) -> Non
     products = _GatherProducts(rw, site)
     for s, step in enumerate(schedule.steps("gather", group.rank, n, 0)):
         started, recvs, sent = start_transfers(
-            rw, group, tag, s, step.sends, step.recvs, held, recv_like=site.shard
+            rw, group, tag, s, step.sends, step.recvs, held, recv_like=held[group.rank]
         )
         for b in step.compute:
             products.add(held[b], b, shard_shape, s)
@@ -508,18 +535,26 @@ def _lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule,
 
 
 def _local_shard(rw: Rewrite, site: AgMmSite) -> Node:
-    """The shard as every block is viewed (2-D rows): copied once if it is neither
+    """The shard as the ring sends it and every block is viewed (2-D rows): the data it
+    holds (float8 data viewed as bytes for the collective travels as itself: P2P moves
+    any dtype, and a view is no buffer of its own), copied once if it is neither
     contiguous nor 2-D already (received blocks always are contiguous)."""
-    shard = val(site.shard)
+    node = site.shard
+    while same_data(node) and dims.same_shape(val(node.args[0]).shape, val(node).shape):  # type: ignore[arg-type]
+        node = node.args[0]  # type: ignore[assignment]
+    shard = val(node)
     if shard.dim() == 2 or is_contiguous_or_false(shard):
-        return site.shard
-    return contiguous(rw, site.shard, 0)
+        return node
+    return contiguous(rw, node, 0)
 
 
 def _rebuild_gathered(rw: Rewrite, site: AgMmSite, shards: list[Node], step: int) -> None:
     """all_gather_into_tensor's value, rebuilt from the shards: never gather twice."""
     if _gathered_outlives(site):
         rebuilt = rw.emit(aten.cat.default, (shards, 0), step=step, lane="comm")
+        dtype = val(site.waits[0]).dtype  # the collective's (bytes, for float8 data)
+        if val(rebuilt).dtype != dtype:
+            rebuilt = rw.emit(aten.view.dtype, (rebuilt, dtype), step=step, lane="comm")
         for wait in site.waits:
             rw.replace[wait] = rebuilt
         for gather in site.gathers:

@@ -39,6 +39,7 @@ from ..graph import (
     op_name,
     reaches_matmul,
     saved_unwaited,
+    scales_problem,
     split_dim_in_input,
     the_wait,
     val,
@@ -52,7 +53,7 @@ from ..rewrite import (
     matmul,
     new_tag,
     replay,
-    slice_block,
+    row_block,
     start_transfers,
     wait_transfers,
 )
@@ -172,6 +173,8 @@ def _match(a2a: Node) -> MmA2aSite | None:
             raise decline("rs.empty", node=mm.node.name)
         if dim == 0 and mm.bias is not None and not bias_is_row_broadcast(mm.bias):
             raise decline("a2a.bias_rows", node=mm.node.name)
+        if problem := scales_problem(mm):
+            raise decline("rs.scales", node=mm.node.name, problem=problem)
     except Declined as why:
         declined = why.kept()
     return MmA2aSite(
@@ -224,10 +227,9 @@ def _input_block(rw: Rewrite, site: MmA2aSite, j: int, n: int, step: int) -> Nod
     assert mm is not None
     rows, cols = val(mm.node).shape
     if site.product_dim == 0:
-        a = slice_block(rw, mm.a, 0, j, rows // n, step, "compute")
-        part = matmul(rw, mm, a, mm.b, mm.bias, step)
+        cut = row_block(rw, j, rows // n, step)
+        part = matmul(rw, mm, cut(mm.a), mm.b, step, rows=cut)
     else:
         w = column_block(rw, mm.b, j, cols // n, step)
-        bias = mm.bias and column_block(rw, mm.bias, j, cols // n, step)
-        part = matmul(rw, mm, mm.a, w, bias, step)
+        part = matmul(rw, mm, mm.a, w, step, cols=(j, cols // n))
     return contiguous(rw, replay(rw, part, site.chain, n, step, "compute"), step)

@@ -8,6 +8,7 @@ views to the product, where it is a block of its rows or of its columns.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from ...schedules import Schedule
 from .. import dims
 from ..declines import Declined, decline
 from ..graph import (
+    FLOAT8_DTYPES,
     VIEWS,
     Matmul,
     bias_is_row_broadcast,
@@ -37,6 +39,7 @@ from ..graph import (
     op_name,
     ordered_getitems,
     saved_unwaited,
+    scales_problem,
     the_wait,
     val,
     view_sources,
@@ -221,6 +224,10 @@ def _checked(
             raise decline("rs.shapes_differ", node=name)
         if term.bias is not None and not bias_is_row_broadcast(term.bias):
             raise decline("rs.bias_rows", node=name)
+        if problem := scales_problem(term):
+            raise decline("rs.scales", node=name, problem=problem)
+        if val(term.node).dtype in FLOAT8_DTYPES:
+            raise decline("rs.scaled_sum", node=name, dtype=val(term.node).dtype)
     columns = g == len(shape) - 1 and dims.equal(shape[-1], cols)
     rows_match = dims.equal(shape[-1], cols) and dims.equal(math.prod(shape[:-1]), rows)
     if not columns and not rows_match:
@@ -390,14 +397,19 @@ def _reduce_block(
     """This rank's partial of block ``b`` of the product ``mm``."""
     if site.columns:
         w = column_block(rw, mm.b, b, width, step)
-        bias = mm.bias and column_block(rw, mm.bias, b, width, step)
-        return matmul(rw, mm, mm.a, w, bias, step)
+        return matmul(rw, mm, mm.a, w, step, cols=(b, width))
+    rows = functools.partial(_block_rows, rw, site, b, width, step)
     if len(site.product_shape) == 2 and is_transpose_2d(mm.a):
         # rows of t(Z) are columns of Z: slice Z and transpose the block, no copy
         cols = slice_block(rw, mm.a.args[0], 1, b, width, step, "compute")  # type: ignore[arg-type]
-        rows = rw.emit(aten.permute.default, (cols, [1, 0]), step=step, lane="compute")
+        a = rw.emit(aten.permute.default, (cols, [1, 0]), step=step, lane="compute")
     else:
-        k = val(mm.a).shape[1]
-        a = viewed(rw, mm.a, [*site.product_shape[:-1], k], step)
-        rows = rows_of_block(rw, a, site.scatter_dim, b, width, step)
-    return matmul(rw, mm, rows, mm.b, mm.bias, step)
+        a = rows(mm.a)
+    return matmul(rw, mm, a, mm.b, step, rows=rows)
+
+
+def _block_rows(rw: Rewrite, site: MmRsSite, b: int, width: dims.Size, step: int, x: Node) -> Node:
+    """Block ``b``'s rows of ``x``, laid out like the product's rows ([M, c]: A, or a
+    per-row scale of A), as contiguous 2-D rows."""
+    lead = [*site.product_shape[:-1], val(x).shape[1]]
+    return rows_of_block(rw, viewed(rw, x, lead, step), site.scatter_dim, b, width, step)
