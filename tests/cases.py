@@ -140,6 +140,82 @@ class MmRs:
         return program
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, fast_accum=False):
+    """``torch._scaled_mm`` as float8 training calls it (a row-wise ``scale_a`` may come
+    laid out like A's leading dims: viewed [M, 1] first)."""
+    if scale_a.dim() > 2:
+        scale_a = scale_a.reshape(-1, 1)
+    return torch._scaled_mm(
+        a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum
+    )
+
+
+def float8_gathered(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """``gathered`` of float8 data as its bytes (gloo refuses float8 collectives; NCCL
+    moves them as uint8 too): view -> gather -> view back."""
+    return gathered(x.view(torch.uint8), n, dim).view(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaled:
+    """Float8 sites, as PyTorch's async-TP tests write them (``test_micro_pipeline_tp``'s
+    fp8 cases): ``side="gather"``: A = AG(A_shard, dim) (float8, gathered as bytes unless
+    ``as_bytes`` is False), C = _scaled_mm(A viewed [M, K], B, scale_a, scale_b) viewed
+    like A, returning (A, C); ``"scatter"``: RS(_scaled_mm(A viewed [M, K], B, ...)
+    viewed like A, dim, op). B is [K, N] column-major (float8 training's weight layout);
+    ``scaling``: "tensor" (0-d scales) or "row" (scale_a per row of A, laid out like A's
+    leading dims, scale_b [1, N]). ``a`` is the shard (gather) or the whole A (scatter)."""
+
+    side: str = "gather"
+    a: tuple[int, ...] = (2, 4, 32)
+    dim: int = 0
+    n_out: int = 16
+    scaling: str = "tensor"
+    bias: bool = False
+    out_dtype: torch.dtype = torch.bfloat16
+    fast_accum: bool = False
+    as_bytes: bool = True
+    op: str = "sum"
+
+    def a_shape(self, n: int) -> list[int]:
+        """A's shape as the matmul reads it (the shard gathered on ``dim``)."""
+        shape = list(self.a)
+        shape[self.dim] *= n if self.side == "gather" else 1
+        return shape
+
+    def inputs(self, rank: int, seed: int, n: int = 1) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        wgen = torch.Generator().manual_seed(seed * 1000 + 999)  # same on every rank
+        shape = self.a_shape(n)
+        a = (torch.rand(self.a, generator=gen) * 4 - 2).to(FP8)
+        b = (torch.rand(self.n_out, shape[-1], generator=wgen) * 4 - 2).to(FP8).t()
+        if self.scaling == "tensor":
+            scales = [torch.rand((), generator=wgen) + 0.5, torch.rand((), generator=wgen) + 0.5]
+        else:  # the gathered rows' scales, on every rank (replicated); or this rank's A's
+            rows = wgen if self.side == "gather" else gen
+            scale_a = torch.rand([*shape[:-1], 1], generator=rows) + 0.5
+            scales = [scale_a, torch.rand(1, self.n_out, generator=wgen) + 0.5]
+        bias = [torch.randn(self.n_out, generator=wgen).to(self.out_dtype)] if self.bias else []
+        return [a, b, *scales, *bias]
+
+    def fn(self, n: int):
+        def program(a, b, scale_a, scale_b, *bias):
+            if self.side == "gather":
+                gather = float8_gathered if self.as_bytes else gathered
+                a = gather(a, n, self.dim)
+            a2d, bias = a.reshape(-1, a.shape[-1]), bias[0] if bias else None
+            c = scaled_mm(a2d, b, scale_a, scale_b, bias, self.out_dtype, self.fast_accum)
+            c = c.view(*a.shape[:-1], c.shape[-1])
+            if self.side == "gather":
+                return a, c
+            return (scattered(c, n, self.dim, self.op),)
+
+        return program
+
+
 def exchanged(x: torch.Tensor, n: int) -> torch.Tensor:
     """all_to_all_single of n equal blocks of dim 0 (block j to rank j), as Ulysses does."""
     group = dist.group.WORLD.group_name
@@ -279,7 +355,7 @@ def run_case(
     ``inner="eager"``: the traced aten graph rewritten by ``apply`` and run as it is;
     ``"inductor"``: the program compiled with ``backend="commfuse"`` (Inductor after the
     pass; ``tracing_mode="symbolic"`` compiles with dynamic shapes)."""
-    takes_n = isinstance(case, AgMm | Ulysses)
+    takes_n = isinstance(case, AgMm | Ulysses | Scaled)
     inputs = case.inputs(rank, seed, n) if takes_n else case.inputs(rank, seed)
     # gloo has no "avg": the reference is the sum, divided by n as the collective would
     averaged = getattr(case, "op", "sum") == "avg"

@@ -9,13 +9,15 @@ and reduce-scatters ("sum"/"avg"), all-to-alls of dim 0 (equal splits as lists o
 funcol API's ``None``, uneven ones; laid out as Ulysses does, [B, S/n, h, d] <-> [B, S,
 h/n, d] with the heads or the sequence moved to dim 0, or interleaved, and a projection
 matmul before, after or on both sides), mm/addmm in every operand role (biases of every
-shape, beta/alpha, weights transposed with ``.t()``, operands swapped, A @ A^T), sums of
-matmuls, views/reshapes, transposes (cancelling pairs included), casts, relu/mul/add,
-copies, values with several users or none, and unsupported neighbours (slices,
-reductions, bmm, matmul, softmax, in-place ops, cat). The ops run once on meta tensors
-for the inputs' shapes, then the program is traced with ``make_fx(tracing_mode="fake")``
-on the fake process group of that world size; recipes that fail to build or trace are
-skipped.
+shape, beta/alpha, weights transposed with ``.t()``, operands swapped, A @ A^T), float8
+``_scaled_mm`` in the same four roles (per-tensor or per-row scales, bias, fast
+accumulation, bfloat16/float32/float8 outputs) on float8 inputs gathered as their uint8
+bytes or as themselves, sums of matmuls, views/reshapes, transposes (cancelling pairs
+included), casts, relu/mul/add, copies, values with several users or none, and
+unsupported neighbours (slices, reductions, bmm, matmul, softmax, in-place ops, cat).
+The ops run once on meta tensors for the inputs' shapes, then the program is traced with
+``make_fx(tracing_mode="fake")`` on the fake process group of that world size; recipes
+that fail to build or trace are skipped.
 For schedules ring and bidir:
 
 1. ``rewrite_graph`` never raises, warns of no internal error, and declines no site with
@@ -63,8 +65,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from cases import exchanged, gathered, scattered
-from hypothesis import HealthCheck, Phase, assume, event, given, note, seed, settings
+from cases import FP8, exchanged, float8_gathered, gathered, scaled_mm, scattered
+from hypothesis import HealthCheck, Phase, assume, event, example, given, note, seed, settings
 from hypothesis import strategies as st
 from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
@@ -84,7 +86,7 @@ REDUCE_SCATTER = c10d.reduce_scatter_tensor.default
 ALL_TO_ALL = c10d.all_to_all_single.default
 COLLECTIVES = (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 A2A_KINDS = ("mm_a2a", "a2a_mm")
-MATMULS = frozenset({aten.mm.default, aten.addmm.default})
+MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten._scaled_mm.default})
 # what a collective reaches a matmul through (property 6): layout, copy, cast, reassembly, pad
 NEXT_TO = frozenset(
     {
@@ -102,6 +104,8 @@ NEXT_TO = frozenset(
         operator.getitem,
         aten.slice.Tensor,  # DTensor's unpadding of uneven shards
         aten.constant_pad_nd.default,  # and its padding
+        aten.view.dtype,  # float8 gathered as bytes
+        aten.detach.default,  # (make_fx's companion of a dtype view)
     }
 )
 
@@ -123,7 +127,7 @@ NAME = re.compile(r"\b[vx]\d+\b")  # a value of a built program
 
 OPS = (
     *("gather", "mm", "scatter", "matsum", "view", "transpose", "cast", "copy", "eltwise"),
-    *("neighbour", "input", "output", "all_to_all"),
+    *("neighbour", "input", "output", "all_to_all", "scaled", "float8"),
 )
 # between a collective and its matmul: mostly what the pass sees through
 CHAIN_OPS = ("view",) * 3 + ("transpose",) * 2 + ("cast", "copy", "eltwise", "neighbour")
@@ -156,15 +160,19 @@ def step(ops: tuple[str, ...], src: st.SearchStrategy[int] = PARAM) -> st.Search
 
 
 CHAIN = st.lists(step(CHAIN_OPS, LATEST), max_size=3)
+LAYOUT_CHAIN = st.lists(step(("view", "view", "transpose"), LATEST), max_size=2)
 
 
 @st.composite
 def segments(draw: st.DrawFn) -> list[Step]:
     """A few ops: a random one, or a collective next to a matmul (or both kinds around one)
     through random chains."""
-    kind = draw(st.sampled_from(("ag_mm", "mm_rs", "ag_mm_rs", "a2a", "any", "any")))
+    kinds = ("ag_mm", "mm_rs", "ag_mm_rs", "a2a", "float8", "float8", "any", "any")
+    kind = draw(st.sampled_from(kinds))
     if kind == "any":
         return [draw(step(OPS))]
+    if kind == "float8":
+        return draw(float8_segments())
 
     def chain() -> list[Step]:
         return draw(CHAIN)
@@ -180,6 +188,18 @@ def segments(draw: st.DrawFn) -> list[Step]:
     mm = draw(step(("mm", "mm", "matsum"), LATEST))
     after = [*chain(), draw(step(("scatter",), LATEST))] if kind != "ag_mm" else []
     return [*before, mm, *after]
+
+
+@st.composite
+def float8_segments(draw: st.DrawFn) -> list[Step]:
+    """A new float8 input gathered (as its bytes or as itself) into a scaled matmul, or
+    multiplied by one into a reduce-scatter, through random chains."""
+    shape = ("float8", draw(st.tuples(st.integers(3, 7), PARAM, PARAM, PARAM)))
+    scaled = draw(step(("scaled",), NEWEST))
+    chain = draw(st.sampled_from((CHAIN, LAYOUT_CHAIN, LAYOUT_CHAIN)))  # (no float8 arithmetic)
+    if draw(st.booleans()):
+        return [shape, draw(step(("gather",), NEWEST)), *draw(chain), scaled]
+    return [shape, scaled, *draw(chain), draw(step(("scatter",), LATEST))]
 
 
 @st.composite
@@ -290,7 +310,7 @@ class Builder:
             [
                 f'dist.init_process_group("fake", {init})',
                 "import torch.distributed._functional_collectives as funcol",
-                "from cases import exchanged, gathered, scattered",
+                "from cases import exchanged, float8_gathered, gathered, scaled_mm, scattered",
                 "c10d = torch.ops._c10d_functional",
                 "aten = torch.ops.aten",
                 f"def program({args}):",
@@ -320,11 +340,13 @@ class Builder:
 
     def op_gather(self, src: int, dim: int, size: int, first: int) -> None:
         """``first`` 6 or 7: gathers the first input again (DTensor gathers a shard once per
-        consumer: one ring, if on the same dim)."""
+        consumer: one ring, if on the same dim). Float8 is gathered as its bytes (``size``
+        even) or as itself."""
         i = 0 if first >= 6 else self.pick(src)
         dim %= self.v(i).dim()
         n = self.n + 1 if size == 7 else self.n  # 7: names a group size it does not have
-        self.emit(f"gathered({self.names[i]}, {n}, {dim})", gathered(self.v(i), n, dim))
+        fn = float8_gathered if self.v(i).dtype == FP8 and size % 2 == 0 else gathered
+        self.emit(f"{fn.__name__}({self.names[i]}, {n}, {dim})", fn(self.v(i), n, dim))
 
     def op_scatter(self, src: int, dim: int, op: int, _: int) -> None:
         """Scatters ``dim``, or the first dim that divides (DTensor pads uneven shards, so
@@ -492,6 +514,46 @@ class Builder:
             return self.emit(f"{code}, beta=2, alpha=3)", value)
         return self.emit(f"{code})", torch.addmm(self.v(b), lhs_v, rhs_v))
 
+    def op_scaled(self, src: int, role: int, form: int, other: int) -> None:
+        """``torch._scaled_mm`` reading ``src`` viewed 2-D (cast to float8 first if it is
+        not) as A in one of four roles, its other operand a new float8 input (B column-
+        major, as float8 training lays weights out). ``form``: scales per tensor (even) or
+        per row and column (odd); fast accumulation (2, 3, 6, 7); a bias (4, 5); a float8
+        output (6, 7). ``other``: the other operand's size; 7: a float32 output."""
+        i = self.as2d(self.pick(src))
+        if self.v(i).dtype != FP8:
+            i = self.emit(f"{self.names[i]}.to({FP8})", self.v(i).to(FP8))
+        a, name = self.v(i), self.names[i]
+        m, k = a.shape
+        p = (self.n, 2 * self.n, 3 * self.n, 5)[other % 4]
+        role %= 4
+        if role == 0:  # rows: A @ W
+            w = self.fresh((p, k), FP8)
+            lhs, rhs = (name, a), (f"{self.names[w]}.t()", self.v(w).t())
+        elif role == 1:  # columns: Z @ A^T
+            z = self.fresh((p, k), FP8)
+            lhs, rhs = (self.names[z], self.v(z)), (f"{name}.t()", a.t())
+        elif role == 2:  # contract: A^T @ X
+            x = self.fresh((p, m), FP8)
+            lhs, rhs = (f"{name}.t()", a.t()), (f"{self.names[x]}.t()", self.v(x).t())
+        else:  # contract_left: Y @ A
+            y = self.fresh((p, m), FP8)
+            lhs, rhs = (self.names[y], self.v(y)), (name, a)
+        rows, cols = lhs[1].shape[0], rhs[1].shape[1]
+        shapes = ((rows, 1), (1, cols)) if form % 2 else ((), ())
+        scales = [self.fresh(shape, torch.float32) for shape in shapes]
+        out = FP8 if form >= 6 else torch.float32 if other == 7 else torch.bfloat16
+        bias = self.fresh((cols,), out) if form in (4, 5) else None
+        fast = form % 4 >= 2
+        values = [lhs[1], rhs[1], *(self.v(j) for j in scales)]
+        if a.is_meta:  # (the meta function checks CUDA's layouts on meta tensors)
+            value = torch.empty((rows, cols), dtype=out, device="meta")
+        else:
+            value = scaled_mm(*values, None if bias is None else self.v(bias), out, fast)
+        names = [lhs[0], rhs[0], *(self.names[j] for j in scales)]
+        bias_name = "None" if bias is None else self.names[bias]
+        self.emit(f"scaled_mm({', '.join(names)}, {bias_name}, {out}, {fast})", value)
+
     def op_matsum(self, src: int, src2: int, form: int, bias: int) -> None:
         """A1 @ W1 + A2 @ W2 (+ A3 @ W3): the terms share the product's shape."""
         a = self.as2d(self.pick(src))
@@ -637,12 +699,16 @@ class Builder:
         else:
             self.emit(f"torch.cat([{name}, {name}], -1)", torch.cat([x, x], -1))
 
-    def op_input(self, rank: int, a: int, b: int, c: int) -> None:
+    def op_input(self, rank: int, a: int, b: int, c: int, dtype: torch.dtype | None = None) -> None:
         """A new input of rank 1..3, its first dim a multiple of the world size if ``rank``
         is 3 or more."""
         shape = [SIZES[s] for s in (a, b, c)[: 1 + rank % 3]]
         shape[0] *= self.n if rank >= 3 else 1
-        self.fresh(tuple(shape), self.recipe.dtype)
+        self.fresh(tuple(shape), dtype or self.recipe.dtype)
+
+    def op_float8(self, rank: int, a: int, b: int, c: int) -> None:
+        """A new float8 input (``op_input``'s shapes)."""
+        self.op_input(rank, a, b, c, FP8)
 
     def op_output(self, src: int, _: int, __: int, ___: int) -> None:
         self.outputs.append(self.pick(src))
@@ -877,6 +943,13 @@ def check_exchange(gm: GraphModule, record: SiteRecord) -> None:
             assert list(buffer.meta["val"].shape) == block, node.format_node()
 
 
+def float8_events(records: list[SiteRecord], prefix: str = "") -> None:
+    """Sites of scaled (float8) matmuls, for --hypothesis-show-statistics."""
+    for record in records:
+        if any(str(m).startswith("_scaled_mm") for m in record.match.get("matmuls", [])):  # type: ignore[attr-defined]
+            event(f"{prefix}float8: {record.kind} {record.decision}")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def quiet_pass_log():
     """Thousands of sites: keep the per-site log lines out of the captured output."""
@@ -887,6 +960,17 @@ def quiet_pass_log():
     yield
     logger.setLevel(level)
     report.reset()
+
+
+# PyTorch's async-TP float8 cases, drawn every time (besides what the draw finds): a
+# float8 shard [4n, 12] gathered as bytes into _scaled_mm with row-wise scales (rows), and
+# _scaled_mm with row-wise scales and a bias into a reduce-scatter of its rows
+FLOAT8_EXAMPLES = [
+    Recipe(3, 1, torch.float32, (2,), (("float8", (4, 1, 7, 0)), ("gather", (0, 0, 0, 0)),
+           ("scaled", (0, 0, 1, 0))), dead=False),
+    Recipe(4, 2, torch.float32, (2,), (("float8", (4, 1, 7, 0)), ("scaled", (0, 0, 5, 1)),
+           ("scatter", (0, 0, 0, 0))), dead=False),
+]  # fmt: skip
 
 
 @settings(
@@ -900,6 +984,8 @@ def quiet_pass_log():
 )
 @seed(int(SEED or 0))
 @given(recipe=recipes())
+@example(recipe=FLOAT8_EXAMPLES[0])
+@example(recipe=FLOAT8_EXAMPLES[1])
 def test_rewrite_graph_on_random_programs(recipe: Recipe):
     with fake_world(recipe.world, recipe.rank):
         _, traced = build(recipe)
@@ -909,6 +995,7 @@ def test_rewrite_graph_on_random_programs(recipe: Recipe):
             if schedule == "ring":  # --hypothesis-show-statistics
                 for kind, decision in sorted({(r.kind, r.decision) for r in records}):
                     event(f"{kind} {decision}")
+                float8_events(records)
                 if any(copies_a_collective(n) for n in traced.graph.nodes):
                     event("in-place spelling of a collective")
     report.reset()
@@ -927,11 +1014,16 @@ def runs_on_gloo(recipe: Recipe, gm: GraphModule) -> bool:
     collective names a group size it does not have, averages (gloo cannot), scatters a
     dim 0 that does not divide, exchanges uneven blocks (the same split sizes on every
     rank), or moves an empty tensor; nor with a cast to int64 (a different summation
-    order can move a value across an integer)."""
+    order can move a value across an integer); nor with float8 arithmetic, which torch
+    does not run on this CPU."""
+    if not runs_on_cpu(gm):
+        return False
     if any(op == "cast" and params[1] % len(DTYPES) == TO_INT64 for op, params in recipe.steps):
         return False
     for node in (n for target in COLLECTIVES for n in calls(gm, target)):
         shard = node.args[0].meta["val"]  # type: ignore[union-attr]
+        if shard.dtype == FP8:  # gloo moves float8 only as bytes (and adds none)
+            return False
         if node.target is ALL_TO_ALL:
             splits = list(node.args[1])  # type: ignore[arg-type]
             size = len(splits)
@@ -946,6 +1038,30 @@ def runs_on_gloo(recipe: Recipe, gm: GraphModule) -> bool:
         ):
             return False
     return True
+
+
+# what torch runs on float8 tensors on this CPU (no element-wise arithmetic)
+FLOAT8_ON_CPU = frozenset(
+    {
+        *NEXT_TO,
+        aten.alias.default,
+        aten.copy.default,
+        aten.empty_like.default,
+        aten.new_empty.default,
+        aten._scaled_mm.default,
+    }
+)
+
+
+def runs_on_cpu(gm: GraphModule) -> bool:
+    """Does torch run every op of the program on this CPU (no float8 arithmetic)?"""
+    return all(
+        node.target in FLOAT8_ON_CPU
+        for node in gm.graph.nodes
+        if node.op == "call_function"
+        for arg in node.all_input_nodes
+        if getattr(arg.meta.get("val"), "dtype", None) == FP8
+    )
 
 
 def run_recipe_on_rank(
@@ -970,11 +1086,23 @@ def run_recipe_on_rank(
     records = rewrite_graph(rewritten, "forward", Options(schedule=schedule, inner="eager"))
     actual = rewritten(*(x.clone() for x in inputs))
     report.reset()
-    if not all(torch.isfinite(x).all() for x in expected if x.is_floating_point()):
+
+    def comparable(x: torch.Tensor) -> torch.Tensor:
+        return x.float() if x.dtype == FP8 else x
+
+    if not all(torch.isfinite(comparable(x)).all() for x in expected if x.is_floating_point()):
         return None
-    floats = {dtype for _, dtype in values_of(gm).values() if dtype.is_floating_point}
+    # float8 operands are exact inputs of the scaled matmuls, which compute in float32:
+    # their precision counts only where an output is float8
+    outputs = {x.dtype for x in expected}
+    floats = {
+        dtype
+        for _, dtype in values_of(gm).values()
+        if dtype.is_floating_point and (dtype != FP8 or dtype in outputs)
+    }
+
     return {
-        "pairs": list(zip(expected, actual, strict=True)),
+        "pairs": [(comparable(e), comparable(a)) for e, a in zip(expected, actual, strict=True)],
         "rewritten": sum(r.decision == "rewritten" for r in records),
         "eps": max((torch.finfo(d).eps for d in floats), default=0.0),
     }
@@ -995,6 +1123,8 @@ def run_recipe_on_rank(
     schedule=st.sampled_from(SCHEDULES),
     data_seed=st.integers(0, 2**16),
 )
+@example(recipe=FLOAT8_EXAMPLES[0], schedule="ring", data_seed=1)
+@example(recipe=FLOAT8_EXAMPLES[1], schedule="bidir", data_seed=2)
 def test_random_programs_compute_the_same_values_on_gloo(ranks, recipe, schedule, data_seed):
     """Rewritten graphs compute what the originals do, up to summation order: within a
     few dozen units in the last place of the least precise float dtype in the graph,
@@ -1010,6 +1140,7 @@ def test_random_programs_compute_the_same_values_on_gloo(ranks, recipe, schedule
     assume(any(r.decision == "rewritten" for r in records))  # the graph fuzz covers the rest
     for kind in sorted({r.kind for r in records if r.decision == "rewritten"}):
         event(f"gloo: {kind} rewritten")  # --hypothesis-show-statistics
+    float8_events(records, "gloo: ")
     results = ranks(recipe.world).run(run_recipe_on_rank, recipe, schedule, data_seed)
     assume(all(result is not None for result in results))
     for rank, result in enumerate(results):
