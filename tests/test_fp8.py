@@ -207,50 +207,33 @@ def _cast_after_the_gather(x, b, scale_a, scale_b):
     return (scaled_mm(gathered(x, N, 0).to(FP8), b, scale_a, scale_b),)
 
 
-def _tensor(shape, dtype=torch.float32):
-    return torch.ones(shape).to(dtype)
+def _inputs(a, b, scale_a=(), scale_b=(), dtype=FP8) -> list[torch.Tensor]:
+    """A (``dtype``), B ([N, K] transposed: column-major), the two scales (float32)."""
+    ones = torch.ones
+    return [ones(a).to(dtype), ones(b).to(FP8).t(), ones(scale_a), ones(scale_b)]
 
 
-DECLINES = [
-    pytest.param(
-        _blockwise,
-        [_tensor((4, 256), FP8), _tensor((16, 256), FP8).t(), _tensor((16, 2)), _tensor((2, 1))],
-        "ag.matmuls_left_out",
-        "scales [16, 2] and [2, 1] are neither per tensor nor per row and column",
-        id="ag-blockwise-scales",
-    ),
-    pytest.param(
-        _blockwise_rs,
-        [_tensor((16, 256), FP8), _tensor((16, 256), FP8).t(), _tensor((16, 2)), _tensor((2, 1))],
-        "rs.scales",
-        "scales [16, 2] and [2, 1] are neither per tensor nor per row and column",
-        id="rs-blockwise-scales",
-    ),
-    pytest.param(
-        _float8_out_rs,
-        [_tensor((16, 32), FP8), _tensor((16, 32), FP8).t(), _tensor(()), _tensor(())],
-        "rs.scaled_sum",
-        "computes torch.float8_e4m3fn: float8 partial sums cannot be added",
-        id="rs-float8-output",
-    ),
-    pytest.param(
-        _float8_out_contract_k,
-        [_tensor((8, 8), FP8), _tensor((16, 32), FP8).t(), _tensor(()), _tensor(())],
-        "ag.matmuls_left_out",
-        "(contract_k): a torch.float8_e4m3fn product (or result scale) summed over blocks",
-        id="ag-contract-k-float8-output",
-    ),
-    pytest.param(
-        _cast_after_the_gather,
-        [_tensor((4, 32), torch.bfloat16), _tensor((16, 32), FP8).t(), _tensor(()), _tensor(())],
-        "ag.matmuls_left_out",
-        "_to_copy (_to_copy.default) sits between the gathered tensor and a matmul",
-        id="ag-cast-after-the-gather",
-    ),
-]
+BLOCKWISE = "scales [16, 2] and [2, 1] are neither per tensor nor per row and column"
+DECLINES = [  # (program, inputs, code, reason, id)
+    (_blockwise, _inputs((4, 256), (16, 256), (16, 2), (2, 1)), "ag.matmuls_left_out", BLOCKWISE,
+     "ag-blockwise-scales"),
+    (_blockwise_rs, _inputs((16, 256), (16, 256), (16, 2), (2, 1)), "rs.scales", BLOCKWISE,
+     "rs-blockwise-scales"),
+    (_float8_out_rs, _inputs((16, 32), (16, 32)), "rs.scaled_sum",
+     "computes torch.float8_e4m3fn: float8 partial sums cannot be added", "rs-float8-output"),
+    (_float8_out_contract_k, _inputs((8, 8), (16, 32)), "ag.matmuls_left_out",
+     "(contract_k): a torch.float8_e4m3fn product (or result scale) summed over blocks",
+     "ag-contract-k-float8-output"),
+    (_cast_after_the_gather, _inputs((4, 32), (16, 32), dtype=torch.bfloat16),
+     "ag.matmuls_left_out",
+     "_to_copy (_to_copy.default) sits between the gathered tensor and a matmul",
+     "ag-cast-after-the-gather"),
+]  # fmt: skip
 
 
-@pytest.mark.parametrize(("fn", "inputs", "code", "reason"), DECLINES)
+@pytest.mark.parametrize(
+    ("fn", "inputs", "code", "reason"), [d[:4] for d in DECLINES], ids=[d[4] for d in DECLINES]
+)
 def test_what_cannot_be_decomposed_exactly_is_declined_with_a_code(
     fake_world, fn, inputs, code, reason
 ):
