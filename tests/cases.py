@@ -166,8 +166,9 @@ class Scaled:
     ``as_bytes`` is False), C = _scaled_mm(A viewed [M, K], B, scale_a, scale_b) viewed
     like A, returning (A, C); ``"scatter"``: RS(_scaled_mm(A viewed [M, K], B, ...)
     viewed like A, dim, op). B is [K, N] column-major (float8 training's weight layout);
-    ``scaling``: "tensor" (0-d scales) or "row" (scale_a per row of A, laid out like A's
-    leading dims, scale_b [1, N]). ``a`` is the shard (gather) or the whole A (scatter)."""
+    ``scaling``: "tensor" (0-d scales), "row" (scale_a per row of A, laid out like A's
+    leading dims, scale_b [1, N]) or "row_gathered" (the shard's rows' scale_a, gathered
+    beside it on the same dim). ``a`` is the shard (gather) or the whole A (scatter)."""
 
     side: str = "gather"
     a: tuple[int, ...] = (2, 4, 32)
@@ -194,9 +195,11 @@ class Scaled:
         b = (torch.rand(self.n_out, shape[-1], generator=wgen) * 4 - 2).to(FP8).t()
         if self.scaling == "tensor":
             scales = [torch.rand((), generator=wgen) + 0.5, torch.rand((), generator=wgen) + 0.5]
-        else:  # the gathered rows' scales, on every rank (replicated); or this rank's A's
-            rows = wgen if self.side == "gather" else gen
-            scale_a = torch.rand([*shape[:-1], 1], generator=rows) + 0.5
+        else:  # "row": the gathered rows' scales on every rank (scatter: this rank's A's);
+            # "row_gathered": this shard's rows' scales, gathered beside it
+            everywhere = self.side == "gather" and self.scaling == "row"
+            lead = shape[:-1] if self.scaling == "row" else self.a[:-1]
+            scale_a = torch.rand([*lead, 1], generator=wgen if everywhere else gen) + 0.5
             scales = [scale_a, torch.rand(1, self.n_out, generator=wgen) + 0.5]
         bias = [torch.randn(self.n_out, generator=wgen).to(self.out_dtype)] if self.bias else []
         return [a, b, *scales, *bias]
@@ -206,6 +209,8 @@ class Scaled:
             if self.side == "gather":
                 gather = float8_gathered if self.as_bytes else gathered
                 a = gather(a, n, self.dim)
+            if self.scaling == "row_gathered":
+                scale_a = gathered(scale_a, n, self.dim)
             a2d, bias = a.reshape(-1, a.shape[-1]), bias[0] if bias else None
             c = scaled_mm(a2d, b, scale_a, scale_b, bias, self.out_dtype, self.fast_accum)
             c = c.view(*a.shape[:-1], c.shape[-1])

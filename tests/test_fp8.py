@@ -48,17 +48,22 @@ RING = Options(schedule="ring", inner="eager")
 def _ports() -> list:
     """PyTorch's fp8 async-TP cases, with the role (gather) or block kind (scatter) each
     becomes. A 2-D shard gathered on dim 1 is gathered on the contracting dim (PyTorch
-    declines it; here ``contract_k``)."""
+    declines it; here ``contract_k``). Row-wise scales of a gathered A come replicated
+    (the gathered rows' scales, sliced per block) or sharded with A ("row_gathered":
+    their own all-gather, whose shards then travel in A's messages)."""
     ports = []
-    for scaling in ("tensor", "row"):
+    for scaling in ("tensor", "row", "row_gathered"):
         for a, dim, role in (
             ((8, 32), 0, "rows"),
             ((8, 16), 1, "contract_k"),
             ((2, 4, 32), 0, "rows"),
             ((2, 4, 32), 1, "rows"),
         ):
-            case = Scaled(side="gather", a=a, dim=dim, scaling=scaling)
-            ports.append(pytest.param(case, role, id=f"ag-{len(a)}d-dim{dim}-{scaling}"))
+            if role == "rows" or scaling != "row_gathered":
+                case = Scaled(side="gather", a=a, dim=dim, scaling=scaling)
+                ports.append(pytest.param(case, role, id=f"ag-{len(a)}d-dim{dim}-{scaling}"))
+        if scaling == "row_gathered":
+            continue
         for a, dim, blocks in (  # the scattered dim divides by 2, 3 and 4
             ((24, 32), 0, "rows"),
             ((24, 32), 1, "columns"),
@@ -112,11 +117,14 @@ def placeholder_of(node: torch.fx.Node) -> str:
 def test_scaled_site_becomes_one_scaled_matmul_per_block(fake_world, case, role):
     """n - 1 P2P steps, no collective left, one ``_scaled_mm`` per step (``contract_k``:
     float32 partials, rounded once), the scales' blocks as the operands': a row-wise
-    scale_a sliced with A's rows, scale_b with B's columns, tensor-wise ones shared."""
+    scale_a sliced with A's rows (or, gathered beside A, come with them), scale_b with B's
+    columns, tensor-wise ones shared."""
     gm = build(case)
     (original,) = calls(gm, SCALED)
     scale_a, scale_b = original.args[2:4]  # as the fused op reads them
+    gathers = [n.name for n in calls(gm, c10d.all_gather_into_tensor.default)]
     record = rewrite(gm)
+    assert record.match.get("collectives") == gathers or case.side == "scatter"
     assert (record.decision, record.schedule, record.p2p_ops) == ("rewritten", "ring", N - 1)
     assert not any(calls(gm, c) for c in COLLECTIVES)
     if case.side == "gather":
@@ -126,7 +134,7 @@ def test_scaled_site_becomes_one_scaled_matmul_per_block(fake_world, case, role)
     blocks = calls(gm, SCALED)
     steps = collections.Counter(n.meta["commfuse"]["step"] for n in blocks)
     assert steps == {s: 1 for s in range(N)}
-    sliced = case.scaling == "row" and role in ("rows", "columns")
+    sliced = case.scaling != "tensor" and role in ("rows", "columns")
     for node in blocks:
         out = node.meta["val"]
         assert out.dtype == (torch.float32 if role == "contract_k" else torch.bfloat16)
@@ -135,7 +143,8 @@ def test_scaled_site_becomes_one_scaled_matmul_per_block(fake_world, case, role)
             assert (a_scale, b_scale) == (scale_a, scale_b)
         elif role == "rows":  # A's per-row scale: this block's rows, strides (1, 1)
             assert a_scale.target is aten.as_strided.default and b_scale is scale_b
-            assert placeholder_of(a_scale) == placeholder_of(scale_a)
+            if case.scaling == "row":
+                assert placeholder_of(a_scale) == placeholder_of(scale_a)
             assert list(a_scale.meta["val"].shape) == [out.shape[0], 1]
             assert a_scale.meta["val"].stride() == (1, 1)
         else:  # B's per-column scale: this block's columns
@@ -145,6 +154,70 @@ def test_scaled_site_becomes_one_scaled_matmul_per_block(fake_world, case, role)
     gm.graph.lint()
     placeholders = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     FakeTensorProp(gm, detect_fake_mode(placeholders)).propagate_dont_convert_inputs(*placeholders)
+
+
+def test_row_scales_gathered_beside_a_travel_in_its_messages(fake_world):
+    """A's shard's rows' scales, gathered on their own on the same dim (PyTorch's
+    row-wise sharded mode): one site for both collectives; each message is A's block's
+    bytes then its scales' (uint8); this rank's block reads its own shards, each received
+    block its unpacked scales. Nothing gathers the scales any more."""
+    case = Scaled(a=(2, 4, 32), dim=1, scaling="row_gathered")
+    gm = build(case)
+    a, _, scale_shard = list(gm.graph.find_nodes(op="placeholder"))[:3]
+    record = rewrite(gm)
+    assert record.match["scale_beside"] == "all_gather_into_tensor_1"
+    assert len(record.match["collectives"]) == 2 and not calls(
+        gm, c10d.all_gather_into_tensor.default
+    )
+    for node in calls(gm, P2P):
+        (sent,), _, (like,), *_ = node.args
+        assert sent.meta["val"].dtype == torch.uint8
+        assert list(like.meta["val"].shape) == [2 * 4 * 32 + 2 * 4 * 4]  # A's bytes, scales'
+    blocks = sorted(calls(gm, SCALED), key=lambda node: node.meta["commfuse"]["step"])
+    assert placeholder_of(blocks[0].args[0]) == a.name  # this rank's block: its own shards
+    assert placeholder_of(blocks[0].args[2]) == scale_shard.name
+    for node in blocks[1:]:  # received blocks: the scales unpacked from the message
+        assert node.args[2].args[0].args[0].target is aten.clone.default
+
+
+@pytest.mark.parametrize(
+    ("fn", "shapes", "why"),
+    [
+        (lambda a, s: (a, s * 2), ((2, 4, 32), (2, 4, 1)), "its gathered value is read too"),
+        (lambda a, s: (a,), ((3, 5), (3, 1)), "A's shard is 15 bytes"),
+    ],
+    ids=["scale-read-elsewhere", "unaligned"],
+)
+def test_row_scales_gathered_beside_a_stay_a_collective_where_they_cannot_travel(
+    fake_world, fn, shapes, why
+):
+    """Where the scales' gathered value has another reader, or A's bytes would leave them
+    unaligned in a message, their all-gather stays (declined: the matmul reads it as its
+    scale), and A's ring reads slices of its result."""
+
+    def program(a, b, scale_a, scale_b):
+        a, scale_a = float8_gathered(a, N, 0), gathered(scale_a, N, 0)
+        c = scaled_mm(a.reshape(-1, a.shape[-1]), b, scale_a, scale_b)
+        return (c, *fn(a, scale_a)[1:])
+
+    (a_shape, s_shape) = shapes
+    inputs = _inputs(a_shape, (16, a_shape[-1]), s_shape, (1, 16))
+    gm = make_fx(program, tracing_mode="fake")(*inputs)
+    records = rewrite_graph(gm, "forward", RING)
+    decided = sorted((r.decision, r.reason.split(": ", 1)[-1]) for r in records)
+    assert decided == [
+        ("declined", "the gathered tensor is its scale_a"),
+        ("rewritten", "schedule 'ring' requested"),
+    ], why
+    assert len(calls(gm, c10d.all_gather_into_tensor.default)) == 1
+
+
+def test_slicing_chunks_that_would_misalign_the_scales_beside_them_are_declined(fake_world):
+    case = Scaled(a=(2, 2, 4), dim=1, n_out=16, scaling="row_gathered")
+    gm = build(case)
+    record = rewrite(gm, Options(schedule="slicing", slices=2, inner="eager"))
+    assert (record.decision, record.decline_code) == ("declined", "lower.scale_beside")
+    assert "is 8 bytes, not a multiple of 16" in record.reason
 
 
 @pytest.mark.parametrize("as_bytes", [True, False], ids=["uint8-view", "float8"])

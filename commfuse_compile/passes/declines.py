@@ -134,6 +134,12 @@ _REASONS = (
         "slicing: {k} chunks do not{provably} divide {what} of size {size}",
     ),
     Reason(
+        "lower.scale_beside",
+        "unsupported",
+        "slicing: a chunk of {node} is {size} bytes, not a multiple of 16: the scales "
+        "gathered beside it cannot follow it in one message",
+    ),
+    Reason(
         "lower.scaled_block",
         "unsupported",
         "the kernel refuses a block of scaled matmul {node}: {error}",

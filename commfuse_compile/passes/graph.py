@@ -199,6 +199,12 @@ def scales_problem(mm: Matmul) -> str | None:
     return None
 
 
+def varies_by_row(scale: Node) -> bool:
+    """Is a scale_a per row of A (not one value for every row)?"""
+    value = val(scale)
+    return value.dim() > 0 and not dims.equal(value.shape[0], 1)
+
+
 def sums_problem(mm: Matmul) -> str | None:
     """Why partial products of a scaled matmul cannot be summed as the fused op would,
     or None. Each partial is computed in float32 (its scales applied, as the fused op

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import operator
 import weakref
 from collections.abc import Callable, Sequence
@@ -38,7 +39,16 @@ from ..runtime.p2p import p2p_fake  # (importing it registers commfuse::p2p)
 from ..schedules import Transfer
 from . import dims
 from .declines import decline
-from .graph import MATMULS, VIEWS, Matmul, in_graph_order, position, split_dim_in_input, val
+from .graph import (
+    MATMULS,
+    VIEWS,
+    Matmul,
+    in_graph_order,
+    position,
+    split_dim_in_input,
+    val,
+    varies_by_row,
+)
 from .site import Site
 
 aten = torch.ops.aten
@@ -282,15 +292,10 @@ def matmul(
     if cols is not None:
         bias = bias and column_block(rw, bias, *cols, step)
         scale_b = scale_b and column_block(rw, scale_b, *cols, step)
-    if rows is not None and scale_a is not None and not _shared_by_rows(scale_a):
+    if rows is not None and scale_a is not None and varies_by_row(scale_a):
         scale_a = _per_row(rw, rows(scale_a), step)
     args, kwargs = mm.args(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b)
     return _emit_matmul(rw, mm, args, kwargs, step)
-
-
-def _shared_by_rows(node: Node) -> bool:
-    value = val(node)
-    return value.dim() == 0 or dims.equal(value.shape[0], 1)
 
 
 def _per_row(rw: Rewrite, scale: Node, step: int) -> Node:
@@ -326,6 +331,38 @@ def slice_block(
 ) -> Node:
     bounds = (rw.size(index * width, step), rw.size((index + 1) * width, step))
     return rw.emit(aten.slice.Tensor, (node, dim, *bounds), step=step, lane=lane)
+
+
+def packed(rw: Rewrite, data: Node, scale: Node, step: int) -> Node:
+    """One message of ``data`` (one-byte elements: float8) and its ``scale`` (float32):
+    their bytes, the data's first (its kernels' pointer stays aligned; the scale's stays
+    aligned while the data's bytes are a multiple of 16, ``unpacked``)."""
+    parts = []
+    for node in (data, scale):
+        node = contiguous(rw, node, step)
+        if val(node).dtype != torch.uint8:
+            node = rw.emit(aten.view.dtype, (node, torch.uint8), step=step, lane="comm")
+        parts.append(rw.emit(aten.view.default, (node, [-1]), step=step, lane="comm"))
+    return rw.emit(aten.cat.default, (parts, 0), step=step, lane="comm")
+
+
+def unpacked(rw: Rewrite, message: Node, data: Node, scale: Node, step: int) -> tuple[Node, Node]:
+    """A ``packed`` message, as tensors like ``data`` and ``scale``: the data a view of
+    it, the scale (a few bytes) copied into its own buffer."""
+    nbytes = math.prod(val(data).shape)
+    end = val(message).shape[0]
+    out = []
+    for node, bounds in ((data, (0, nbytes)), (scale, (nbytes, end))):
+        part = rw.emit(
+            aten.slice.Tensor, (message, 0, *(rw.size(b, step) for b in bounds)), step=step,
+            lane="compute",
+        )  # fmt: skip
+        dtype = val(node).dtype
+        if dtype != torch.uint8:
+            part = rw.emit(aten.view.dtype, (part, dtype), step=step, lane="compute")
+        out.append(viewed(rw, part, val(node).shape, step))
+    copy = rw.emit(aten.clone.default, (out[1],), step=step, lane="compute")
+    return out[0], copy
 
 
 def row_block(rw: Rewrite, index: int, width: dims.Size, step: int) -> Rows:

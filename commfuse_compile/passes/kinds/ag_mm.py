@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -50,6 +51,7 @@ from ..graph import (
     sums_problem,
     the_wait,
     val,
+    varies_by_row,
 )
 from ..rewrite import (
     Rewrite,
@@ -62,10 +64,12 @@ from ..rewrite import (
     hoistable,
     matmul,
     new_tag,
+    packed,
     rows_of_block,
     slice_block,
     start_transfers,
     transposed,
+    unpacked,
     viewed,
     wait_transfers,
 )
@@ -94,6 +98,19 @@ class GatherUse:
     role: str = "rows"
 
 
+@dataclasses.dataclass(frozen=True)
+class Beside:
+    """A per-row scale of A gathered on its own, beside A (its shard's rows' scales, on
+    the same group and dim), read only as the scale of the site's row-block matmuls: its
+    collective joins the site, its shard travels in A's messages (``rewrite.packed``)."""
+
+    gather: Node
+    wait: Node
+    shard: Node
+    chain: tuple[Node, ...]  # its reassembly and views, up to the matmuls' scale_a
+    readers: frozenset[Node]  # those matmuls
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AgMmSite(Site):
     kind: ClassVar[str] = "ag_mm"
@@ -105,14 +122,20 @@ class AgMmSite(Site):
     uses: tuple[GatherUse, ...] = ()
     chain: tuple[Node, ...] = ()  # nodes between the waits and the matmuls
     unmatched: tuple[str, ...] = ()  # matmul users left on the gathered tensor, and why
+    beside: Beside | None = None
 
     @property
     def anchor(self) -> Node:
         return self.gathers[0]
 
+    @property
+    def collectives(self) -> tuple[Node, ...]:
+        return (*self.gathers, *((self.beside.gather,) if self.beside else ()))
+
     def describe(self) -> dict[str, object]:
         return {
-            "collectives": [n.name for n in self.gathers],
+            "collectives": [n.name for n in self.collectives],
+            "scale_beside": self.beside.gather.name if self.beside else None,
             "group": self.group_name,
             "group_size": self.group_size,
             "gather_dim": self.gather_dim,
@@ -130,7 +153,10 @@ class AgMmSite(Site):
             *(f"{u.mm.node.name} ({u.role}): {why}" for u, why in left.items()),
         )
         uses = tuple(u for u in self.uses if u not in left)
-        site = dataclasses.replace(self, uses=uses, unmatched=unmatched)
+        beside = self.beside
+        if beside is not None and not beside.readers <= {u.mm.node for u in uses}:
+            beside = None  # a matmul left out keeps reading the gathered scale
+        site = dataclasses.replace(self, uses=uses, unmatched=unmatched, beside=beside)
         if not uses:
             raise decline("ag.matmuls_left_out", unmatched="; ".join(unmatched))
         return site
@@ -142,7 +168,9 @@ class AgMm:
     nests = True
 
     def find(self, graph: Graph) -> list[Site]:
-        return matched(_gathers_by_shard(graph).items(), lambda item: _match(*item))
+        sites = matched(_gathers_by_shard(graph).items(), lambda item: _match(*item))
+        beside = {s.beside.gather for s in sites if isinstance(s, AgMmSite) and s.beside}
+        return [s for s in sites if not beside & set(s.gathers)]  # type: ignore[attr-defined]
 
     def rematch(self, site: Site) -> Site | None:
         assert isinstance(site, AgMmSite)
@@ -163,7 +191,8 @@ class AgMm:
     def work(self, site: Site, n: int) -> Work:
         assert isinstance(site, AgMmSite)
         flops = sum(2 * numel(u.mm.node) * dims.hint(val(u.mm.a).shape[1]) for u in site.uses)
-        shard_bytes = numel(site.shard) * val(site.shard).element_size()
+        shards = (site.shard, *((site.beside.shard,) if site.beside else ()))
+        shard_bytes = sum(numel(shard) * val(shard).element_size() for shard in shards)
         return Work("gather", n, flops / n, shard_bytes, len(site.uses))
 
     def start(self, site: Site) -> tuple[Site, Node]:
@@ -182,11 +211,12 @@ class AgMm:
 
     def replaced(self, site: Site) -> Sequence[Node]:
         assert isinstance(site, AgMmSite)
-        return [*site.gathers, *site.waits, *site.chain, *(u.mm.node for u in site.uses)]
+        beside = (site.beside.gather, site.beside.wait, *site.beside.chain) if site.beside else ()
+        return [*site.gathers, *site.waits, *site.chain, *(u.mm.node for u in site.uses), *beside]
 
     def collectives(self, site: Site) -> Sequence[Node]:
         assert isinstance(site, AgMmSite)
-        return site.gathers
+        return site.collectives
 
 
 KIND = AgMm()
@@ -255,8 +285,9 @@ def _match(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite | None:
             raise decline("ag.matmuls_left_out", unmatched="; ".join(found.unmatched))
         if not found.uses:
             raise decline("ag.no_matmul")
+        beside = _scale_beside(found, shard, group_name)
     except Declined as why:
-        declined = why.kept()
+        declined, beside = why.kept(), None
     return AgMmSite(
         gathers=tuple(gathers),
         waits=tuple(waits),
@@ -268,8 +299,63 @@ def _match(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite | None:
         uses=tuple(found.uses),
         chain=tuple(found.chain),
         unmatched=tuple(found.unmatched),
+        beside=beside,
         declined=declined,
     )
+
+
+def _scale_beside(found: _Uses, shard: Node, group_name: str) -> Beside | None:
+    """The all-gather of A's per-row scale beside A's (``Beside``), if every row-block
+    scaled matmul with a per-row scale reads the same one, only they read it, and A's
+    shard is a multiple of 16 bytes (the scale's bytes follow it, aligned)."""
+    readers = [u.mm for u in found.uses if u.role == "rows" and _per_row_scale(u.mm)]
+    sources: set[Node] = set()
+    views: set[Node] = set()
+    for mm in readers:
+        node: Node = mm.scale_a  # type: ignore[assignment]
+        while node.target in VIEWS:
+            views.add(node)
+            node = node_arg(node, 0, "self")
+        sources.add(node)
+    source = sources.pop() if len(sources) == 1 else None
+    wait = _wait_before(source) if source is not None else None
+    if wait is None or not dims.divisible(math.prod(val(shard).shape), 16):
+        return None
+    gather = node_arg(wait, 0, "input")
+    scale_shard, n, name = gather.args[:3]
+    value, (gathered, g, chain) = val(scale_shard), _reassembled(wait, found.n)
+    if (
+        gathered is not source
+        or the_wait(gather) is not wait
+        or saved_unwaited(gather)
+        or (n, name) != (found.n, group_name)
+        or g != found.gather_dim
+        or value.dtype != torch.float32
+        or not dims.same_shape(value.shape, (*val(shard).shape[:-1], 1))
+    ):
+        return None
+    own = {wait, *chain, *views}
+    inside = own | {mm.node for mm in readers}
+    if any(u not in inside for node in own for u in data_users(node)):
+        return None
+    return Beside(gather, wait, scale_shard, (*chain, *views), frozenset(m.node for m in readers))
+
+
+def _per_row_scale(mm: Matmul) -> bool:
+    return mm.scale_a is not None and varies_by_row(mm.scale_a)
+
+
+def _wait_before(node: Node) -> Node | None:
+    """The wait_tensor of the all-gather whose (reassembled) value ``node`` is."""
+    if node.target is aten.cat.default:
+        parts = node_arg(node, 0, "tensors")
+        if parts and parts[0].target is operator.getitem:
+            node = node_arg(parts[0], 0, "self")  # the split
+            node = node_arg(node, 0, "self") if node.target is aten.split.Tensor else node
+    if node.target is not c10d.wait_tensor.default:
+        return None
+    gather = node_arg(node, 0, "input")
+    return node if gather.target is c10d.all_gather_into_tensor.default else None
 
 
 def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
@@ -398,7 +484,10 @@ class _GatherProducts:
         self.sums: list[Node | None] = [None for _ in site.uses]
         self.others: dict[int, Node] = {}  # contract: the other operand viewed like G
 
-    def add(self, piece: Node, index: int, shape: Sequence[dims.Size], s: int) -> None:
+    def add(
+        self, piece: Node, scale: Node | None, index: int, shape: Sequence[dims.Size], s: int
+    ) -> None:
+        """``scale``: the piece's rows' scales, where they came beside it (``Beside``)."""
         rw, site = self.rw, self.site
         width = shape[site.gather_dim]
         views: dict[tuple[object, ...], Node] = {}  # one 2-D view of the piece per shape
@@ -417,6 +506,8 @@ class _GatherProducts:
             g2d = views[key]
             if use.role == "rows":
                 rows = functools.partial(self._rows_of, use, index, width, s)
+                if scale is not None and site.beside and mm.node in site.beside.readers:
+                    rows = functools.partial(_as_rows, rw, scale, shape2d[0], s)
                 part = matmul(rw, mm, g2d, mm.b, s, rows=rows)
                 self.blocks[i][index] = viewed(rw, part, [*lead, val(part).shape[1]], s)
             elif use.role == "columns":
@@ -472,22 +563,34 @@ class _GatherProducts:
             rw.replace[use.mm.node] = viewed(rw, full, list(val(use.mm.node).shape), step)
 
 
+def _as_rows(rw: Rewrite, scale: Node, rows: dims.Size, s: int, _: Node) -> Node:
+    """A piece's per-row scales (that came beside it), as its [rows, 1] scale_a."""
+    return viewed(rw, scale, [rows, 1], s)
+
+
 def _lower(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule) -> None:
+    """The ring of messages: a shard, or a shard and its rows' scales packed (``Beside``);
+    each block's matmuls read it as it arrives (this rank's own block first, unpacked)."""
     n, tag = group.size, new_tag()
     shard_shape = dims.sizes(val(site.shard).shape)
-    held: dict[int, Node] = {group.rank: _local_shard(rw, site)}
+    local = _local_shard(rw, site)
+    scale = site.beside.shard if site.beside else None
+    pieces: dict[int, tuple[Node, Node | None]] = {group.rank: (local, scale)}
+    held: dict[int, Node] = {group.rank: packed(rw, local, scale, 0) if scale else local}
     products = _GatherProducts(rw, site)
     for s, step in enumerate(schedule.steps("gather", group.rank, n, 0)):
         started, recvs, sent = start_transfers(
             rw, group, tag, s, step.sends, step.recvs, held, recv_like=held[group.rank]
         )
         for b in step.compute:
-            products.add(held[b], b, shard_shape, s)
+            if b not in pieces:
+                pieces[b] = _piece(rw, held[b], local, scale, s)
+            products.add(*pieces[b], b, shard_shape, s)
         waits = wait_transfers(rw, s, recvs, sent, held)
         rw.steps.append(Step(started, rw.matmuls.get(s, []), waits))
     last = len(rw.steps)
     products.finish(n, last)
-    _rebuild_gathered(rw, site, [held[b] for b in range(n)], last)
+    _rebuild_gathered(rw, site, [pieces[b][0] for b in range(n)], last)
 
 
 def _lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, k: int) -> None:
@@ -498,40 +601,66 @@ def _lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule,
     width = chunk_width(shard_shape[dim], k, f"the shard's dim {dim}")
     chunk_shape = [*shard_shape[:dim], width, *shard_shape[dim + 1 :]]
     gathering: dict[int, Node] = {}
-    pieces: dict[tuple[int, int], Node] = {}  # (block, chunk) -> gathered piece
+    chunks: dict[int, tuple[Node, Node | None]] = {}  # this rank's chunk i (and its scales)
+    pieces: dict[tuple[int, int], tuple[Node, Node | None]] = {}  # (block, chunk) -> piece
     products = _GatherProducts(rw, site)
     for s, step in enumerate(schedule.steps("gather", group.rank, n, k)):
         issue = None
         if step.issue is not None:
-            chunk = contiguous(
-                rw, slice_block(rw, site.shard, dim, step.issue, width, s, "comm"), s
-            )
+            chunks[step.issue] = chunk, scale = _chunk(rw, site, step.issue, width, s)
+            message = packed(rw, chunk, scale, s) if scale else chunk
             issue = gathering[step.issue] = rw.emit(
-                c10d.all_gather_into_tensor.default, (chunk, n, group.name), step=s, lane="comm"
+                c10d.all_gather_into_tensor.default, (message, n, group.name), step=s, lane="comm"
             )
         if step.compute is not None:
             for b in range(n):
                 index = b * k + step.compute
-                products.add(pieces[b, step.compute], index, chunk_shape, s)
+                products.add(*pieces[b, step.compute], index, chunk_shape, s)
         waits = []
         if step.wait is not None:
             gathered = rw.emit(
                 c10d.wait_tensor.default, (gathering[step.wait],), step=s, lane="comm"
             )
             waits.append(gathered)
+            chunk, scale = chunks[step.wait]
+            length = val(gathered).shape[0] // n
             for b in range(n):
-                pieces[b, step.wait] = slice_block(rw, gathered, 0, b, chunk_shape[0], s, "comm")
+                part = slice_block(rw, gathered, 0, b, length, s, "comm")
+                pieces[b, step.wait] = _piece(rw, part, chunk, scale, s)
         rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
     last = len(rw.steps)
     products.finish(n * k, last)
     if _gathered_outlives(site):
         shards = [
             rw.emit(
-                aten.cat.default, ([pieces[b, i] for i in range(k)], dim), step=last, lane="comm"
+                aten.cat.default, ([pieces[b, i][0] for i in range(k)], dim), step=last, lane="comm"
             )
             for b in range(n)
         ]
         _rebuild_gathered(rw, site, shards, last)
+
+
+def _piece(
+    rw: Rewrite, message: Node, data: Node, scale: Node | None, s: int
+) -> tuple[Node, Node | None]:
+    """A received (or gathered) block: the data and its rows' scales, if packed with it."""
+    return unpacked(rw, message, data, scale, s) if scale is not None else (message, None)
+
+
+def _chunk(
+    rw: Rewrite, site: AgMmSite, i: int, width: dims.Size, s: int
+) -> tuple[Node, Node | None]:
+    """This rank's chunk ``i`` along the gathered dim, and its rows' scales if they come
+    beside it (then the chunk's bytes must keep them aligned: a multiple of 16)."""
+    dim = site.gather_dim
+    chunk = contiguous(rw, slice_block(rw, site.shard, dim, i, width, s, "comm"), s)
+    if site.beside is None:
+        return chunk, None
+    size = math.prod(val(chunk).shape)
+    if not dims.divisible(size, 16):
+        raise decline("lower.scale_beside", node=site.shard.name, size=size)
+    scale = slice_block(rw, site.beside.shard, dim, i, width, s, "comm")
+    return chunk, contiguous(rw, scale, s)
 
 
 def _local_shard(rw: Rewrite, site: AgMmSite) -> Node:
@@ -587,11 +716,15 @@ def _outside_readers(site: AgMmSite) -> list[Node]:
 
 
 def _late_inputs(use: GatherUse, site: AgMmSite) -> list[Node]:
-    """What ``use``'s matmul reads besides the gathered tensor that cannot be computed
-    before the collective's first reader (a pure one, a weight's transpose, is hoisted
-    there at commit instead)."""
+    """What ``use``'s matmul reads besides the gathered tensor (and the scales gathered
+    beside it: their shard instead) that cannot be computed before the collective's first
+    reader (a pure one, a weight's transpose, is hoisted there at commit instead)."""
     own, first = {*site.waits, *site.chain}, _first_reader(site)
-    return [a for a in use.mm.node.all_input_nodes if a not in own and not hoistable(a, first)]
+    inputs = use.mm.node.all_input_nodes
+    if site.beside and use.mm.node in site.beside.readers:
+        own |= {site.beside.wait, *site.beside.chain}
+        inputs = [*inputs, site.beside.shard]
+    return [a for a in inputs if a not in own and not hoistable(a, first)]
 
 
 def _start_point(use: GatherUse, site: AgMmSite) -> Node | None:
