@@ -4,7 +4,7 @@ backend="commfuse".
     torchrun --nproc-per-node 2 examples/train_megatron_style.py --steps 3 --compare
     torchrun --nproc-per-node 4 examples/train_megatron_style.py --steps 3 --compare \
         --inner inductor
-        [--schedule ring|auto|off] [--blocks N]
+        [--schedule ring|auto|off] [--blocks N] [--float8]
 
 Activations are sequence-first ``[s, b, h]`` and sharded on the sequence. Each block's
 column-parallel linears (fused q/k/v, fused gate/up) gather their input along the
@@ -15,6 +15,9 @@ the in-place c10d API into preallocated buffers (``dist.all_gather_into_tensor(o
 does (``commfuse_compile/tools/styles.py``). Rank 0 prints each step's loss and time and
 what the pass did with every site; ``--compare`` also trains without the pass (plain
 eager, the same initialization and data) and prints the largest relative loss difference.
+``--float8``: the linears compute in float8 (``commfuse_compile/tools/float8.py``: a
+scaled matmul of inputs and weights cast with amax scaling; the column-parallel input
+quantized before it is gathered, as its uint8 bytes).
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ from commfuse_compile.tools import training
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     training.add_arguments(parser)
+    parser.add_argument("--float8", action="store_true", help="the linears in float8")
     args = parser.parse_args()
     device = training.init_torchrun()
     world_size = dist.get_world_size()
     # the whole batch on every rank; 32 tokens per rank (the sequence is sharded)
-    cfg = training.example_config(args, "megatron", 1, 4, 32 * world_size, device, bias=True)
+    front = "float8" if args.float8 else "megatron"
+    cfg = training.example_config(args, front, 1, 4, 32 * world_size, device, bias=True)
     training.run_and_print(cfg, args)
     dist.destroy_process_group()
 

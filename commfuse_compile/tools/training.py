@@ -42,13 +42,14 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import report
 from ..passes.declines import REASONS
+from .float8 import Float8MegatronBlock
 from .models import Block, UlyssesBlock, block_plan
 from .styles import DeepSpeedUlyssesBlock, MegatronBlock
 
-FRONT_ENDS = ("tp", "fsdp", "ulysses", "megatron", "deepspeed")
+FRONT_ENDS = ("tp", "fsdp", "ulysses", "megatron", "deepspeed", "float8")
 # fronts whose activations are sharded on the sequence over the whole world, and whose
 # replicated parameters' gradients are summed over it after the backward
-SEQUENCE_SHARDED = ("ulysses", "megatron", "deepspeed")
+SEQUENCE_SHARDED = ("ulysses", "megatron", "deepspeed", "float8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,8 @@ class Transformer(nn.Module):
 
 
 def _block(cfg: TrainConfig, group: Any) -> nn.Module:
+    if cfg.front == "float8":  # "megatron" with float8 linears (tools/float8)
+        return Float8MegatronBlock(cfg.dim, cfg.heads, cfg.hidden, group, cfg.bias)
     if cfg.front == "megatron":
         return MegatronBlock(cfg.dim, cfg.heads, cfg.hidden, group, cfg.bias)
     if cfg.front == "deepspeed":
