@@ -48,11 +48,21 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> 
 
     def inner_compile(graph: GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         kind = _graph_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False))
+
+        def compile_once(gm: GraphModule) -> Any:
+            # A fallback compiles the graph a second time in the same tracing context,
+            # whose output strides the first compile already reported (Inductor asserts
+            # that list is empty): the second compile's are the ones that hold.
+            context = torch._guards.TracingContext.try_get()
+            if context is not None and context.output_strides:
+                context.output_strides.clear()
+            return compile_fx_inner(gm, inputs, **kwargs)
+
         return rewrite_and_compile(
             graph,
             kind,
             opts,
-            lambda gm: compile_fx_inner(gm, inputs, **kwargs),
+            compile_once,
             program_of=lambda compiled: getattr(compiled, "source_code", None),
         )
 

@@ -105,6 +105,31 @@ def test_an_eager_graphs_sequence_is_its_node_order(fake_world):
     assert {int(e.label.split()[1]) for e in starts[:-1]} == site_ids
 
 
+def test_a_forward_graph_that_falls_back_compiles_again_with_inductor(fake_world, monkeypatch):
+    """A fallback compiles the original graph in the same tracing context as the first
+    compile (Inductor asserts the context's output strides were not reported yet)."""
+    from commfuse_compile.passes import program as program_module
+
+    def violated(code, group_ranks=None):
+        return program_module.Result(["line 1: a made-up violation"], [], 0, [])
+
+    monkeypatch.setattr(program_module, "check", violated)
+    torch._dynamo.reset()
+    report.reset()
+    w = torch.randn(16, 8, requires_grad=True)
+
+    def gather_matmul(x):
+        name = dist.group.WORLD.group_name
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, N, name)) @ w
+
+    compiled = torch.compile(gather_matmul, backend="commfuse", options={"schedule": "ring"})
+    with pytest.warns(UserWarning, match="breaks a transfer's buffer"):
+        out = compiled(torch.randn(2, 16))
+    assert out.shape == (2 * N, 8)
+    forward = [s for s in report.REPORT.sites if s.graph == "forward"]
+    assert [s.decline_code for s in forward] == ["compiler.breaks_buffer"]
+
+
 def ring(site: int, rank: int, n: int, steps: int | None = None) -> list[Event]:
     """One ring site's P2P steps as ``rank`` runs them: start, then wait, each step."""
     events = []

@@ -38,7 +38,7 @@ from .sequence import START, WAIT, Event
 P2P_CALL = "torch.ops.commfuse.p2p.default"
 WAIT_CALL = "torch.ops._c10d_functional.wait_tensor.default"
 COLLECTIVE_PREFIX = "torch.ops._c10d_functional."
-MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm"})
+MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"})
 CHECKS = ("assert_", "torch._check")
 ALLOCATORS = re.compile(r"^(empty_strided(_\w+)?|torch\.empty\w*)$")
 
