@@ -6,7 +6,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 SCHEDULES = ("auto", "ring", "bidir", "push", "slicing", "off")
 INNER_COMPILERS = ("inductor", "eager")
@@ -73,17 +73,19 @@ class Options:
             raise CommfuseOptionError(
                 f"commfuse: unknown option(s) {unknown}; valid options are {sorted(known)}"
             )
-        values, where = {}, {}
-        for name in ENV:
-            values[name], where[name] = _given_or_env(given, name)
-        _check_choice(where["schedule"], values["schedule"], SCHEDULES)
-        _check_choice(where["inner"], values["inner"], INNER_COMPILERS)
-        values["debug_dir"] = _debug_dir(values["debug_dir"], where["debug_dir"])
-        values["disable"] = _disable(values["disable"], where["disable"])
-        values["profile"] = _profile(values["profile"], where["profile"])
-        values["slices"] = _slices(values["slices"], where["slices"])
-        values["measure"] = _measure(values["measure"], where["measure"])
-        origins = tuple((name, _origin(where[name], values[name])) for name in ENV)
+        got = {name: _given_or_env(given, name) for name in ENV}
+        _check_choice(got["schedule"], SCHEDULES)
+        _check_choice(got["inner"], INNER_COMPILERS)
+        values = {
+            "schedule": got["schedule"].value,
+            "inner": got["inner"].value,
+            "debug_dir": _debug_dir(got["debug_dir"]),
+            "disable": _disable(got["disable"]),
+            "profile": _profile(got["profile"]),
+            "slices": _slices(got["slices"]),
+            "measure": _measure(got["measure"]),
+        }
+        origins = tuple((name, got[name].origin) for name in ENV)
         return cls(**{k: v for k, v in values.items() if v is not None}, origins=origins)
 
     def described(self) -> dict[str, dict[str, Any]]:
@@ -94,93 +96,108 @@ class Options:
         }
 
 
-def _given_or_env(given: Mapping[str, Any], name: str) -> tuple[Any, str]:
-    """The option's value, else its environment variable's (a string), else None; and
-    where it came from, as messages name it."""
+class _Given(NamedTuple):
+    """An option's raw value, where messages say it came from, and its origin."""
+
+    value: Any
+    where: str  # "option 'x'" or "environment variable NAME (option 'x')"
+    origin: str  # "option", "environment variable NAME" or "default" (neither is set)
+
+    @property
+    def from_env(self) -> bool:
+        return self.origin.startswith("environment")
+
+
+def _given_or_env(given: Mapping[str, Any], name: str) -> _Given:
+    """The option's value, else its environment variable's (a string), else None."""
     if given.get(name) is not None or (name in given and name not in UNSET_BY_NONE):
-        return given[name], f"option {name!r}"
+        return _Given(given[name], f"option {name!r}", "option")
+    variable = f"environment variable {ENV[name]}"
     raw = os.environ.get(ENV[name], "").strip()
-    return (raw or None), f"environment variable {ENV[name]} (option {name!r})"
-
-
-def _origin(where: str, value: object) -> str:
-    if where.startswith("option"):
-        return "option"
-    return where.split(" (")[0] if value is not None and value != frozenset() else "default"
+    return _Given(raw or None, f"{variable} (option {name!r})", variable if raw else "default")
 
 
 def _plain(value: object) -> object:
     return sorted(value) if isinstance(value, frozenset) else value
 
 
-def _debug_dir(value: Any, where: str) -> str | None:
-    if value is None:
+def _check_choice(got: _Given, choices: tuple[str, ...]) -> None:
+    if got.origin != "default" and got.value not in choices:
+        raise CommfuseOptionError(
+            f"commfuse: {got.where} must be one of {list(choices)}, got {got.value!r}"
+        )
+
+
+def _debug_dir(got: _Given) -> str | None:
+    if got.value is None:
         return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise CommfuseOptionError(f"commfuse: {where} must be a path, got {value!r}")
-    path = os.fspath(value)
+    if not isinstance(got.value, (str, os.PathLike)):
+        raise CommfuseOptionError(f"commfuse: {got.where} must be a path, got {got.value!r}")
+    path = os.fspath(got.value)
     problem = dump_dir_problem(path)
     if problem:
-        raise CommfuseOptionError(f"commfuse: {where}: {problem}")
+        raise CommfuseOptionError(f"commfuse: {got.where}: {problem}")
     return path
 
 
-def _disable(value: Any, where: str) -> frozenset[str]:
+def _disable(got: _Given) -> frozenset[str]:
+    value = got.value
     if value is None:
         return frozenset()
-    if isinstance(value, str) and where.startswith("environment"):
+    if isinstance(value, str) and got.from_env:
         value = [d for d in value.split(",") if d.strip()]
     if isinstance(value, str) or not all(isinstance(d, str) for d in value):
-        raise CommfuseOptionError(f"commfuse: {where} must be a list of names, got {value!r}")
+        raise CommfuseOptionError(f"commfuse: {got.where} must be a list of names, got {value!r}")
     names = frozenset(d.strip() for d in value)
     if names - set(DISABLEABLE):
         raise CommfuseOptionError(
-            f"commfuse: {where}: cannot disable {sorted(names - set(DISABLEABLE))}; "
+            f"commfuse: {got.where}: cannot disable {sorted(names - set(DISABLEABLE))}; "
             f"names are {list(DISABLEABLE)}"
         )
     return names
 
 
-def _profile(value: Any, where: str) -> str | None:
-    if value is None:
+def _profile(got: _Given) -> str | None:
+    if got.value is None:
         return None
-    if not isinstance(value, (str, os.PathLike)):
+    if not isinstance(got.value, (str, os.PathLike)):
         raise CommfuseOptionError(
-            f"commfuse: {where} must be a profile name or a path, got {value!r}"
+            f"commfuse: {got.where} must be a profile name or a path, got {got.value!r}"
         )
     from .cost.profiles import ProfileError, load
 
     try:
-        load(value)
+        load(got.value)
     except ProfileError as err:
-        raise CommfuseOptionError(f"commfuse: {where}: {err}") from None
-    return os.fspath(value)
+        raise CommfuseOptionError(f"commfuse: {got.where}: {err}") from None
+    return os.fspath(got.value)
 
 
-def _slices(value: Any, where: str) -> int:
-    if value is None and _unset(where):
+def _slices(got: _Given) -> int:
+    if got.origin == "default":
         return 2
-    if isinstance(value, str) and where.startswith("environment") and value.isdigit():
+    value = got.value
+    if isinstance(value, str) and got.from_env and value.isdigit():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool) or not 1 < value <= MAX_SLICES:
         raise CommfuseOptionError(
-            f"commfuse: {where} must be an integer in 2..{MAX_SLICES}, got {value!r}"
+            f"commfuse: {got.where} must be an integer in 2..{MAX_SLICES}, got {value!r}"
         )
     return value
 
 
-def _measure(value: Any, where: str) -> bool:
-    if value is None and _unset(where):
+def _measure(got: _Given) -> bool:
+    if got.origin == "default":
         return False
-    if isinstance(value, str) and where.startswith("environment"):
-        if value.lower() not in TRUE + FALSE:
+    if isinstance(got.value, str) and got.from_env:
+        if got.value.lower() not in TRUE + FALSE:
             raise CommfuseOptionError(
-                f"commfuse: {where} must be one of {list(TRUE + FALSE)}, got {value!r}"
+                f"commfuse: {got.where} must be one of {list(TRUE + FALSE)}, got {got.value!r}"
             )
-        return value.lower() in TRUE
-    if not isinstance(value, bool):
-        raise CommfuseOptionError(f"commfuse: {where} must be True or False, got {value!r}")
-    return value
+        return got.value.lower() in TRUE
+    if not isinstance(got.value, bool):
+        raise CommfuseOptionError(f"commfuse: {got.where} must be True or False, got {got.value!r}")
+    return got.value
 
 
 def dump_dir_problem(path: str) -> str | None:
@@ -194,15 +211,3 @@ def dump_dir_problem(path: str) -> str | None:
             what = "is a file" if part == Path(path) else f"is inside the file {str(part)!r}"
             return f"{path!r} {what}; give a directory (it is created if missing)"
     return None
-
-
-def _unset(where: str) -> bool:
-    """A None that means "not given": neither the option nor its variable is set."""
-    return where.startswith("environment")
-
-
-def _check_choice(where: str, value: object, choices: tuple[str, ...]) -> None:
-    if not (value is None and _unset(where)) and value not in choices:
-        raise CommfuseOptionError(
-            f"commfuse: {where} must be one of {list(choices)}, got {value!r}"
-        )

@@ -44,7 +44,7 @@ def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[Si
     """Rewrite ``gm`` in place; returns one record per site found (also in the report).
     The graph runs node by node (eager FX), so its order of transfers is the graph's."""
     result = _rewrite(gm, graph_kind, options)
-    why = _agree(result, options, lambda: sequence.from_graph(gm.graph, groups.ranks_of))
+    why = _agree(result, gm)
     if why is not None and _rewritten(result):
         _fall_back(result, why, options)  # the restored graph recompiles
     _finish(result, options)
@@ -65,22 +65,18 @@ def rewrite_and_compile(
     reject the rewritten graph, or its program fail either check, warn, record every
     site as declined and compile the original graph (on every rank, for the second)."""
     result = _rewrite(gm, graph_kind, options)
-    checked: list[program.Result] = []
+    checked: program.Result | None = None
     try:
         compiled = compile_fn(gm)
         if _rewritten(result) and program_of is not None:
-            checked.append(_check_program(program_of(compiled), options, result))
+            checked = _check_program(program_of(compiled), options, result)
     except Exception as err:
         if not _rewritten(result):
             raise
         failed = err if isinstance(err, Declined) else decline("compiler.failed", error=_brief(err))
         _fall_back(result, failed, options)
         compiled = compile_fn(gm)
-    why = _agree(
-        result,
-        options,
-        lambda: checked[0].sequence if checked else sequence.from_graph(gm.graph, groups.ranks_of),
-    )
+    why = _agree(result, gm, checked.sequence if checked is not None else None)
     if why is not None and _rewritten(result):
         _fall_back(result, why, options)
         compiled = compile_fn(gm)
@@ -126,19 +122,22 @@ def _finish(result: _Result, options: Options) -> None:
 
 
 def _agree(
-    result: _Result, options: Options, program: Callable[[], list[sequence.Event]]
+    result: _Result, gm: GraphModule, events: list[sequence.Event] | None = None
 ) -> Declined | None:
     """Compare this graph across the ranks of its groups (``groups.exchange``): they must
     have been given the same inputs (else ``RankMismatchError``), have decided alike,
     start their transfers in one order, and their programs run together must complete
-    (``sequence.simulate``). Returns why the graph falls back, the same on every rank
-    (each reads the same exchange), or None. A graph with no site on a group costs
-    nothing; otherwise one store exchange, and a replay of the sequences."""
-    if not result.groups:
+    (``sequence.simulate``). ``events``: the compiled program's transfers, if it was
+    read; else the graph's, in node order. Returns why the graph falls back, the same on
+    every rank (each reads the same exchange), or None. A graph with no site on a group,
+    or a process with no peers, costs nothing; otherwise one store exchange, and a
+    replay of the sequences."""
+    if not result.groups or not groups.exchanging():
         return None
     started = time.perf_counter()
     try:
-        events: list[sequence.Event] | None = program()
+        if events is None:
+            events = sequence.from_graph(gm.graph, groups.ranks_of)
     except Exception as err:  # noqa: BLE001 - a fault of the reading: decline, never break
         log.warning("commfuse: cannot read this graph's transfers: %s", _brief(err))
         events = None
@@ -150,7 +149,6 @@ def _agree(
     mine = {
         "inputs": inputs,
         "decisions": [[r.kind, r.decision, r.schedule] for r in result.records],
-        "rewritten": bool(_rewritten(result)),
         "sequence": None if events is None else [e.as_json() for e in events],
     }
     read = time.perf_counter()
@@ -177,7 +175,7 @@ def _agree(
 
 def _verdict(seen: dict[int, dict[str, Any]]) -> Declined | None:
     """Why the ranks' programs cannot run together, from every rank's exchange."""
-    if not any(s["rewritten"] for s in seen.values()):
+    if not any(d[1] == "rewritten" for s in seen.values() for d in s["decisions"]):
         return None  # nothing of the pass's runs: the graphs as they came
     decisions = {r: s["decisions"] for r, s in seen.items()}
     differ = sorted(r for r, d in decisions.items() if d != decisions[min(decisions)])

@@ -32,9 +32,9 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .graph import SLICE_ARGS, node_arg
+from .sequence import WAIT_TENSOR
 
 aten = torch.ops.aten
-WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 COPIES = frozenset({aten.copy.default, aten.copy_.default})
 # a fresh buffer: allocated, never read before it is written whole
 FRESH = frozenset(

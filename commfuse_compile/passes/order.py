@@ -34,14 +34,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.fx import Graph, Node
 from torch.utils._ordered_set import OrderedSet
 
-from .rewrite import P2P, Step
-
-WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+from .rewrite import Step
+from .sequence import is_transfer_start
 
 
 def keep_order(graph: Graph, steps: Iterable[Step]) -> None:
@@ -64,16 +62,5 @@ def keep_order(graph: Graph, steps: Iterable[Step]) -> None:
 
 
 def transfer_starts(graph: Graph) -> list[Node]:
-    """Every node that starts a transfer: P2P ops and functional collectives."""
-    return [
-        node
-        for node in graph.nodes
-        if node.op == "call_function"
-        and (
-            node.target is P2P
-            or (
-                getattr(node.target, "namespace", None) == "_c10d_functional"
-                and node.target is not WAIT_TENSOR
-            )
-        )
-    ]
+    """Every node that starts a transfer, in graph order."""
+    return [node for node in graph.nodes if is_transfer_start(node)]

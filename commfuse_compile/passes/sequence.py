@@ -139,11 +139,13 @@ def _needs(programs: Mapping[int, Sequence[Event]]) -> dict[tuple[int, int], lis
     """(rank, transfer) -> the starts on other ranks its wait needs."""
     p2p: dict[tuple[str, int, int, int | None], list[int]] = collections.defaultdict(list)
     collectives: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
+    nth: dict[tuple[int, int], int] = {}  # (rank, collective) -> its index on its group
     for rank, events in programs.items():
         for e in events:
             if e.action != START:
                 continue
             if e.ranks:
+                nth[(rank, e.transfer)] = len(collectives[(e.group, rank)])
                 collectives[(e.group, rank)].append(e.transfer)
             for peer in e.sends:
                 p2p[("send", rank, peer, e.tag)].append(e.transfer)
@@ -159,12 +161,20 @@ def _needs(programs: Mapping[int, Sequence[Event]]) -> dict[tuple[int, int], lis
         for e in events:
             if e.action != START or not e.ranks:
                 continue
-            index = collectives[(e.group, rank)].index(e.transfer)
+            index = nth[(rank, e.transfer)]
             for member in e.ranks:
                 theirs = collectives.get((e.group, member), [])
                 in_job = member in programs and index < len(theirs)
                 needs[(rank, e.transfer)].append((member, theirs[index]) if in_job else _NEVER)
     return needs
+
+
+def is_transfer_start(node: Node) -> bool:
+    """Does ``node`` start a transfer: a P2P op, or a functional collective (not a wait)?"""
+    if node.op != "call_function":
+        return False
+    functional = getattr(node.target, "namespace", None) == "_c10d_functional"
+    return node.target is P2P or (functional and node.target is not WAIT_TENSOR)
 
 
 def from_graph(graph: Graph, group_ranks: Callable[[str], tuple[int, ...]]) -> list[Event]:
@@ -173,7 +183,13 @@ def from_graph(graph: Graph, group_ranks: Callable[[str], tuple[int, ...]]) -> l
     events: list[Event] = []
     pending: dict[Node, list[Event]] = collections.defaultdict(list)  # tensor -> transfers
     for node in graph.nodes:
-        if node.op != "call_function":
+        if node.target is WAIT_TENSOR:
+            tensor = node.args[0]
+            if tensor.target is operator.getitem and tensor.args[0].target is P2P:
+                tensor = tensor.args[0]
+            events += [dataclasses.replace(e, action=WAIT) for e in pending.pop(tensor, [])]
+            continue
+        if not is_transfer_start(node):
             continue
         if node.target is P2P:
             sends, send_peers, _, recv_peers, tag, group, label, *_ = node.args
@@ -182,18 +198,9 @@ def from_graph(graph: Graph, group_ranks: Callable[[str], tuple[int, ...]]) -> l
             )
             for tensor in [*sends, node]:
                 pending[tensor].append(event)
-        elif node.target is WAIT_TENSOR:
-            tensor = node.args[0]
-            if tensor.target is operator.getitem and tensor.args[0].target is P2P:
-                tensor = tensor.args[0]
-            for event in pending.pop(tensor, []):
-                events.append(dataclasses.replace(event, action=WAIT))
-            continue
-        elif getattr(node.target, "namespace", None) == "_c10d_functional":
+        else:
             group = next(a for a in reversed(node.args) if isinstance(a, str))
             event = Event(START, len(events), node.target._opname, group, ranks=group_ranks(group))
             pending[node].append(event)
-        else:
-            continue
         events.append(event)
     return events

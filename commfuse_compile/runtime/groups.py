@@ -76,6 +76,11 @@ _checks: dict[str, itertools.count[int]] = {}  # group name -> graphs checked on
 EXCHANGE_WAIT_S = 600.0
 
 
+def exchanging() -> bool:
+    """Are there peers to exchange with (not torch's fake process group, or none)?"""
+    return dist.is_initialized() and dist.get_backend() != "fake"
+
+
 def exchange(
     mine: Mapping[str, Any], member_of: Mapping[str, tuple[int, ...]]
 ) -> dict[int, dict[str, Any]] | None:
@@ -89,9 +94,7 @@ def exchange(
     groups, then reads the others': one exchange per graph, at compile time, before any
     transfer of the graph starts. Ranks compile the same graphs in the same order (SPMD),
     so the n-th exchange on a group is the same graph on every rank of it."""
-    if not dist.is_initialized() or dist.get_backend() == "fake":
-        return None
-    if all(len(ranks) < 2 for ranks in member_of.values()):
+    if not exchanging() or all(len(ranks) < 2 for ranks in member_of.values()):
         return None
     store = dist.distributed_c10d._get_default_store()
     me = dist.get_rank()
