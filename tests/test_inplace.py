@@ -211,15 +211,24 @@ def style_config(front: str, n: int, variant: str) -> training.TrainConfig:
     )
 
 
-def train_style(rank: int, n: int, cfg: training.TrainConfig, inner: str) -> dict:
+def train_style(rank: int, n: int, cfg: training.TrainConfig, options: dict) -> dict:
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1
-    fused, eager = training.compare(rank, n, cfg, {"schedule": "ring", "inner": inner})
+    fused, eager = training.compare(rank, n, cfg, options)
     return {
         "losses": (fused.losses, eager.losses),
-        "sites": [(s["graph"], s["kind"], s["decision"], s["reason"]) for s in fused.sites],
+        "sites": [
+            (s["graph"], s["kind"], s["decision"], s["reason"], s["decline_code"])
+            for s in fused.sites
+        ],
     }
+
+
+def assert_losses_equal(result: dict) -> None:
+    fused, eager = result["losses"]
+    difference = max(abs(a - b) / abs(b) for a, b in zip(fused, eager, strict=True))
+    assert difference < 1e-5, (fused, eager)
 
 
 # per block: (forward, backward) sites of each kind
@@ -243,12 +252,27 @@ def style_cells():
 
 @pytest.mark.parametrize(("front", "n", "inner", "variant"), list(style_cells()))
 def test_framework_style_models_rewrite_every_site_and_match(ranks, front, n, inner, variant):
-    results = ranks(n).run(train_style, style_config(front, n, variant), inner)
+    options = {"schedule": "ring", "inner": inner}
+    results = ranks(n).run(train_style, style_config(front, n, variant), options)
     for result in results:
-        fused, eager = result["losses"]
-        difference = max(abs(a - b) / abs(b) for a, b in zip(fused, eager, strict=True))
-        assert difference < 1e-5, (fused, eager)
+        assert_losses_equal(result)
         assert all(s[2] == "rewritten" for s in result["sites"]), result["sites"]
         for kind, (forward, backward) in EXPECTED[front].items():
             found = [s[0] for s in result["sites"] if s[1] == kind]
             assert (found.count("forward"), found.count("backward")) == (forward, backward)
+
+
+@pytest.mark.parametrize("n", [3, pytest.param(4, marks=pytest.mark.matrix)], ids=lambda n: f"n{n}")
+@pytest.mark.parametrize("front", ["megatron", "deepspeed"])
+def test_framework_style_models_with_default_options(ranks, front, n):
+    """``backend="commfuse"`` and nothing else (Inductor, ``auto``): every site of the
+    in-place spelling is found and decided, alike on every rank, and the losses match."""
+    results = ranks(n).run(train_style, style_config(front, n, "plain"), {})
+    for result in results:
+        assert_losses_equal(result)
+        assert result["sites"] == results[0]["sites"]
+        for kind, (forward, backward) in EXPECTED[front].items():
+            found = [s[0] for s in result["sites"] if s[1] == kind]
+            assert (found.count("forward"), found.count("backward")) == (forward, backward)
+        declined = {s[4] for s in result["sites"] if s[2] == "declined"}
+        assert declined <= {"plan.not_profitable"}, result["sites"]

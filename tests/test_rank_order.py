@@ -289,6 +289,22 @@ def test_tp_sp_blocks_on_4_ranks_with_inductor_finish_and_match(ranks, tmp_path)
     print("lines of each rank's generated programs:", lines)
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_tp_sp_blocks_with_default_options_finish_and_match(ranks, tmp_path, n):
+    """The same shape with ``backend="commfuse"`` and nothing else (Inductor, ``auto``):
+    every rank decides alike, nothing falls back, the losses match."""
+    results = ranks(n).run(train_blocks, {}, str(tmp_path))
+    for r in results:
+        compiled, eager = r["losses"][1], r["losses"][0]
+        assert max(abs(a - b) / abs(b) for a, b in zip(compiled, eager, strict=True)) < 1e-5
+        assert [s[:4] for s in r["sites"]] == [s[:4] for s in results[0]["sites"]]
+        assert len(r["sites"]) == 22
+        assert {s[3] for s in r["sites"] if s[2] == "declined"} <= {"plan.not_profitable"}
+        assert r["warnings"] == []
+    if any(s[2] == "rewritten" for s in results[0]["sites"]):
+        assert_one_order_that_completes(results)
+
+
 def test_without_the_chain_every_rank_falls_back_together(ranks, tmp_path):
     """The check alone: Inductor's own order differs on rank 3; no rank may run it."""
     results = ranks(4).run(train_blocks, {"schedule": "ring"}, str(tmp_path), False)
