@@ -34,7 +34,7 @@ def main() -> None:
     # 2 sequences per data-parallel rank, 32 tokens per tensor-parallel rank
     cfg = training.example_config(args, "fsdp", args.tp, 2 * dp, 32 * args.tp, device)
     training.run_and_print(cfg, args)
-    dist.destroy_process_group()
+    training.leave_torchrun()
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def main() -> None:
     front = "float8" if args.float8 else "megatron"
     cfg = training.example_config(args, front, 1, 4, 32 * world_size, device, bias=True)
     training.run_and_print(cfg, args)
-    dist.destroy_process_group()
+    training.leave_torchrun()
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def main() -> None:
         loss_parallel=args.loss_parallel,
     )
     training.run_and_print(cfg, args)
-    dist.destroy_process_group()
+    training.leave_torchrun()
 
 
 if __name__ == "__main__":
