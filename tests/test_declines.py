@@ -1,5 +1,6 @@
 """Decline reasons as data: every code the pass raises is registered, every registered
-code is raised somewhere, and the README's table is the registry's."""
+code is raised somewhere, and the table of decline codes in the docs (DECLINES_PAGE) is
+the registry's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import commfuse_compile
 from commfuse_compile.passes.declines import REASONS, Declined, decline, markdown_table
 
 PACKAGE = Path(commfuse_compile.__file__).parent
-README = PACKAGE.parent / "README.md"
+# the docs page that holds the generated table, between its "declines" markers
+DECLINES_PAGE = PACKAGE.parent / "docs" / "rewrites.md"
 RAISED = re.compile(r"""decline\(\s*["']([a-z_]+\.[a-z_]+)["']""")
 CHOSEN = re.compile(r"""["']((?:rs|ag|a2a|site|plan|lower|size|compiler|internal)\.[a-z_]+)["']""")
 
@@ -33,12 +35,15 @@ def test_every_code_raised_is_registered_and_every_registered_code_is_raised():
     assert set(REASONS) - used == set()
 
 
-def test_readme_table_is_generated_from_the_registry():
-    text = README.read_text()
+def test_docs_table_is_generated_from_the_registry():
+    text = DECLINES_PAGE.read_text()
     begin, end = "<!-- declines: begin -->\n", "<!-- declines: end -->"
-    assert begin in text and end in text
+    assert begin in text and end in text, f"{DECLINES_PAGE} has no declines markers"
     table = text.split(begin)[1].split(end)[0].strip()
-    assert table == markdown_table(), "run: python -m commfuse_compile.passes.declines"
+    assert table == markdown_table(), (
+        f"the table in {DECLINES_PAGE} is not the registry's: put the output of "
+        "`python -m commfuse_compile.passes.declines` between its declines markers"
+    )
 
 
 def test_decline_fills_the_template_and_carries_code_and_kind():

@@ -3,8 +3,9 @@
 A reason has a stable code (``rs.not_sum``), the kind the graph's summary counts it
 under (``report.DECLINE_KINDS``) and a message template filled with the site's names and
 sizes. ``decline`` is the one way to decline a site; report.json carries the code and
-the message; the README's table of reasons is generated from ``REASONS``
-(``python -m commfuse_compile.passes.declines``) and a test keeps the two in sync.
+the message; the table of reasons in docs/rewrites.md is generated from ``REASONS``
+(``python -m commfuse_compile.passes.declines`` prints it, for the page's declines
+markers) and tests/test_declines.py keeps the two in sync.
 """
 
 from __future__ import annotations
@@ -254,7 +255,8 @@ def decline(code: str, **fields: Any) -> Declined:
 
 
 def markdown_table() -> str:
-    """The README's table of reasons, one row per code."""
+    """The table of reasons in docs/rewrites.md (between its declines markers), one row
+    per code; ``python -m commfuse_compile.passes.declines`` prints it."""
     rows = ["| code | counted as | message |", "|---|---|---|"]
     for reason in _REASONS:
         message = reason.template.replace("|", "\\|")
@@ -265,4 +267,5 @@ def markdown_table() -> str:
 assert all(r.kind in DECLINE_KINDS for r in _REASONS)
 
 if __name__ == "__main__":
+    # the table for docs/rewrites.md: paste it between the page's declines markers
     print(markdown_table())
