@@ -8,10 +8,14 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..cost.profiles import Profile, ProfileError, load
 from ..options import INNER_COMPILERS, MAX_SLICES, SCHEDULES, dump_dir_problem
 from .sim import PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
+
+if TYPE_CHECKING:
+    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]  # add_subparsers' result
 
 DESCRIPTION = """\
 Tools for commfuse-compile, the torch.compile backend (backend="commfuse") that splits the
@@ -95,11 +99,18 @@ def _parser() -> argparse.ArgumentParser:
         prog="commfuse", description=DESCRIPTION, formatter_class=_Help
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for add in (_add_demo, _add_inspect, _add_calibrate, _add_sim, _add_bench):
+        add(commands)
+    return parser
 
-    def command(name: str, what: str) -> argparse.ArgumentParser:
-        return commands.add_parser(name, help=what, description=what, formatter_class=_Help)
 
-    demo = command(
+def _command(commands: _Commands, name: str, what: str) -> argparse.ArgumentParser:
+    return commands.add_parser(name, help=what, description=what, formatter_class=_Help)
+
+
+def _add_demo(commands: _Commands) -> None:
+    demo = _command(
+        commands,
         "demo",
         "Compile a tensor- and sequence-parallel transformer block with backend='commfuse' "
         "on local CPU ranks, check outputs and gradients against the uncompiled block, and "
@@ -133,13 +144,21 @@ def _parser() -> argparse.ArgumentParser:
         type=_directory,
         help="write the pass's debug dump here (read it with `commfuse inspect DIR`)",
     )
-    inspect = command(
+
+
+def _add_inspect(commands: _Commands) -> None:
+    inspect = _command(
+        commands,
         "inspect",
         "Turn a debug dump (the debug_dir option) into DIR/report.html and DIR/trace.json "
         "(Perfetto) and print their paths.",
     )
     inspect.add_argument("dir", help="the debug_dir the pass wrote (all rank<r> inside)")
-    calibrate = command(
+
+
+def _add_calibrate(commands: _Commands) -> None:
+    calibrate = _command(
+        commands,
         "calibrate",
         "Measure this machine on local gloo ranks (matmuls, transfers, collectives) and "
         "write a profile file for the cost model: options={'profile': FILE}.",
@@ -156,7 +175,11 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument(
         "--reps", type=_int_in(1), default=20, help="repetitions per measurement"
     )
-    sim = command(
+
+
+def _add_sim(commands: _Commands) -> None:
+    sim = _command(
+        commands,
         "sim",
         "Simulate one layer of a real model under tensor + sequence parallelism (or, with "
         "--parallelism up, Ulysses sequence parallelism) for every schedule on a machine "
@@ -199,7 +222,11 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument(
         "--out", type=_directory, help="write a Chrome trace per group size to this directory"
     )
-    bench = command(
+
+
+def _add_bench(commands: _Commands) -> None:
+    bench = _command(
+        commands,
         "bench",
         "Measure every schedule on local gloo ranks behind a bandwidth-limited link (as "
         "root: network namespaces and tbf; without root: unthrottled, said in every output) "
@@ -227,7 +254,6 @@ def _parser() -> argparse.ArgumentParser:
         help="also the 2-D block (data x tensor parallel: training's fsdp front with tp=2 "
         "on a 2 x 2 mesh), on 4 ranks of its own after the rest, with the pass and without",
     )
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
