@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.command == "inspect":
-        from .inspect import NotADumpError, inspect_dump
+        from .debug_dump import NotADumpError
+        from .inspect import inspect_dump
 
         try:
             written = inspect_dump(args.dir)
