@@ -19,14 +19,9 @@ import pytest
 
 from commfuse_compile.tools import bench
 from commfuse_compile.tools.bench import QUICK, kind_rows, variants
-from commfuse_compile.tools.bench_report import (
-    KIND_TITLES,
-    block_result,
-    format_block,
-    markdown,
-    plot_speedup,
-    slowest,
-)
+from commfuse_compile.tools.bench_markdown import markdown
+from commfuse_compile.tools.bench_plot import plot_speedup
+from commfuse_compile.tools.bench_report import KIND_TITLES, block_result, format_block, slowest
 from commfuse_compile.tools.cli import _parser
 from commfuse_compile.tools.netns import PREFIX, can_throttle, remove_stale_namespaces
 

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import hashlib
 import itertools
+import json
 import math
 import os
 import platform
@@ -43,8 +44,10 @@ from ..cost.profiles import Curve
 from ..options import SCHEDULES
 from ..passes.kinds import KINDS as SITE_KINDS
 from ..schedules import by_name
-from . import bench_report
+from . import bench_report, bench_targets
 from .bench_config import OVERLAP_PROBE, BlockShape, SiteShape, Variant
+from .bench_markdown import markdown
+from .bench_plot import plot_speedup
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -760,12 +763,19 @@ def run(
             results[extra.key] = block
             progress.advance()
     results["meta"]["machine_after"] = machine()
-    results["noise"] = bench_report.run_noise(results["sites"])
-    results["targets"] = bench_report.check_targets(results)
-    bench_report.write(results, out)
+    results["noise"] = bench_targets.run_noise(results["sites"])
+    results["targets"] = bench_targets.check_targets(results)
+    write(results, out)
     progress.stage(f"done: {out / 'results.md'}")
     echo(bench_report.format_targets(results["targets"]))
     return results
+
+
+def write(results: dict[str, Any], out: Path) -> None:
+    """results.json, results.md and speedup.svg in ``out``."""
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    plot_speedup(results, out / "speedup.svg")
+    (out / "results.md").write_text(markdown(results))
 
 
 def _run_block(

@@ -1,0 +1,196 @@
+"""``commfuse bench``'s results.md: how the run was made, a table per site kind, where the
+time goes, the block tables and the targets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .bench_report import KIND_TITLES, ms, ranks_text, row_name, site_counts
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"# commfuse bench ({results['meta']['preset']})", "", *_setting(results), ""]
+    lines += ["![speedup over the baseline against comm/compute](speedup.svg)", ""]
+    lines += ["## Sites (a TP+SP linear; a Ulysses projection)", ""]
+    for kind, title in KIND_TITLES.items():
+        cells = [c for c in results["sites"] if c["kind"] == kind]
+        if cells:
+            lines += _site_table(title, cells)
+    lines += _breakdown_table(results)
+    for key in ("block", "block_2d"):
+        if results.get(key) is not None:
+            lines += _block_table(results[key])
+    lines += _targets(results)
+    return "\n".join(lines) + "\n"
+
+
+def _site_table(title: str, cells: list[dict[str, Any]]) -> list[str]:
+    """A site kind's cells: the cell's figures on its first row, then a line per row."""
+    lines = [
+        f"### {title}",
+        "",
+        "| size | comm/compute (measured) | link Mbit/s | matmul alone ms | comm alone ms "
+        "| collective alone ms | both at once / limit | row | median ms | min-max ms "
+        "| speedup | / limit | predicted ms | model error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        rate = cell["rate_bits_per_s"]
+        head = [
+            cell["size"],
+            f"{cell['ratio']:g} ({cell['measured_ratio']:.2f})",
+            f"{rate / 1e6:.0f}" if rate else "unthrottled",
+            ms(cell["matmul_alone"]["median"]),
+            ms(cell["comm_alone"]["median"]),
+            ms(cell["collective_alone"]["median"]),
+            f"{cell['overlap_probe']['vs_limit']:.2f}",
+        ]
+        for i, row in enumerate(cell["rows"]):
+            lines.append(
+                "| "
+                + " | ".join(
+                    (head if i == 0 else [""] * len(head))
+                    + [
+                        row_name(row),
+                        ms(row["median_s"]),
+                        f"{ms(row['min_s'])}-{ms(row['max_s'])}",
+                        f"{row['speedup']:.2f}x",
+                        f"{row['vs_limit']:.2f}",
+                        ms(row["predicted_s"]),
+                        "-" if row.get("model_error") is None else f"{row['model_error']:+.0%}",
+                    ]
+                )
+                + " |"
+            )
+    return [*lines, ""]
+
+
+def _targets(results: dict[str, Any]) -> list[str]:
+    """Each target with its figures, then the rows the pass declined."""
+    lines = ["## Targets", ""]
+    for t in results["targets"]:
+        mark = {True: "reached", False: "**missed**", None: "not judged"}[t["reached"]]
+        lines.append(f"* {mark}: {t['target']}" + (f" ({t['note']})" if "note" in t else ""))
+        lines += [f"  * {line}" for line in t["figures"]]
+    declined = [
+        f"{c['kind']} {c['size']} ratio {c['ratio']:g} {r['label']}: {r['reason']}"
+        for c in results["sites"]
+        for r in c["rows"]
+        if r["label"] not in ("baseline", "auto") and r["decision"] != "rewritten"
+    ]
+    if declined:
+        lines += ["", "Rows the pass declined (they ran the collective):", ""]
+        lines += [f"* {d}" for d in declined]
+    return lines
+
+
+def _breakdown_table(results: dict[str, Any]) -> list[str]:
+    """Node-by-node time of each row at comm/compute 1 (rank 0): where a call's time goes."""
+    cells = [c for c in results["sites"] if c["ratio"] == 1.0]
+    if not cells:
+        return []
+    lines = [
+        "## Where the time goes (comm/compute 1, rank 0, node by node)",
+        "",
+        "Each row's graph run once more node by node (median of 3 runs): `matmul` = the "
+        "matmuls (in the overlap windows they share 2 cores with the transfers), `comm wait` "
+        "= communication left exposed, `comm issue` = starting transfers and collectives, "
+        "`other` = copies, concatenation, partial-sum adds.",
+        "",
+        "| site | size | row | matmul ms | comm issue ms | comm wait ms | other ms | sum ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        for row in cell["rows"]:
+            parts = row["breakdown_rank0_s"]
+            lines.append(
+                f"| {cell['kind']} | {cell['size']} | {row_name(row)} | "
+                + " | ".join(ms(parts[c]) for c in ("matmul", "comm issue", "comm wait", "other"))
+                + f" | {ms(sum(parts.values()))} |"
+            )
+    return [*lines, ""]
+
+
+def _block_table(block: dict[str, Any]) -> list[str]:
+    rate = block["rate_bits_per_s"]
+    n = block.get("world_size", 2)
+    if block["shape"].get("front", "tp") == "fsdp":
+        title = f"2-D block (data x tensor parallel, {n} ranks)"
+        layout = (
+            f"on a {block['mesh']} mesh: every parameter sharded on dim 0 over the data-"
+            "parallel group and all-gathered in forward (its gradient reduce-scattered), "
+            "TP+SP over the tensor-parallel group (DTensor)"
+        )
+    else:
+        title, layout = "Whole block", "TP+SP over the ranks (DTensor)"
+    lines = [
+        f"## {title}: training step (forward + backward)",
+        "",
+        f"One Llama-style block ({block['size']}) with final norm and head, {layout}; "
+        f"{ranks_text(block)}, 1 torch thread each. "
+        '`torch.compile(backend="commfuse")` with the eager inner compiler; '
+        'without the pass = the same compile with `schedule="off"`. Link '
+        + (f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled")
+        + f", chosen so that the step's communication is {block['ratio']:g}x its compute: "
+        f"compute (unthrottled step) {ms(block['compute_s'])} ms, communication "
+        f"(throttled minus unthrottled) {ms(block['comm_s'])} ms."
+        + (
+            f" Load average before {_loads(block['machine_before'])}, after "
+            f"{_loads(block['machine_after'])}."
+            if "machine_before" in block
+            else ""
+        ),
+        "",
+        "| row | median ms | min-max ms | speedup | / limit | sites rewritten (schedules) "
+        "| per graph and kind |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in block["rows"]:
+        sites = row["sites"]
+        lines.append(
+            f"| {row['label']} | {ms(row['median_s'])} | {ms(row['min_s'])}-"
+            f"{ms(row['max_s'])} | {row['speedup']:.2f}x | {row['vs_limit']:.2f} | "
+            f"{sites['rewritten']}/{sites['found']} ({', '.join(sites['schedules']) or '-'}) "
+            f"| {site_counts(sites)} |"
+        )
+    return [*lines, ""]
+
+
+def _setting(results: dict[str, Any]) -> list[str]:
+    meta = results["meta"]
+    before, after = meta["machine_before"], meta["machine_after"]
+    network = meta["network"]
+    lines = []
+    if not network["throttled"]:
+        lines += [
+            "> **WARNING: UNTHROTTLED RUN.** " + network["description"] + ". Communication "
+            "costs CPU, not wall time: nothing here says anything about overlap.",
+            "",
+        ]
+    lines += [
+        f"* command: `{meta['command']}` (preset `{meta['preset']}`), {meta['date']}",
+        f"* machine: {before['cpu']}, {before['cores']} cores, Linux {before['kernel']}, "
+        f"Python {before['python']}, torch {before['torch']}",
+        f"* load average (1/5/15 min) before {_loads(before)}, after {_loads(after)} "
+        f"(the benchmark's own ranks make {meta['world_size']}; more means other work shared "
+        "the machine)",
+        f"* network: {network['description']}",
+        f"* {meta['world_size']} gloo ranks, 1 torch thread each; per cell every row runs "
+        f"{meta['warmup']} warm-up + {meta['reps']} timed calls, interleaved; a call's time is "
+        "the slowest rank's (all start on a barrier); median reported, min and max kept",
+        "* comm alone = the bytes the collective must move (n-1 blocks per rank, the ring "
+        "algorithm's traffic) sent as P2P in one batch, nothing computed: the link time of "
+        "the site; collective alone = gloo's collective alone (its reduce-scatter sends "
+        "every rank the whole product, twice a ring's bytes for n = 2); comm/compute = comm "
+        "alone / matmul alone, set by the link rate",
+        "* speedup = baseline median / row median; / limit = row median / max(matmul alone, "
+        "comm alone), 1.00 = perfect overlap; both at once = comm alone started, the whole "
+        "matmul run, then waited (no schedule: how much this machine overlaps at all); "
+        "predicted = the cost model's time for what ran (profile: `commfuse calibrate` run "
+        "on this link, bandwidth scaled to each cell's rate)",
+    ]
+    return lines
+
+
+def _loads(machine: dict[str, Any]) -> str:
+    return "/".join(f"{x:.1f}" for x in machine["load_average"])

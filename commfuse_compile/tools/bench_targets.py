@@ -1,0 +1,216 @@
+"""``commfuse bench``'s targets: each reached or not, with the figures that decide it.
+
+A target is judged on the run's cells (``bench_report.site_cell``) and its block
+(``bench_report.block_result``); on an unthrottled link none is judged. The run's own
+noise (``run_noise``) is the largest gap between two rows of a cell that ran the same
+program.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+OVERLAP_LIMIT = 1.15  # targets: ring and bidir near the limit at comm/compute 1 ...
+RING_SPEEDUP = 1.4  # ... and this much faster than the baseline on 2 ranks
+AUTO_PAYS = 1.10  # where a schedule beats the baseline by more than this ...
+AUTO_NEAR_BEST = 1.05  # ... auto is within this of the best row
+AUTO_BLOCK = 0.95  # the whole block: auto at least this fraction of the best speedup
+MODEL_ERROR = 0.25  # predicted vs measured, every row of every cell
+
+
+def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each reached or not, with the figures that decide it."""
+    cells = results["sites"]
+    targets = [
+        *_overlap_targets(cells, results["meta"]["world_size"]),
+        _ring_ahead_target(cells),
+        _auto_target(cells),
+        _model_target(cells),
+        _block_target(results.get("block")),
+    ]
+    if not results["meta"]["network"]["throttled"]:
+        for target in targets:
+            target["reached"] = None
+            target["note"] = "not judged: the link was not throttled"
+    return targets
+
+
+def run_noise(cells: list[dict[str, Any]]) -> dict[str, float]:
+    """The run's own noise: per cell, the largest relative gap between two rows that ran
+    the same program (``auto`` and the schedule it picked, the ring and push at n = 2,
+    ...); the median and the largest gap over cells that have such rows."""
+    gaps = []
+    for cell in cells:
+        by_program: dict[str, list[float]] = {}
+        for row in cell["rows"]:
+            if row.get("program"):
+                by_program.setdefault(row["program"], []).append(row["median_s"])
+        twins = [times for times in by_program.values() if len(times) > 1]
+        if twins:
+            gaps.append(max(max(t) / min(t) - 1 for t in twins))
+    if not gaps:
+        return {"median": 0.0, "max": 0.0, "cells": 0}
+    return {"median": statistics.median(gaps), "max": max(gaps), "cells": len(gaps)}
+
+
+def _overlap_targets(cells: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
+    """The overlap targets: "comm/compute = 1" read two ways. The site's communication
+    alone takes as long as its matmul alone (then no schedule of n blocks beats 1 + 1/n
+    times the limit: the last block's matmul has nothing left to hide), or, as in
+    SPEC.md's cost model, one block's message takes one block's matmul (m = c): the
+    communication alone is then (n-1)/n of the matmul alone, and the ring can overlap
+    perfectly."""
+    return [
+        _overlap_target(cells, n, reading, ratio)
+        for reading, ratio in (
+            ("comm alone = matmul alone", 1.0),
+            (
+                f"per ring step m = c (SPEC.md), i.e. comm alone / matmul alone = {(n - 1) / n:g}",
+                (n - 1) / n,
+            ),
+        )
+    ]
+
+
+def _overlap_target(
+    cells: list[dict[str, Any]], n: int, reading: str, ratio: float
+) -> dict[str, Any]:
+    checked, misses = [], []
+    for cell in (c for c in cells if math.isclose(c["ratio"], ratio)):
+        rows = _rows_by_label(cell)
+        for label in ("ring", "bidir"):
+            if label not in rows:
+                continue
+            row = rows[label]
+            line = (
+                f"{_where(cell)} {label}: {row['vs_limit']:.2f}x limit, "
+                f"{row['speedup']:.2f}x over baseline (best with n blocks "
+                f"{cell['n_block_bound_s'] / cell['limit_s']:.2f}x limit, both at once "
+                f"{cell['overlap_probe']['vs_limit']:.2f}x limit)"
+            )
+            checked.append(line)
+            if row["vs_limit"] > OVERLAP_LIMIT or (n == 2 and row["speedup"] < RING_SPEEDUP):
+                misses.append(line)
+    return _target(
+        f"ring and bidir at comm/compute = 1 ({reading}): within {OVERLAP_LIMIT}x of "
+        f"max(matmul, comm) and >= {RING_SPEEDUP}x faster than the baseline (n = 2)",
+        checked,
+        misses,
+    )
+
+
+def _ring_ahead_target(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    checked, misses = [], []
+    for cell in (c for c in cells if c["ratio"] >= 0.5):
+        rows = _rows_by_label(cell)
+        if "ring" not in rows:
+            continue
+        for rival in ("slicing k=4", "push"):
+            if rival not in rows:
+                continue
+            ring, other = rows["ring"]["median_s"], rows[rival]["median_s"]
+            line = f"{_where(cell)}: ring {ring * 1e3:.1f} ms vs {rival} {other * 1e3:.1f} ms"
+            if _same_program(rows["ring"], rows[rival]):
+                continue  # one program (push is the ring at n = 2): nothing to compare
+            checked.append(line)
+            if ring >= other:
+                misses.append(line)
+    return _target(
+        "ring ahead of slicing (k=4) and push wherever comm >= 0.5 x matmul", checked, misses
+    )
+
+
+def _auto_target(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    noise = run_noise(cells)
+    checked, misses = [], []
+    for cell in cells:
+        rows = _rows_by_label(cell)
+        if "auto" not in rows:
+            continue
+        auto, baseline = rows["auto"], cell["rows"][0]
+        best = min((r for r in cell["rows"] if r["label"] != "auto"), key=lambda r: r["median_s"])
+        line = (
+            f"{_where(cell)}: auto ran {auto['ran']} {auto['median_s'] * 1e3:.1f} ms, best "
+            f"{best['label']} {best['median_s'] * 1e3:.1f} ms, "
+            f"baseline {baseline['median_s'] * 1e3:.1f} ms"
+        )
+        checked.append(line)
+        pays = baseline["median_s"] > AUTO_PAYS * best["median_s"]
+        same_program = _same_program(auto, best)
+        if same_program:
+            line += " (the same program as the best row)"
+        far = auto["median_s"] > AUTO_NEAR_BEST * best["median_s"]
+        if (pays and far and not same_program) or auto["median_s"] > baseline["median_s"] * (
+            1 + noise["max"]
+        ):
+            misses.append(line)
+    return _target(
+        f"auto within {AUTO_NEAR_BEST - 1:.0%} of the best row wherever a schedule beats "
+        f"the baseline by more than {AUTO_PAYS - 1:.0%}, and never slower than the "
+        f"baseline beyond the run's noise ({noise['max']:.1%}: the largest gap between "
+        "two rows that ran the same program); a row that runs the best row's program "
+        "is the best",
+        checked,
+        misses,
+    )
+
+
+def _model_target(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    checked, misses = [], []
+    for cell in cells:
+        for row in cell["rows"]:
+            error = row.get("model_error")
+            if error is None:
+                continue
+            line = f"{_where(cell)} {row['label']} ({row['ran']}): {error:+.0%}"
+            checked.append(line)
+            if abs(error) > MODEL_ERROR:
+                misses.append(line)
+    return _target(
+        f"the cost model within {MODEL_ERROR:.0%} of the measured time in every row of "
+        "every cell (predicted / measured - 1)",
+        checked,
+        misses,
+    )
+
+
+def _block_target(block: dict[str, Any] | None) -> dict[str, Any]:
+    checked, misses = [], []
+    if block is not None:
+        best = min(block["rows"][1:], key=lambda r: r["median_s"], default=None)
+        for row in block["rows"][1:]:
+            line = (
+                f"block {row['label']}: {row['median_s'] * 1e3:.1f} ms vs without the pass "
+                f"{block['rows'][0]['median_s'] * 1e3:.1f} ms ({row['speedup']:.2f}x)"
+            )
+            checked.append(line)
+            if row["label"] == "auto" and best and row["speedup"] < AUTO_BLOCK * best["speedup"]:
+                misses.append(line + f"; best {best['label']} {best['speedup']:.2f}x")
+    return _target(
+        f"whole block step: auto at least {AUTO_BLOCK:.2f}x the best schedule's speedup",
+        checked,
+        misses,
+    )
+
+
+def _rows_by_label(cell: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["label"]: r for r in cell["rows"]}
+
+
+def _where(cell: dict[str, Any]) -> str:
+    return f"{cell['kind']} {cell['size']} ratio {cell['ratio']:g}"
+
+
+def _same_program(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a is b or (a.get("program") is not None and a.get("program") == b.get("program"))
+
+
+def _target(text: str, checked: list[str], misses: list[str]) -> dict[str, Any]:
+    return {
+        "target": text,
+        "reached": (not misses) if checked else None,
+        "figures": checked,
+        "misses": misses,
+    }
