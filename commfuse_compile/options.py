@@ -8,26 +8,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-SCHEDULES = ("auto", "ring", "bidir", "push", "slicing", "off")
+from .schedules import NAMES
+from .site_kinds import EVERY_ROLE, ROLES
+
+SCHEDULES = ("auto", *NAMES, "off")
 INNER_COMPILERS = ("inductor", "eager")
 DEBUG_DIR_ENV = "COMMFUSE_DEBUG_DIR"
 DISABLE_ENV = "COMMFUSE_DISABLE"
 # What ``disable`` can switch off, for bisecting: site kinds, matmul roles, schedules.
-DISABLEABLE = (
-    "ag_mm",
-    "mm_rs",
-    "a2a_mm",
-    "mm_a2a",
-    "rows",
-    "contract",
-    "columns",
-    "contract_left",
-    "contract_k",
-    "ring",
-    "bidir",
-    "push",
-    "slicing",
-)
+DISABLEABLE = (*ROLES, *EVERY_ROLE, *NAMES)
 PROFILE_ENV = "COMMFUSE_PROFILE"
 MAX_SLICES = 64
 

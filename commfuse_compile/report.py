@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import itertools
 import json
 import logging
 import statistics
@@ -79,9 +80,29 @@ class Report:
         self.graphs = 0
         self.options: dict[str, Any] = {}  # the last compile's options and their origins
         self._at_exit: set[str] = set()
+        # ids of sites in this process: their records, P2P labels and timings (never reused)
+        self._site_ids = itertools.count()
 
-    def add(self, record: SiteRecord) -> None:
-        self.sites.append(record)
+    def new_graph(self, options: dict[str, Any]) -> int:
+        """Number the next graph (its files in the dump), compiled with ``options``."""
+        self.graphs += 1
+        self.options = options
+        return self.graphs - 1
+
+    def new_site_id(self) -> int:
+        return next(self._site_ids)
+
+    def finish_graph(
+        self, records: list[SiteRecord], graph: str, debug_dir: str | None, measure: bool
+    ) -> None:
+        """A graph's decisions are final: recorded, written (again at exit if its runs
+        are measured) and logged. The one place the pass writes the report."""
+        self.sites += records
+        if debug_dir:
+            self.write(debug_dir)
+            if measure:
+                self.write_at_exit(debug_dir)
+        self.log_graph(records, graph)
 
     def log_graph(self, records: list[SiteRecord], graph: str) -> None:
         """A graph's final decisions: every site at DEBUG (``TORCH_LOGS="+commfuse"``),

@@ -34,6 +34,7 @@ from commfuse_compile.options import PROFILE_ENV
 from commfuse_compile.passes import match
 from commfuse_compile.passes.declines import Declined
 from commfuse_compile.passes.plan import MIN_GAIN, plan, site_work
+from commfuse_compile.schedules import Direction
 from commfuse_compile.tools import calibrate as cal
 from commfuse_compile.tools.sim import write_trace
 
@@ -47,7 +48,7 @@ def _ring_terms(work: Work, p: Profile) -> tuple[float, float, float]:
     """SPEC.md's per-step costs: one block's matmuls c, one message m, one add a."""
     calls = work.matmuls_per_block
     c = calls * p.matmul_s(work.block_flops / calls)
-    a = p.add_s(work.block_bytes) if work.kind == "reduce" else 0.0
+    a = p.add_s(work.block_bytes) if work.direction == "reduce" else 0.0
     return c, p.message_s(work.block_bytes), a
 
 
@@ -195,7 +196,7 @@ def test_a_lane_runs_one_thing_at_a_time(profile, schedule):
 
 
 def test_timeline_as_json_is_one_ranks_events_in_microseconds():
-    timeline = simulate(Work("reduce", 3, 1e9, 1e6), "ring", BUILTIN["h100-nvlink4"])
+    timeline = simulate(Work(Direction.REDUCE, 3, 1e9, 1e6), "ring", BUILTIN["h100-nvlink4"])
     for rank in range(3):
         rows = timeline.as_json(rank)
         events = timeline.on_rank(rank)
@@ -211,7 +212,7 @@ def test_timeline_as_json_is_one_ranks_events_in_microseconds():
 
 def test_chrome_trace_is_trace_event_json(tmp_path):
     profile = BUILTIN["gloo-loopback"]
-    work = Work("gather", 3, 1e8, 1e5)
+    work = Work(Direction.GATHER, 3, 1e8, 1e5)
     timelines = [(s, simulate(work, s, profile)) for s in ("collective", "bidir")]
     path = tmp_path / "trace.json"
     write_trace(timelines, path)
@@ -307,10 +308,10 @@ def test_site_work_counts_a_sites_flops_bytes_and_matmul_calls(fake_world_of_4):
     product reduce-scattered over 4 ranks."""
     gather = AgMm(shard=(4, 8), dim=0, n_out=6, consumers=2, bias=False)
     (site,) = match.find_sites(trace(gather, 4, gather.inputs(1, seed=0, n=4)).graph)
-    assert site_work(site, 4) == Work("gather", 4, (2 * 16 * 8 * (6 + 7)) / 4, 4 * 8 * 4, 2)
+    assert site_work(site, 4) == Work(Direction.GATHER, 4, (2 * 16 * 8 * (6 + 7)) / 4, 4 * 8 * 4, 2)
     reduce = MmRs(lead=(2, 8), k=8, n_out=6, dim=1, bias=False)
     (site,) = match.find_sites(trace(reduce, 4, reduce.inputs(1, seed=0)).graph)
-    assert site_work(site, 4) == Work("reduce", 4, (2 * 16 * 6 * 8) / 4, 16 * 6 * 4 / 4, 1)
+    assert site_work(site, 4) == Work(Direction.REDUCE, 4, (2 * 16 * 6 * 8) / 4, 16 * 6 * 4 / 4, 1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -459,7 +460,7 @@ def _measurements_of(p: Profile, n: int) -> cal.Measurements:
     """What ``calibrate.measure`` would return on a machine that is exactly ``p`` (its
     collectives run as the ring formula says)."""
     rows, k, cols = cal.TINY_SITE
-    tiny = Work("gather", n, 2.0 * rows * k * cols, 4.0 * rows * k)
+    tiny = Work(Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k)
     return cal.Measurements(
         matmul=[(2.0 * a * b * c, p.matmul_s(2.0 * a * b * c)) for a, b, c in cal.MATMUL_SHAPES],
         message=[(float(size), p.message_s(size)) for size in cal.MESSAGE_BYTES],
@@ -506,7 +507,7 @@ def test_collective_is_timed_by_its_measured_curve_where_the_profile_has_one():
         BUILTIN["gloo-loopback"],
         collectives={"reduce_scatter": {2: Curve(latency_s=1e-3, seconds_per_byte=2e-9)}},
     )
-    work = Work("reduce", 2, block_flops=0.0, block_bytes=1e6)
+    work = Work(Direction.REDUCE, 2, block_flops=0.0, block_bytes=1e6)
     assert simulate(work, "collective", p).end_s == pytest.approx(1e-3 + 2e-3 + p.matmul_s(0.0))
     assert collective_model(work, p) == "reduce_scatter as measured on 2 ranks (gloo-loopback)"
     on_four = dataclasses.replace(work, n=4)
@@ -558,7 +559,7 @@ def test_a_profile_file_without_the_all_to_all_curve_still_loads_and_uses_the_fo
     assert set(fields["collectives"]) == {"all_gather", "reduce_scatter"}
     p = load(_write(tmp_path / "old.json", json.dumps(fields)))
     assert p == BUILTIN["gloo-loopback"] and p.curve("all_to_all", 2) is None
-    work = Work("exchange_out", 2, block_flops=0.0, block_bytes=1e6)
+    work = Work(Direction.EXCHANGE_OUT, 2, block_flops=0.0, block_bytes=1e6)
     formula = p.collective_overhead_s + p.message_s(1e6)  # one pairwise step on 2 ranks
     assert simulate(work, "collective", p).end_s == pytest.approx(formula + p.matmul_s(0.0))
     model = collective_model(work, p)
@@ -591,7 +592,9 @@ def test_a_transfer_slows_the_matmul_it_overlaps_by_the_profiles_slowdown():
         BUILTIN["gloo-loopback"], matmul_latency_s=0.0, step_overhead_s=0.0, link_alpha_s=0.0
     )
     slowed = dataclasses.replace(base, overlap_slowdown=0.5)
-    work = Work("gather", 2, block_flops=base.matmul_flops * 1e-3, block_bytes=1e9)  # m >> c
+    work = Work(
+        Direction.GATHER, 2, block_flops=base.matmul_flops * 1e-3, block_bytes=1e9
+    )  # m >> c
     plain, busy = (simulate(work, "ring", p) for p in (base, slowed))
     durations = [e.end_s - e.start_s for e in busy.on_rank(0) if e.lane == "compute"]
     assert durations == pytest.approx([1.5e-3, 1e-3])  # the last block has no transfer left

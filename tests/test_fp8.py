@@ -290,7 +290,7 @@ BLOCKWISE = "scales [16, 2] and [2, 1] are neither per tensor nor per row and co
 DECLINES = [  # (program, inputs, code, reason, id)
     (_blockwise, _inputs((4, 256), (16, 256), (16, 2), (2, 1)), "ag.matmuls_left_out", BLOCKWISE,
      "ag-blockwise-scales"),
-    (_blockwise_rs, _inputs((16, 256), (16, 256), (16, 2), (2, 1)), "rs.scales", BLOCKWISE,
+    (_blockwise_rs, _inputs((16, 256), (16, 256), (16, 2), (2, 1)), "site.scales", BLOCKWISE,
      "rs-blockwise-scales"),
     (_float8_out_rs, _inputs((16, 32), (16, 32)), "rs.scaled_sum",
      "computes torch.float8_e4m3fn: float8 partial sums cannot be added", "rs-float8-output"),

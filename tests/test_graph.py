@@ -842,13 +842,21 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
     from commfuse_compile.passes import match, verify
     from commfuse_compile.passes.declines import Declined
     from commfuse_compile.passes.lower import lower, start
+    from commfuse_compile.passes.rewrite import tag_of
     from commfuse_compile.runtime import groups
-    from commfuse_compile.schedules import GatherStep, Schedule, Transfer, by_name, ring
+    from commfuse_compile.schedules import (
+        Direction,
+        GatherStep,
+        Schedule,
+        Transfer,
+        by_name,
+        ring,
+    )
 
     gm = build(AgMm())
     (site,) = match.find_sites(gm.graph)
     group = groups.resolve(site.group_name, site.group_size)
-    rewrite = start(site, 0, gm.graph)
+    rewrite = start(site, 0, tag_of(0, 0), gm.graph)
     lower(rewrite, group, by_name("ring"))
     verify.check_exchange(rewrite, group, by_name("ring"))
 
@@ -875,7 +883,8 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
             return [GatherStep((rank,), (Transfer(rank, +1),), (Transfer((rank + 1) % n, +1),))]
 
     with pytest.raises(Declined, match="schedule Deadlocks on 3 ranks"):
-        verify._check_schedule_all_ranks(Deadlocks, 3, "gather")
+        deadlocks = Schedule("Deadlocks", Deadlocks, sliced=False)
+        verify._check_schedule_all_ranks(deadlocks, 3, Direction.GATHER)
 
 
 @pytest.mark.parametrize("case", [AgMm(), MmRs()], ids=["ag_mm", "mm_rs"])
@@ -1146,7 +1155,7 @@ def test_matmul_into_an_all_to_all_nothing_reads_is_declined():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         record = rewrite_one(gm)
-    assert (record.kind, record.decline_code) == ("mm_a2a", "rs.unread")
+    assert (record.kind, record.decline_code) == ("mm_a2a", "site.unread")
 
 
 def test_declined_matmul_to_all_to_all_site_names_what_it_would_replace():
@@ -1157,7 +1166,7 @@ def test_declined_matmul_to_all_to_all_site_names_what_it_would_replace():
     (site,) = mm_a2a.KIND.find(gm.graph)
     assert site.declined is not None and site.declined.code == "a2a.not_a_block"
     a2a, wait = calls(gm, ALL_TO_ALL)[0], calls(gm, c10d.wait_tensor.default)[0]
-    assert list(mm_a2a.KIND.replaced(site)) == [a2a, wait]
+    assert list(site.replaced()) == [a2a, wait]
     assert rewrite_one(gm).decline_code == "a2a.not_a_block"
 
 

@@ -88,7 +88,7 @@ def test_ulysses_bytes_are_the_all_to_alls(name, n):
     assert [s for s, _ in sites] == list(expected)
     for site, work in sites:
         direction, exchanged = expected[site]
-        assert (work.kind, work.n) == (direction, n)
+        assert (work.direction, work.n) == (direction, n)
         assert (n - 1) * work.block_bytes == pytest.approx((n - 1) / n * exchanged)
     simulated = simulate_ulysses(model, n, PROFILE).sites
     assert all(set(timelines) == {"collective", "ring"} for _, timelines in simulated)

@@ -13,24 +13,25 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..schedules import Transfer, by_name, slicing
+from ..schedules import NAMES, Direction, Transfer, by_name, slicing
 from .profiles import COLLECTIVE_KINDS, Profile
 
-SCHEDULES = ("collective", "ring", "bidir", "push", "slicing")
+SCHEDULES = ("collective", *NAMES)
 
 
 @dataclasses.dataclass(frozen=True)
 class Work:
     """One site as the simulator sees it: n blocks, each a matmul and a message."""
 
-    # the site's direction: "gather" (all-gather -> matmul), "reduce" (matmul ->
-    # reduce-scatter), "exchange_in" (all-to-all -> matmul), "exchange_out" (matmul ->
-    # all-to-all); the exchanges time like a gather or a reduce without adds
-    kind: str
+    # the exchanges (all-to-all) time like a gather or a reduce without adds
+    direction: Direction
     n: int
     block_flops: float  # FLOPs of one block's matmuls (all the site's matmuls)
     block_bytes: float  # bytes of one block's message (a shard, or a partial sum)
     matmuls_per_block: int = 1  # matmul calls per block (each pays the call latency)
+
+    def __post_init__(self) -> None:  # a direction's name is taken too ("gather")
+        object.__setattr__(self, "direction", Direction(self.direction))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +80,7 @@ def simulate(work: Work, schedule: str, profile: Profile, slices: int = 2) -> Ti
         return _collective(work, profile)
     if schedule == "slicing":
         return _sliced(work, profile, slices)
-    if work.kind in GATHER_LIKE:
+    if work.direction.collects_first:
         return _p2p_gather(work, schedule, profile)
     return _p2p_reduce(work, schedule, profile)
 
@@ -90,7 +91,7 @@ def predict(work: Work, profile: Profile, slices: int = 2) -> dict[str, Timeline
     names = ["collective"] + [
         s
         for s in SCHEDULES[1:]
-        if by_name(s).supports(work.kind) and (s != "slicing" or slices > 1)
+        if by_name(s).supports(work.direction) and (s != "slicing" or slices > 1)
     ]
     return {s: simulate(work, s, profile, slices) for s in names}
 
@@ -100,18 +101,9 @@ def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> flo
     return calls * profile.matmul_s(work.block_flops * fraction / calls)
 
 
-COLLECTIVE_OF = {
-    "gather": "all_gather",
-    "reduce": "reduce_scatter",
-    "exchange_in": "all_to_all",
-    "exchange_out": "all_to_all",
-}
-GATHER_LIKE = ("gather", "exchange_in")  # the collective runs before the matmul
-
-
 def collective_model(work: Work, p: Profile) -> str:
     """How the site's collective is timed on ``p`` (the report says which)."""
-    kind = COLLECTIVE_OF[work.kind]
+    kind = work.direction.collective
     if p.curve(kind, work.n) is not None:
         return f"{kind} as measured on {work.n} ranks ({p.name})"
     why = f"ring formula: {p.name} has no measured {kind} curve for {work.n} ranks"
@@ -131,12 +123,12 @@ def _collective_s(work: Work, p: Profile) -> float:
     matmul by running fewer rounds."""
     if work.n == 1:
         return 0.0
-    curve = p.curve(COLLECTIVE_OF[work.kind], work.n)
+    curve = p.curve(work.direction.collective, work.n)
     if curve is not None:
         return curve.seconds(work.block_bytes)
     messages_only = dataclasses.replace(p, matmul_latency_s=0.0, step_overhead_s=0.0)
     no_matmul = dataclasses.replace(work, block_flops=0.0)
-    algorithms = [s for s in ("ring", "bidir") if by_name(s).supports(work.kind)]
+    algorithms = [s for s in ("ring", "bidir") if by_name(s).supports(work.direction)]
     rounds = min(simulate(no_matmul, s, messages_only).end_s for s in algorithms)
     return p.collective_overhead_s + rounds
 
@@ -147,9 +139,9 @@ def _collective(work: Work, p: Profile) -> Timeline:
     n, events = work.n, list[Event]()
     matmul = work.matmuls_per_block * p.matmul_s(work.block_flops * n / work.matmuls_per_block)
     comm = _collective_s(work, p)
-    name = COLLECTIVE_OF[work.kind]
+    name = work.direction.collective
     for r in range(n):
-        if work.kind in GATHER_LIKE:
+        if work.direction.collects_first:
             events += [
                 Event(r, "comm", 0, name, 0.0, comm),
                 Event(r, "compute", 0, "matmul", comm, comm + matmul),
@@ -169,7 +161,7 @@ def _sliced(work: Work, p: Profile, k: int) -> Timeline:
     n, events = work.n, list[Event]()
     chunk_compute = n * _block_compute_s(work, p, 1 / k)
     chunk_comm = _collective_s(dataclasses.replace(work, block_bytes=work.block_bytes / k), p)
-    gather = work.kind == "gather"
+    gather = work.direction == Direction.GATHER
     steps = slicing.gather_steps(k) if gather else slicing.reduce_steps(k)
     for r in range(n):
         comm_free = compute_free = 0.0
@@ -228,7 +220,7 @@ def _send(
 
 def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
     n, events = work.n, list[Event]()
-    plans = [by_name(schedule).steps(work.kind, r, n, 0) for r in range(n)]
+    plans = [by_name(schedule).steps(work.direction, r, n, 0) for r in range(n)]
     c = _block_compute_s(work, p)
     now = [0.0] * n
     for s in range(len(plans[0])):
@@ -252,7 +244,7 @@ def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
 
 def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
     n, events = work.n, list[Event]()
-    plans = [by_name(schedule).steps(work.kind, r, n, 0) for r in range(n)]
+    plans = [by_name(schedule).steps(work.direction, r, n, 0) for r in range(n)]
     c, a = _block_compute_s(work, p), p.add_s(work.block_bytes)
     now = [0.0] * n
     arrivals: list[float] = [0.0] * n  # when the messages a rank waits on next have landed

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 import time
 import warnings
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import torch
 from torch.fx import Graph, GraphModule
 
 from ..cost.profiles import Profile
-from ..cost.simulator import collective_model, predict
+from ..cost.simulator import Timeline, collective_model, predict
 from ..options import Options
 from ..report import REPORT, SiteRecord, dump_code, log
 from ..runtime import groups
@@ -29,14 +28,12 @@ from ..schedules import by_name
 from . import match, order, program, sequence, unfuse, verify
 from .canonical import canonicalize
 from .declines import Declined, decline
-from .graph import position
 from .kinds import of
-from .lower import lower, site_nodes, start
-from .plan import check_applies, plan, plan_options, profile_for, site_work
-from .rewrite import Rewrite
+from .lower import lower, start
+from .plan import Plan, check_applies, plan, plan_options, profile_for, site_work
+from .rewrite import Rewrite, graph_digest, tag_of
 from .site import Site
 
-_site_ids = itertools.count()
 T = TypeVar("T")
 
 
@@ -44,10 +41,12 @@ def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[Si
     """Rewrite ``gm`` in place; returns one record per site found (also in the report).
     The graph runs node by node (eager FX), so its order of transfers is the graph's."""
     result = _rewrite(gm, graph_kind, options)
-    why = _agree(result, gm)
-    if why is not None and _rewritten(result):
-        _fall_back(result, why, options)  # the restored graph recompiles
-    _finish(result, options)
+    try:
+        why = _agree(result, gm)
+        if why is not None and _rewritten(result):
+            _fall_back(result, why)  # the restored graph recompiles
+    finally:
+        _finish(result, options)
     return result.records
 
 
@@ -65,6 +64,19 @@ def rewrite_and_compile(
     reject the rewritten graph, or its program fail either check, warn, record every
     site as declined and compile the original graph (on every rank, for the second)."""
     result = _rewrite(gm, graph_kind, options)
+    try:
+        return _compile_checked(gm, result, options, compile_fn, program_of)
+    finally:
+        _finish(result, options)
+
+
+def _compile_checked(
+    gm: GraphModule,
+    result: _Result,
+    options: Options,
+    compile_fn: Callable[[GraphModule], T],
+    program_of: Callable[[T], str | None] | None,
+) -> T:
     checked: program.Result | None = None
     try:
         compiled = compile_fn(gm)
@@ -74,15 +86,12 @@ def rewrite_and_compile(
         if not _rewritten(result):
             raise
         failed = err if isinstance(err, Declined) else decline("compiler.failed", error=_brief(err))
-        _fall_back(result, failed, options)
+        _fall_back(result, failed)
         compiled = compile_fn(gm)
     why = _agree(result, gm, checked.sequence if checked is not None else None)
     if why is not None and _rewritten(result):
-        _fall_back(result, why, options)
+        _fall_back(result, why)
         compiled = compile_fn(gm)
-    if options.debug_dir:
-        REPORT.write(options.debug_dir)
-    _finish(result, options)
     return compiled
 
 
@@ -102,7 +111,7 @@ def _rewritten(result: _Result) -> list[SiteRecord]:
     return [r for r in result.records if r.decision == "rewritten"]
 
 
-def _fall_back(result: _Result, why: Declined, options: Options) -> None:
+def _fall_back(result: _Result, why: Declined) -> None:
     """Restore the graph as it came and record every rewritten site as declined."""
     warnings.warn(f"commfuse: {why.reason}; compiling the original graph", stacklevel=3)
     result.original.restore()
@@ -110,15 +119,11 @@ def _fall_back(result: _Result, why: Declined, options: Options) -> None:
         record.decision, record.schedule = "declined", "off"
         record.exposed_steps = []
         record.declined(why)
-    if options.debug_dir:
-        REPORT.write(options.debug_dir)
 
 
 def _finish(result: _Result, options: Options) -> None:
-    """The graph's decisions are final: log them."""
-    REPORT.log_graph(result.records, result.graph_kind)
-    if options.measure and options.debug_dir:
-        REPORT.write_at_exit(options.debug_dir)
+    """The graph's decisions are final: into the report."""
+    REPORT.finish_graph(result.records, result.graph_kind, options.debug_dir, options.measure)
 
 
 def _agree(
@@ -233,16 +238,15 @@ def _check_program(code: str | None, options: Options, result: _Result) -> progr
 
 
 def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
-    graph_index = REPORT.graphs
-    REPORT.graphs += 1
-    REPORT.options = options.described()
+    graph_index = REPORT.new_graph(options.described())
     dump_code(options.debug_dir, graph_index, graph_kind, "before", lambda: gm.code)
     result = _Result([], _Original(gm), graph_index, graph_kind, {})
     try:
         keep = result.original.keep
+        digest = graph_digest(gm.graph)  # as it came: the same on every rank
         canonical = canonicalize(gm.graph, before_change=keep)
         split = unfuse.split_fused_projections(gm.graph, before_change=keep)
-        rewrites = _rewrite_sites(gm, options, result)
+        rewrites = _rewrite_sites(gm, options, result, digest)
         if (canonical or split) and not rewrites:
             result.original.restore()
         if rewrites and options.inner == "inductor":
@@ -260,11 +264,7 @@ def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
         result.records = [
             SiteRecord(kind=s.kind, graph=graph_kind).declined(why) for s in _sites_or_none(gm)
         ]
-    for record in result.records:
-        REPORT.add(record)
     dump_code(options.debug_dir, graph_index, graph_kind, "after", lambda: _code(gm))
-    if options.debug_dir:
-        REPORT.write(options.debug_dir)
     return result
 
 
@@ -273,90 +273,99 @@ def _code(gm: GraphModule) -> str:
     return gm.graph.python_code("self").src
 
 
-def _rewrite_sites(gm: GraphModule, options: Options, result: _Result) -> list[Rewrite]:
+def _rewrite_sites(
+    gm: GraphModule, options: Options, result: _Result, digest: int
+) -> list[Rewrite]:
     """Find every site once, then rewrite them in graph order. A rewrite changes only the
     nodes around its own site, so a later site is matched again where it stands (its
     collective's neighbourhood, not the graph) once anything was rewritten: a matmul an
     earlier site took is declined with the site that took it. A site declined as found
     keeps its reason."""
     rewrites: list[Rewrite] = []
-    for found in match.find_sites(gm.graph):
+    for ordinal, found in enumerate(match.find_sites(gm.graph)):
         site = match.rematch(found) if rewrites and not found.declined else found
         record = SiteRecord(
             kind=site.kind,
             graph=result.graph_kind,
-            site=next(_site_ids),
+            site=REPORT.new_site_id(),
             graph_index=result.graph_index,
             match=site.describe(),
         )
         result.records.append(record)
-        rewrite = None
-        collective_timeline: list[dict[str, object]] = []  # what runs if the site declines
-        try:
-            if site.declined:
-                raise site.declined.error()
-            group = _group(site)
-            profile = profile_for(site, options)
-            result.groups[record.site] = (group, _inputs(options, profile))
-            site = _without_disabled(site, options.disable)
-            plan_options(options)
-            work = site_work(site, group.size)
-            predicted = predict(work, profile, options.slices)
-            record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in predicted.items()}
-            record.profile = profile.name
-            record.collective_model = collective_model(work, profile)
-            collective_timeline = predicted["collective"].as_json(group.rank)
-            check_applies(predicted, options, site.kind)
-            chosen = plan(predicted, options)
-            record.timeline = predicted[chosen.schedule].as_json(group.rank)
-            result.original.keep()
-            rewrite = start(site, record.site, gm.graph)
-            rewrite.timed = options.measure
-            record.match = rewrite.site.describe()  # some matmuls may be left out
-            schedule = by_name(chosen.schedule)
-            lower(rewrite, group, schedule, options.slices)
-            verify.check_emitted(rewrite)
-            verify.check_exchange(rewrite, group, schedule, options.slices)
-            rewrite.commit(site_nodes(rewrite.site))
-            verify.check_committed(rewrite)
-            _nest_windows(rewrites, rewrite)
-        except Exception as err:  # noqa: BLE001 - declines and internal errors alike
-            if rewrite is not None and rewrite.committing:
-                raise  # the graph is half rewritten: rewrite_graph restores all of it
-            if rewrite is not None:
-                rewrite.discard()
-            record.timeline = collective_timeline
-            if isinstance(err, Declined):
-                record.declined(err)
-            else:
-                record.declined(decline("internal.error", error=_brief(err)))
-                warnings.warn(
-                    f"commfuse: site {record.site} declined, {record.reason}", stacklevel=2
-                )
-            continue
-        record.decision, record.schedule, record.reason = "rewritten", chosen.schedule, chosen.why
-        record.nodes = [n.name for n in rewrite.created]
-        record.steps, record.p2p_ops = len(rewrite.steps), rewrite.p2p_ops
-        rewrites.append(rewrite)
+        rewrite = _rewrite_site(gm, site, options, result, record, tag_of(digest, ordinal))
+        if rewrite is not None:
+            for earlier in rewrites:
+                earlier.nest(rewrite)
+            rewrites.append(rewrite)
     return rewrites
 
 
-def _nest_windows(rewrites: list[Rewrite], inner: Rewrite) -> None:
-    """Where ``inner`` replaced a matmul of an earlier rewrite's window (a nested ring,
-    ``kinds/ag_mm``), that window now computes ``inner``'s whole ring: the order kept
-    through Inductor (``order``) holds its transfer open over all of it. A ring that had
-    to go before the window's transfer is only dropped from it."""
-    replaced = inner.replace
-    ring = [n for s in inner.steps for n in ([s.issue] if s.issue else []) + s.compute]
-    first = min(inner.created, key=position)
-    for rw in rewrites:
-        for window in rw.steps:
-            taken = [n for n in window.compute if n in replaced]
-            if not taken:
-                continue
-            window.compute = [n for n in window.compute if n not in replaced]
-            if window.issue is not None and position(window.issue) < position(first):
-                window.compute += [*ring, *(replaced[n] for n in taken)]
+def _rewrite_site(
+    gm: GraphModule,
+    site: Site,
+    options: Options,
+    result: _Result,
+    record: SiteRecord,
+    tag: int,
+) -> Rewrite | None:
+    """Plan, lower, verify and commit one site: its rewrite, or None (declined, with the
+    reason in ``record``)."""
+    rewrite = None
+    try:
+        if site.declined:
+            raise site.declined.error()
+        group = _group(site)
+        site, predicted, chosen = _planned(site, group, options, result, record)
+        result.original.keep()
+        rewrite = start(site, record.site, tag, gm.graph, options.measure)
+        record.match = rewrite.site.describe()  # some matmuls may be left out
+        schedule = by_name(chosen.schedule)
+        lower(rewrite, group, schedule, options.slices)
+        verify.check_emitted(rewrite)
+        verify.check_exchange(rewrite, group, schedule, options.slices)
+        rewrite.commit(rewrite.site.replaced())
+        verify.check_committed(rewrite)
+    except Exception as err:  # noqa: BLE001 - declines and internal errors alike
+        if rewrite is not None and rewrite.committing:
+            raise  # the graph is half rewritten: rewrite_graph restores all of it
+        if rewrite is not None:
+            rewrite.discard()
+        _declined(record, err)
+        return None
+    record.decision, record.schedule, record.reason = "rewritten", chosen.schedule, chosen.why
+    record.timeline = predicted[chosen.schedule].as_json(group.rank)
+    record.nodes = [n.name for n in rewrite.created]
+    record.steps, record.p2p_ops = len(rewrite.steps), rewrite.p2p_ops
+    return rewrite
+
+
+def _planned(
+    site: Site, group: groups.Group, options: Options, result: _Result, record: SiteRecord
+) -> tuple[Site, dict[str, Timeline], Plan]:
+    """The site as the options leave it, every schedule's predicted timeline, and the
+    plan. What the cost model said goes into ``record``, its timeline the collective's
+    until the site is rewritten (what runs if it is declined)."""
+    profile = profile_for(site, options)
+    result.groups[record.site] = (group, _inputs(options, profile))
+    site = _without_disabled(site, options.disable)
+    plan_options(options)
+    work = site_work(site, group.size)
+    predicted = predict(work, profile, options.slices)
+    record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in predicted.items()}
+    record.profile = profile.name
+    record.collective_model = collective_model(work, profile)
+    record.timeline = predicted["collective"].as_json(group.rank)
+    check_applies(predicted, options, site.kind)
+    return site, predicted, plan(predicted, options)
+
+
+def _declined(record: SiteRecord, err: Exception) -> None:
+    """Record why the site is declined; an internal error warns too."""
+    if isinstance(err, Declined):
+        record.declined(err)
+        return
+    record.declined(decline("internal.error", error=_brief(err)))
+    warnings.warn(f"commfuse: site {record.site} declined, {record.reason}", stacklevel=3)
 
 
 def _group(site: Site) -> groups.Group:

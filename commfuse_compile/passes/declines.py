@@ -56,11 +56,11 @@ _REASONS = (
         "unsupported",
         "the gathers of {shard} are reassembled along different dims",
     ),
-    Reason("ag.mutated", "unsupported", "gathered tensor is mutated in place by {node}"),
+    Reason("site.mutated", "unsupported", "the collected tensor is mutated in place by {node}"),
     Reason("ag.no_matmul", "unsupported", "no matmul consumes the gathered rows"),
     Reason("ag.matmuls_left_out", "unsupported", "{unmatched}"),
-    Reason("ag.no_reader", "unsupported", "gathered value has no reader"),
-    Reason("rs.unread", "unsupported", "the result of {node} is never read"),
+    Reason("site.no_reader", "unsupported", "the collected tensor has no reader"),
+    Reason("site.unread", "unsupported", "the result of {node} is never read"),
     Reason("rs.taken", "unsupported", "its matmul was rewritten by all-gather site {site}"),
     Reason(
         "rs.padded",
@@ -87,10 +87,10 @@ _REASONS = (
     Reason(
         "rs.product_shared", "unsupported", "product {node} is also used outside the reduce-scatter"
     ),
-    Reason("rs.empty", "unsupported", "{node} has a zero-size dim: nothing to overlap"),
+    Reason("site.empty", "unsupported", "{node} has a zero-size dim: nothing to overlap"),
     Reason("rs.shapes_differ", "unsupported", "the summed matmuls have different shapes ({node})"),
     Reason("rs.bias_rows", "unsupported", "bias of {node} has a row dim"),
-    Reason("rs.scales", "unsupported", "scaled matmul {node}: {problem}"),
+    Reason("site.scales", "unsupported", "scaled matmul {node}: {problem}"),
     Reason(
         "rs.scaled_sum",
         "unsupported",

@@ -273,17 +273,6 @@ def between_note(user: Node, what: str = "gathered") -> str:
     return f"{user.name} ({op_name(user)}) sits between the {what} tensor and a matmul"
 
 
-def read_twice(uses: Iterable[tuple[Node, Node]], own: set[Node], what: str) -> dict[Node, str]:
-    """Of (matmul, its other operand) pairs, the matmuls whose other operand is the
-    collective's tensor too (``G @ G^T``), each with a note: no sum or concatenation of
-    products of one operand's blocks, such a matmul keeps reading the tensor."""
-    return {
-        mm: f"{mm.name}: reads the {what} tensor as both operands"
-        for mm, other in uses
-        if other in own
-    }
-
-
 def ordered_getitems(split: Node, n: int) -> list[Node] | None:
     parts: dict[int, Node] = {}
     for u in split.users:
@@ -481,27 +470,3 @@ def the_wait(collective: Node) -> Node | None:
 def saved_unwaited(collective: Node) -> bool:
     """Is the collective's unwaited result an output of the graph (see ``the_wait``)?"""
     return any(user.op == "output" for user in collective.users)
-
-
-OWN_RESULT = "its other operand is computed from this site's own result"
-
-
-def needs_own_result(matmuls: list[Matmul], own: set[Node], before: Node) -> list[Matmul]:
-    """The matmuls whose other operands are computed, after ``before``, from ``own`` (the
-    site's own nodes): a consumer reached again later, e.g. dX = dY @ W where dY comes
-    from W's recomputed forward. They cannot share the site's steps, which must be done
-    by ``before``."""
-    start = position(before)
-
-    def depends(node: Node) -> bool:
-        stack, seen = [node], set()
-        while stack:
-            current = stack.pop()
-            if current in own:
-                return True
-            if position(current) >= start and current not in seen:
-                seen.add(current)
-                stack += current.all_input_nodes
-        return False
-
-    return [mm for mm in matmuls if any(depends(op) for op in mm.inputs if op not in own)]

@@ -1,5 +1,5 @@
 """Lower stage: a site's kind emits its schedule as P2P steps, one partial matmul per
-step (``kinds/``, with the helpers of ``rewrite.py``); what every kind needs around that
+step (``kinds/`` on the ring core, ``ring.py``); what every kind needs around that
 (where the new nodes go, their fake mode, the sizes dynamic shapes read) is here."""
 
 from __future__ import annotations
@@ -13,31 +13,27 @@ from torch.fx import Graph, Node
 from ..runtime.groups import Group
 from ..schedules import Schedule
 from .declines import decline
+from .emit import Emitter
 from .graph import SIZE_READERS, in_graph_order, val
 from .kinds import of
 from .rewrite import Rewrite
 from .site import Site
 
 
-def start(site: Site, site_id: int, graph: Graph) -> Rewrite:
+def start(site: Site, site_id: int, tag: int, graph: Graph, timed: bool = False) -> Rewrite:
     """An empty rewrite of ``site``: where its nodes go, and the fake mode of their values.
     The kind may leave some of the site's matmuls out (``rw.site`` says which are in)."""
     site, before = of(site).start(site)
     fake_mode = detect_fake_mode([val(site.anchor.args[0])])  # type: ignore[arg-type]
     if fake_mode is None:
         raise decline("lower.not_fake")
-    return Rewrite(site, site_id, graph, before=before, fake_mode=fake_mode)
+    return Rewrite(site, site_id, tag, Emitter(graph, before, fake_mode, site_id), timed)
 
 
 def lower(rw: Rewrite, group: Group, schedule: Schedule, slices: int = 2) -> None:
     """Emit ``rw.site`` as ``schedule`` for this rank of ``group``."""
-    of(rw.site).lower(rw, group, schedule, slices)
-    _keep_size_readers(rw, site_nodes(rw.site))
-
-
-def site_nodes(site: Site) -> Sequence[Node]:
-    """The nodes a rewrite of ``site`` replaces: erased at commit once nothing reads them."""
-    return of(site).replaced(site)
+    of(rw.site).lower(rw, rw.site, group, schedule, slices)
+    _keep_size_readers(rw, rw.site.replaced())
 
 
 def _keep_size_readers(rw: Rewrite, nodes: Sequence[Node]) -> None:
@@ -56,17 +52,17 @@ def _keep_size_readers(rw: Rewrite, nodes: Sequence[Node]) -> None:
         reads = set(node.all_input_nodes) & erased
         if all(u in erased for u in node.users) and (node.users or reads):
             erased.add(node)
-            rw.erased_sizes.append(node)
+            rw.erases(node)
         elif reads - replaced:
             if node.target not in SIZE_READERS:
                 raise decline("size.computed", node=node.name)
             value = node.meta["val"]
             if not isinstance(value, torch.SymInt):
                 raise decline("size.not_symint", node=node.name)
-            new = rw.size(value, step=0, before=node)
+            new = rw.emit.size(value, step=0, before=node)
             if not isinstance(new, Node):
                 raise decline("size.constant", node=node.name)
-            rw.replace[node] = new
+            rw.replaces(node, new)
 
 
 def _sizes_around(erased: set[Node]) -> set[Node]:

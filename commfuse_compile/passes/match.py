@@ -41,7 +41,7 @@ def _nesting_last(sites: list[Site]) -> list[Site]:
 
     first_reader: dict[Node, int] = {}
     for i, site in enumerate(sites):
-        for node in of(site).replaced(site):
+        for node in site.replaced():
             if is_matmul(node):
                 j = first_reader.setdefault(node, i)
                 if j != i and of(sites[j]).nests and sites[j].group_name != site.group_name:

@@ -25,9 +25,10 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 
+from .blocks import can_view
 from .declines import Declined
+from .emit import Emitter, fake_eval
 from .graph import ALL_TO_ALL, LAYOUT_OPS, VIEWS, Matmul, data_users, is_transpose_2d, val
-from .rewrite import can_view, fake_eval
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -232,25 +233,22 @@ def _erase_dead(graph: Graph, nodes: Sequence[Node]) -> None:
 
 
 class _Emitter:
-    """New nodes before one node, each with its fake value."""
+    """New nodes before one node, each with its fake value (``emit.Emitter``), and the
+    views and fake values the splitting needs."""
 
     def __init__(self, graph: Graph, before: Node) -> None:
-        self.graph, self.before = graph, before
         fake_mode = detect_fake_mode([val(before.all_input_nodes[0])])
         assert fake_mode is not None, "graphs the pass sees carry fake values"
-        self.fake_mode = fake_mode
+        self.emit = Emitter(graph, before, fake_mode)
 
     def __call__(
         self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
     ) -> Node:
-        with self.graph.inserting_before(self.before):
-            node = self.graph.call_function(target, args, kwargs or {})
-        node.meta["val"] = fake_eval(self.fake_mode, target, args, kwargs or {})
-        return node
+        return self.emit.node(target, args, kwargs)
 
     def view(self, node: Node, shape: list[int]) -> Node:
         """``node`` viewed as ``shape``, copied first where its strides forbid it."""
-        with self.fake_mode:
+        with self.emit.fake_mode:
             if not can_view(val(node), shape):
                 node = self(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
         return self(aten.view.default, (node, shape))
@@ -267,7 +265,7 @@ class _Emitter:
             node = stack.pop()
             if node.op != "call_function" or "val" not in node.meta:
                 continue
-            new = fake_eval(self.fake_mode, node.target, node.args, node.kwargs)  # type: ignore[arg-type]
+            new = fake_eval(self.emit.fake_mode, node.target, node.args, node.kwargs)  # type: ignore[arg-type]
             old = node.meta["val"]
             if _same_layout(old, new):
                 continue

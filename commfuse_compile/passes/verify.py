@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import functools
 import operator
-from types import ModuleType
 
 import torch
 
 from ..runtime.groups import Group
-from ..schedules import Schedule, exchange, slicing
+from ..schedules import Direction, Schedule, exchange, slicing
 from . import dims
 from .declines import decline
+from .emit import P2P
 from .graph import val
 from .kinds import of
-from .rewrite import P2P, Rewrite
+from .rewrite import Rewrite
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
@@ -65,7 +65,7 @@ def _same_value(a: object, b: object) -> bool:
 def check_committed(rw: Rewrite) -> None:
     """After commit: the site's collectives are gone and every new node is read (the
     whole graph is linted once, after its last site)."""
-    if any(not node._erased for node in of(rw.site).collectives(rw.site)):
+    if any(not node._erased for node in rw.site.collectives):
         raise decline("internal.collective_left")
     dead = [n.name for n in rw.created if not n.users and n.target is not c10d.wait_tensor.default]
     if dead:
@@ -100,33 +100,33 @@ def check_exchange(rw: Rewrite, group: Group, schedule: Schedule, slices: int = 
         shapes = {tuple(dims.as_json(val(t).shape)) for t in buffers}
         if len(shapes) != 1:
             raise decline("internal.shapes", node=node.name, shapes=shapes)
-    _check_schedule_all_ranks(schedule.module, n, direction)
+    _check_schedule_all_ranks(schedule, n, direction)
 
 
 @functools.cache
-def _check_schedule_all_ranks(schedule: ModuleType, n: int, direction: str) -> None:
+def _check_schedule_all_ranks(schedule: Schedule, n: int, direction: Direction) -> None:
     try:
-        if direction in ("exchange_in", "exchange_out"):
-            exchange.all_to_all(schedule, n, direction)
-        elif direction == "gather":
-            held = exchange.gather(schedule, list(range(n)), lambda b, x: x)
+        if direction in (Direction.EXCHANGE_IN, Direction.EXCHANGE_OUT):
+            exchange.all_to_all(schedule.module, n, direction)
+        elif direction is Direction.GATHER:
+            held = exchange.gather(schedule.module, list(range(n)), lambda b, x: x)
             if any(sorted(h) != list(range(n)) for h in held):
                 raise exchange.ScheduleError("a rank does not multiply every block")
         else:
-            sums = exchange.reduce(schedule, n, lambda r, b: {(r, b)}, lambda x, y: x | y)
+            sums = exchange.reduce(schedule.module, n, lambda r, b: {(r, b)}, lambda x, y: x | y)
             if sums != [{(r, b) for r in range(n)} for b in range(n)]:
                 raise exchange.ScheduleError("a block does not sum every rank's partial")
     except exchange.ScheduleError as err:
-        raise decline("internal.schedule", schedule=schedule.__name__, n=n, error=err) from None
+        raise decline("internal.schedule", schedule=schedule.name, n=n, error=err) from None
 
 
-def _check_sliced(rw: Rewrite, group: Group, k: int, direction: str) -> None:
+def _check_sliced(rw: Rewrite, group: Group, k: int, direction: Direction) -> None:
     collectives = [node for node in rw.created if node.target in COLLECTIVES]
     if len(collectives) != k or any(
         node.args[-2:] != (group.size, group.name) for node in collectives
     ):
         raise decline("internal.slicing", k=k, error=f"{len(collectives)} collectives on the group")
-    gather = direction == "gather"
+    gather = direction.collects_first
     try:
         slicing.check(slicing.gather_steps(k) if gather else slicing.reduce_steps(k), k, gather)
     except exchange.ScheduleError as err:

@@ -1,8 +1,10 @@
 """Decomposition schedules: pure descriptions of who sends which block when.
 
-A schedule is a module with ``gather_steps(rank, n)`` (all-gather then matmul) and
-``reduce_steps(rank, n)`` (matmul then reduce-scatter); ``slicing``'s take the chunk
-count instead, and ``Schedule.steps`` gives both one signature. Steps name blocks and ring
+A schedule is a module with a steps function per ``Direction`` it supports:
+``gather_steps(rank, n)`` (all-gather then matmul), ``reduce_steps(rank, n)`` (matmul
+then reduce-scatter), ``exchange_in_steps``/``exchange_out_steps`` (all-to-all then
+matmul, and back); ``slicing``'s take the chunk count instead, and ``Schedule.steps``
+gives them one signature. Steps name blocks and ring
 offsets only, so the same description drives the graph lowering, the simulator that
 checks it against an unfused reference, and every rank's view of the exchange.
 """
@@ -10,8 +12,37 @@ checks it against an unfused reference, and every rank's view of the exchange.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from types import ModuleType
 from typing import Any
+
+
+class Direction(enum.StrEnum):
+    """Which way a site's data flows between its collective and its matmul: the steps a
+    schedule gives it, how the cost model times it, and what a received message holds."""
+
+    GATHER = "gather"  # all-gather -> matmul
+    REDUCE = "reduce"  # matmul -> reduce-scatter
+    EXCHANGE_IN = "exchange_in"  # all-to-all -> matmul
+    EXCHANGE_OUT = "exchange_out"  # matmul -> all-to-all
+
+    @property
+    def collects_first(self) -> bool:
+        """Does the collective run before the matmul (blocks arrive, then are multiplied)?"""
+        return self in (Direction.GATHER, Direction.EXCHANGE_IN)
+
+    @property
+    def collective(self) -> str:
+        """The collective the site replaces, as the machine profiles name it."""
+        return _COLLECTIVES[self]
+
+    def source(self, transfer: Transfer, rank: int, n: int) -> int:
+        """The block a received ``transfer`` holds: the one it names (a ring forwards
+        blocks), or under an all-to-all the sender's (each message carries the block of
+        the sender's tensor meant for its receiver, ``Transfer.block``)."""
+        if self in (Direction.EXCHANGE_IN, Direction.EXCHANGE_OUT):
+            return (rank + transfer.peer) % n
+        return transfer.block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,22 +80,29 @@ class Schedule:
     module: ModuleType  # gather_steps / reduce_steps of (rank, n), or of (k) if sliced
     sliced: bool  # k collectives on chunks (``slicing.SliceStep``), not P2P steps
 
-    def supports(self, direction: str) -> bool:
-        """Has it steps for ``direction`` ("gather", "reduce", "exchange_in" (all-to-all
-        then matmul), "exchange_out" (matmul then all-to-all))?"""
-        return hasattr(self.module, f"{direction}_steps")
+    def supports(self, direction: Direction) -> bool:
+        """Has it steps for ``direction``?"""
+        return hasattr(self.module, _STEPS[direction])
 
-    def steps(self, direction: str, rank: int, n: int, slices: int) -> list[Any]:
+    def steps(self, direction: Direction, rank: int, n: int, slices: int) -> list[Any]:
         """``direction`` steps of ``rank`` of ``n``; ``slices`` is the chunk count of a
         sliced schedule."""
-        make = getattr(self.module, f"{direction}_steps")
+        make = getattr(self.module, _STEPS[direction])
         return list(make(slices) if self.sliced else make(rank, n))
 
 
+_STEPS = {d: f"{d.value}_steps" for d in Direction}  # a schedule module's function per direction
+_COLLECTIVES = {
+    Direction.GATHER: "all_gather",
+    Direction.REDUCE: "reduce_scatter",
+    Direction.EXCHANGE_IN: "all_to_all",
+    Direction.EXCHANGE_OUT: "all_to_all",
+}
 NAMES = ("ring", "bidir", "push", "slicing")  # every schedule, in the order reports list them
 
 
 def by_name(name: str) -> Schedule:
+    """The schedule called ``name`` (one of ``NAMES``)."""
     from . import bidir, push, ring, slicing
 
     modules = {"ring": ring, "bidir": bidir, "push": push, "slicing": slicing}

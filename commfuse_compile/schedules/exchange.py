@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TypeVar
 
-from . import Transfer
+from . import Direction, Transfer
 
 T = TypeVar("T")
 
@@ -102,12 +102,14 @@ def reduce(
     return [sums[r][r] for r in range(n)]
 
 
-def all_to_all(schedule: ModuleType, n: int, direction: str) -> None:
+def all_to_all(schedule: ModuleType, n: int, direction: Direction) -> None:
     """Check an all-to-all schedule for all n ranks: every message meets its receive in
     the same step, carries the block meant for its receiver, and every rank ends with the
     n blocks of the all-to-all's output, each multiplied once (``exchange_in``: as they
     arrive; ``exchange_out``: each computed before it is sent, its own one too)."""
-    plans = [getattr(schedule, f"{direction}_steps")(r, n) for r in range(n)]
+    incoming = direction == Direction.EXCHANGE_IN
+    make = schedule.exchange_in_steps if incoming else schedule.exchange_out_steps
+    plans = [make(r, n) for r in range(n)]
     held = [{r} for r in range(n)]  # exchange_in: output blocks (by source rank) at hand
     done: list[list[int]] = [[] for _ in range(n)]  # blocks multiplied, in order
     for s in range(len(plans[0])):
@@ -121,12 +123,10 @@ def all_to_all(schedule: ModuleType, n: int, direction: str) -> None:
         for r, st in enumerate(steps):
             if any(t.block != (r + t.peer) % n for t in st.sends):
                 raise ScheduleError(f"step {s}: rank {r} sends a block meant for another rank")
-            computing = st.compute if direction == "exchange_in" else st.blocks
-            if direction == "exchange_in" and not set(computing) <= held[r]:
+            computing = st.compute if incoming else st.blocks
+            if incoming and not set(computing) <= held[r]:
                 raise ScheduleError(f"step {s}: rank {r} multiplies a block before it arrived")
-            if direction == "exchange_out" and any(
-                t.block not in done[r] + list(computing) for t in st.sends
-            ):
+            if not incoming and any(t.block not in done[r] + list(computing) for t in st.sends):
                 raise ScheduleError(f"step {s}: rank {r} sends a block before computing it")
             done[r] += computing
         for r, st in enumerate(steps):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from ..cost.profiles import COLLECTIVE_KINDS, CURVE_BLOCK_BYTES, Curve, Profile
 from ..cost.simulator import Work, simulate
+from ..schedules import Direction
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -85,7 +86,7 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
     # The fixed costs are what the simulation of the tiny site lacks without them: the
     # ring pays the step overhead once per step (n-1), the collective its overhead once.
     rows, k, cols = TINY_SITE
-    tiny = Work("gather", n, block_flops=2.0 * rows * k * cols, block_bytes=4.0 * rows * k)
+    tiny = Work(Direction.GATHER, n, block_flops=2.0 * rows * k * cols, block_bytes=4.0 * rows * k)
     step = (m.ring_site_s - simulate(tiny, "ring", measured).end_s) / (n - 1)
     # the call overhead of the ring formula, used for group sizes without a curve
     formula = dataclasses.replace(measured, collectives={})

@@ -29,6 +29,7 @@ from pathlib import Path
 from ..cost.profiles import Profile
 from ..cost.simulator import SCHEDULES, Event, Timeline, Work, predict, simulate
 from ..passes.plan import auto_choice
+from ..schedules import Direction
 from .trace import Process, Span, chrome_trace
 
 TRACE_RANKS = 8  # ranks written to a Chrome trace (all of them for n <= 8)
@@ -99,15 +100,15 @@ def layer_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
 
     def gather(out_features: float, matmuls: int) -> Work:
         # block: t/n rows of the gathered input times the local weight columns
-        return Work("gather", n, 2 * (t / n) * d * out_features / n, t / n * d * e, matmuls)
+        return Work(Direction.GATHER, n, 2 * (t / n) * d * out_features / n, t / n * d * e, matmuls)
 
     def reduce(in_features: float, terms: int) -> Work:
         # block: t/n rows of the local product, contracted over the local features
-        return Work("reduce", n, 2 * (t / n) * in_features / n * d, t / n * d * e, terms)
+        return Work(Direction.REDUCE, n, 2 * (t / n) * in_features / n * d, t / n * d * e, terms)
 
     def grad_gather(features: float) -> Work:
         # dY gathered into dX = dY @ W (rows) and dW = dY^T @ X (contracted)
-        return Work("gather", n, 2 * 2 * (t / n) * d * features / n, t / n * d * e, 2)
+        return Work(Direction.GATHER, n, 2 * 2 * (t / n) * d * features / n, t / n * d * e, 2)
 
     return [
         ("forward attention q/k/v", gather(qkv, 3)),
@@ -143,14 +144,14 @@ def ulysses_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
     def scatter_heads(columns: int) -> Work:
         # mm_a2a: the product [S/n, columns] (K = hidden) exchanged whole; block j is
         # rank j's heads, a column block
-        return Work("exchange_out", n, 2 * rows * d * columns / n, rows * columns * e / n)
+        return Work(Direction.EXCHANGE_OUT, n, 2 * rows * d * columns / n, rows * columns * e / n)
 
     def gather_heads(columns: int, matmuls: int) -> Work:
         # a2a_mm: the all-to-all's output [S/n, columns] (every head of this rank's tokens);
         # each matmul reading it, 2 x S/n x columns x hidden FLOPs: times the weight
         # (contract, over the heads) or, backward, x^T times it (dW, columns)
         flops = matmuls * 2 * rows * columns * d
-        return Work("exchange_in", n, flops / n, rows * columns * e / n, matmuls)
+        return Work(Direction.EXCHANGE_IN, n, flops / n, rows * columns * e / n, matmuls)
 
     return [
         ("forward q projection", scatter_heads(q)),

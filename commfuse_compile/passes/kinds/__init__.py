@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from ..site import Site, SiteKind
+from typing import Any
+
+from ..site import Site
+from ..site_kind import SiteKind
 from . import a2a_mm, ag_mm, mm_a2a, mm_rs
 
-KINDS: dict[str, SiteKind] = {
+KINDS: dict[str, SiteKind[Any]] = {
     kind.name: kind for kind in (ag_mm.KIND, mm_rs.KIND, a2a_mm.KIND, mm_a2a.KIND)
 }
 
 
-def of(site: Site) -> SiteKind:
+def of(site: Site) -> SiteKind[Any]:
     return KINDS[site.kind]

@@ -17,7 +17,6 @@ computes (``ExchangedUse.role``):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -25,81 +24,70 @@ from torch.fx import Graph, Node
 
 from ...cost.simulator import Work
 from ...runtime.groups import Group
-from ...schedules import Schedule
+from ...schedules import Direction, Schedule, Transfer
+from ...site_kinds import ROLES
 from .. import dims
+from ..blocks import column_block, contiguous, matmul, replay, row_block, slice_block
 from ..declines import Declined, decline
 from ..graph import (
     ALL_TO_ALL,
     LAYOUT_OPS,
-    OWN_RESULT,
     Matmul,
     between_note,
     bias_is_row_broadcast,
     check_tensor,
-    data_users,
     equal_splits,
     has_zero_size_dim,
     is_mutating,
-    needs_own_result,
     node_arg,
     numel,
     position,
     reaches_matmul,
-    read_twice,
-    saved_unwaited,
     scales_problem,
     split_dim_in_output,
     sums_problem,
     the_wait,
     val,
 )
-from ..rewrite import (
-    Rewrite,
-    Step,
-    accumulate,
-    column_block,
-    contiguous,
-    finish_sum,
-    matmul,
-    new_tag,
-    replay,
-    row_block,
-    slice_block,
-    start_transfers,
-    viewed,
-    wait_transfers,
-)
-from ..site import Direction, Site, matched
+from ..rewrite import Rewrite
+from ..ring import Products, collect_then_compute, replace_collective
+from ..site_kind import SiteKind
+from ..uses import Use, UsesSite, without_read_twice
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
-@dataclasses.dataclass(frozen=True)
-class ExchangedUse:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExchangedUse(Use):
     """A matmul reading the all-to-all's output through ``path`` (layout ops, each with
     the dim of its output that holds the n blocks)."""
 
-    mm: Matmul
     path: tuple[tuple[Node, int], ...]
-    role: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class A2aMmSite(Site):
+class A2aMmSite(UsesSite):
     kind: ClassVar[str] = "a2a_mm"
+    LEFT_OUT: ClassVar[str] = "a2a.matmuls_left_out"
     all_to_all: Node
     wait: Node
     uses: tuple[ExchangedUse, ...] = ()
-    unmatched: tuple[str, ...] = ()  # matmuls left reading the output, and why
 
     @property
-    def anchor(self) -> Node:
-        return self.all_to_all
+    def collectives(self) -> tuple[Node, ...]:
+        return (self.all_to_all,)
+
+    @property
+    def results(self) -> tuple[Node, ...]:
+        return (self.wait,)
 
     @property
     def chain(self) -> tuple[Node, ...]:
         return tuple(dict.fromkeys(node for use in self.uses for node, _ in use.path))
+
+    def replaced(self) -> list[Node]:
+        return [self.all_to_all, self.wait, *self.chain, *(u.mm.node for u in self.uses)]
 
     def describe(self) -> dict[str, object]:
         return {
@@ -113,62 +101,38 @@ class A2aMmSite(Site):
         }
 
 
-class A2aMm:
+class A2aMm(SiteKind[A2aMmSite]):
     name = "a2a_mm"
-    direction: Direction = "exchange_in"
+    direction = Direction.EXCHANGE_IN
+    roles = ROLES[name]
     nests = False
 
-    def find(self, graph: Graph) -> list[Site]:
-        return matched(graph.find_nodes(op="call_function", target=ALL_TO_ALL), _match)
+    def find(self, graph: Graph) -> list[A2aMmSite]:
+        found = map(_match, graph.find_nodes(op="call_function", target=ALL_TO_ALL))
+        return [site for site in found if site is not None]
 
-    def rematch(self, site: Site) -> Site | None:
-        assert isinstance(site, A2aMmSite)
+    def rematch(self, site: A2aMmSite) -> A2aMmSite | None:
         return _match(site.all_to_all)
 
-    def without(self, site: Site, disabled: frozenset[str]) -> Site:
-        assert isinstance(site, A2aMmSite)
-        uses = tuple(u for u in site.uses if u.role not in disabled)
-        if len(uses) == len(site.uses):
-            return site
-        left = [f"{u.mm.node.name} ({u.role}): disabled" for u in site.uses if u not in uses]
-        unmatched = (*site.unmatched, *left)
-        if not uses:
-            raise decline("plan.roles_disabled", unmatched="; ".join(unmatched))
-        return dataclasses.replace(site, uses=uses, unmatched=unmatched)
+    def without(self, site: A2aMmSite, disabled: frozenset[str]) -> A2aMmSite:
+        return site.without_roles(disabled)
 
-    def work(self, site: Site, n: int) -> Work:
-        assert isinstance(site, A2aMmSite)
+    def work(self, site: A2aMmSite, n: int) -> Work:
         flops = sum(2 * numel(u.mm.node) * dims.hint(val(u.mm.a).shape[1]) for u in site.uses)
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
-        return Work("exchange_in", n, flops / n, message / n, len(site.uses))
+        return Work(self.direction, n, flops / n, message / n, len(site.uses))
 
-    def start(self, site: Site) -> tuple[Site, Node]:
-        assert isinstance(site, A2aMmSite)
+    def start(self, site: A2aMmSite) -> tuple[A2aMmSite, Node]:
         readers = list(site.wait.users)
         if not readers:  # pragma: no cover - matched sites have one
-            raise decline("ag.no_reader")
+            raise decline("site.no_reader")
         before = min(readers, key=position)
-        own = {site.wait, *site.chain, *(u.mm.node for u in site.uses)}
-        late = needs_own_result([u.mm for u in site.uses], own, before)
-        if not late:
-            return site, before
-        uses = tuple(u for u in site.uses if u.mm not in late)
-        unmatched = (*site.unmatched, *(f"{mm.node.name}: {OWN_RESULT}" for mm in late))
-        if not uses:
-            raise decline("a2a.matmuls_left_out", unmatched="; ".join(unmatched))
-        return dataclasses.replace(site, uses=uses, unmatched=unmatched), before
+        return site.without_own_result(before), before
 
-    def lower(self, rw: Rewrite, group: Group, schedule: Schedule, slices: int) -> None:
-        assert isinstance(rw.site, A2aMmSite)
-        _lower(rw, rw.site, group, schedule)
-
-    def replaced(self, site: Site) -> Sequence[Node]:
-        assert isinstance(site, A2aMmSite)
-        return [site.all_to_all, site.wait, *site.chain, *(u.mm.node for u in site.uses)]
-
-    def collectives(self, site: Site) -> Sequence[Node]:
-        assert isinstance(site, A2aMmSite)
-        return (site.all_to_all,)
+    def lower(
+        self, rw: Rewrite, site: A2aMmSite, group: Group, schedule: Schedule, slices: int
+    ) -> None:
+        _lower(rw, site, group, schedule)
 
 
 KIND = A2aMm()
@@ -196,7 +160,9 @@ def _match(a2a: Node) -> A2aMmSite | None:
             raise decline("a2a.uneven", node=a2a.name, splits=list(node_arg(a2a, 1, "")))
         check_tensor(wait, "exchanged tensor")
         _collect_uses(wait, n, uses, unmatched)
-        _drop_matmuls_reading_it_twice(wait, uses, unmatched)
+        own = {wait, *(node for use in uses for node, _ in use.path)}
+        uses[:], twice = without_read_twice(uses, own, "exchanged")
+        unmatched += twice
         if not uses and unmatched:
             raise decline("a2a.matmuls_left_out", unmatched="; ".join(unmatched))
         if not uses:
@@ -222,7 +188,7 @@ def _collect_uses(wait: Node, n: int, uses: list[ExchangedUse], unmatched: list[
         node, dim, path = frontier.pop()
         for user in node.users:
             if user.op == "call_function" and is_mutating(user):
-                raise decline("ag.mutated", node=user.name)
+                raise decline("site.mutated", node=user.name)
             mm = Matmul.of(user)
             if mm is not None:
                 _add_use(mm, node, dim, path, uses, unmatched)
@@ -234,22 +200,6 @@ def _collect_uses(wait: Node, n: int, uses: list[ExchangedUse], unmatched: list[
                     unmatched.append(f"{user.name}: the all-to-all's blocks do not stay blocks")
             elif reaches_matmul(user):
                 unmatched.append(between_note(user, "exchanged"))
-
-
-def _drop_matmuls_reading_it_twice(
-    wait: Node, uses: list[ExchangedUse], unmatched: list[str]
-) -> None:
-    """``G @ G^T``, the exchanged tensor as both operands through two paths
-    (``graph.read_twice``)."""
-    own = {wait, *(node for use in uses for node, _ in use.path)}
-    twice = read_twice(((u.mm.node, _other_operand(u)) for u in uses), own, "exchanged")
-    unmatched += twice.values()
-    uses[:] = [u for u in uses if u.mm.node not in twice]
-
-
-def _other_operand(use: ExchangedUse) -> Node:
-    """The matmul operand that is not (a layout of) the exchanged tensor."""
-    return use.mm.b if use.role in ("rows", "contract") else use.mm.a
 
 
 def _add_use(
@@ -297,81 +247,41 @@ def _add_use(
 def _lower(rw: Rewrite, site: A2aMmSite, group: Group, schedule: Schedule) -> None:
     """Each step: send this rank's block for the step's peer and receive the peer's block
     for this rank, multiply the block at hand (this rank's own first), then wait."""
-    n, r, tag = group.size, group.rank, new_tag()
+    em, n, r = rw.emit, group.size, group.rank
     source = node_arg(site.all_to_all, 0, "input")
     width = val(source).shape[0] // n
-    held = {r: slice_block(rw, source, 0, r, width, 0, "compute")}  # output blocks by source
-    received: dict[tuple[int, int], Node] = {}
-    products = _Products(rw, site, n)
-    for s, step in enumerate(schedule.steps("exchange_in", r, n, 0)):
-        sending = {
-            t.block: contiguous(rw, slice_block(rw, source, 0, t.block, width, s, "comm"), s)
-            for t in step.sends
-        }
-        started, recvs, sent = start_transfers(
-            rw, group, tag, s, step.sends, step.recvs, sending, recv_like=held[r]
-        )
-        for b in step.compute:
-            products.add(held[b], b, s)
-        waits = wait_transfers(rw, s, recvs, sent, received, by_peer=True)
-        for block, peer in list(received):
-            held[(r + peer) % n] = received.pop((block, peer))
-        rw.steps.append(Step(started, rw.matmuls.get(s, []), waits))
+    products = Products(rw, [(u.mm, u.role) for u in site.uses])
+
+    def send(t: Transfer, s: int) -> Node:
+        return contiguous(em, slice_block(em, source, 0, t.block, width, s, "comm"), s)
+
+    def compute(b: int, block: Node, s: int) -> None:
+        for i, use in enumerate(site.uses):
+            _compute(rw, products, i, use, block, b, n, s)
+
+    held = {r: slice_block(em, source, 0, r, width, 0, "compute")}  # output blocks by source
+    held = collect_then_compute(rw, group, schedule, Direction.EXCHANGE_IN, held, send, compute)
     last = len(rw.steps)
-    products.finish(last)
-    if _outlives(site):
-        rebuilt = rw.emit(
-            aten.cat.default, ([held[b] for b in range(n)], 0), step=last, lane="comm"
-        )
-        rw.replace[site.wait] = rebuilt
-        if saved_unwaited(site.all_to_all):
-            rw.replace[site.all_to_all] = rebuilt
+    products.finish(n, last, rows_dim=0)
+    if site.outlives():
+        rebuilt = em(aten.cat.default, ([held[b] for b in range(n)], 0), step=last, lane="comm")
+        replace_collective(rw, [site.all_to_all], [site.wait], rebuilt)
 
 
-class _Products:
-    """What every use computes from one block of the exchanged tensor: a block of its
-    product (rows, columns) or a partial product added to a running sum (contract)."""
-
-    def __init__(self, rw: Rewrite, site: A2aMmSite, n: int) -> None:
-        self.rw, self.site, self.n = rw, site, n
-        self.blocks: list[dict[int, Node]] = [{} for _ in site.uses]
-        self.sums: list[Node | None] = [None for _ in site.uses]
-
-    def add(self, block: Node, b: int, s: int) -> None:
-        rw, n = self.rw, self.n
-        for i, use in enumerate(self.site.uses):
-            mm = use.mm
-            g = replay(rw, block, use.path, n, s, "compute")  # the operand's block b
-            if use.role == "rows":  # block b: A's rows [b*M/n, (b+1)*M/n)
-                rows = row_block(rw, b, val(mm.a).shape[0] // n, s)
-                self.blocks[i][b] = matmul(rw, mm, g, mm.b, s, rows=rows)
-            elif use.role == "columns":
-                cols = (b, val(mm.b).shape[1] // n)
-                self.blocks[i][b] = matmul(rw, mm, mm.a, g, s, cols=cols)
-            elif use.role == "contract":
-                k = val(mm.a).shape[1] // n
-                w = slice_block(rw, mm.b, 0, b, k, s, "compute")
-                self.sums[i] = accumulate(rw, mm, self.sums[i], g, w, s)
-            else:  # contract_left
-                x = column_block(rw, mm.a, b, val(mm.b).shape[0] // n, s)
-                self.sums[i] = accumulate(rw, mm, self.sums[i], x, g, s)
-
-    def finish(self, step: int) -> None:
-        rw = self.rw
-        for i, use in enumerate(self.site.uses):
-            total = self.sums[i]
-            if total is not None:
-                rw.replace[use.mm.node] = finish_sum(rw, total, use.mm.node, step)
-                continue
-            pieces = [self.blocks[i][b] for b in range(self.n)]
-            dim = 0 if use.role == "rows" else 1
-            full = rw.emit(aten.cat.default, (pieces, dim), step=step, lane="compute")
-            rw.replace[use.mm.node] = viewed(rw, full, list(val(use.mm.node).shape), step)
-
-
-def _outlives(site: A2aMmSite) -> bool:
-    """Is the exchanged tensor read by anything other than the rewritten matmuls?"""
-    inside = set(site.chain) | {u.mm.node for u in site.uses}
-    nodes = (site.wait, *site.chain)
-    readers = (user for node in nodes for user in data_users(node))
-    return saved_unwaited(site.all_to_all) or any(user not in inside for user in readers)
+def _compute(
+    rw: Rewrite, products: Products, i: int, use: ExchangedUse, block: Node, b: int, n: int, s: int
+) -> None:
+    """What ``use``'s matmul computes from block ``b`` of the exchanged tensor."""
+    em, mm = rw.emit, use.mm
+    g = replay(em, block, use.path, n, s, "compute")  # the operand's block b
+    if use.role == "rows":  # block b: A's rows [b*M/n, (b+1)*M/n)
+        rows = row_block(em, b, val(mm.a).shape[0] // n, s)
+        products.put(i, b, matmul(em, mm, g, mm.b, s, rows=rows))
+    elif use.role == "columns":
+        cols = (b, val(mm.b).shape[1] // n)
+        products.put(i, b, matmul(em, mm, mm.a, g, s, cols=cols))
+    elif use.role == "contract":
+        k = val(mm.a).shape[1] // n
+        products.add(i, g, slice_block(em, mm.b, 0, b, k, s, "compute"), s)
+    else:  # contract_left
+        products.add(i, column_block(em, mm.a, b, val(mm.b).shape[0] // n, s), g, s)

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -22,11 +22,24 @@ from torch.fx import Graph, Node
 
 from ...cost.simulator import Work
 from ...runtime.groups import Group
-from ...schedules import Schedule
+from ...schedules import Direction, Schedule
+from ...site_kinds import ROLES
 from .. import dims
+from ..blocks import (
+    chunk_width,
+    column_block,
+    contiguous,
+    matmul,
+    packed,
+    rows_of_block,
+    slice_block,
+    transposed,
+    unpacked,
+    viewed,
+)
 from ..declines import Declined, decline
+from ..emit import Emitter
 from ..graph import (
-    OWN_RESULT,
     VIEWS,
     Matmul,
     between_note,
@@ -37,14 +50,12 @@ from ..graph import (
     is_full_slice,
     is_mutating,
     is_transpose_2d,
-    needs_own_result,
     node_arg,
     normalized_dim,
     numel,
     ordered_getitems,
     position,
     reaches_matmul,
-    read_twice,
     same_data,
     saved_unwaited,
     scales_problem,
@@ -53,35 +64,18 @@ from ..graph import (
     val,
     varies_by_row,
 )
-from ..rewrite import (
-    Rewrite,
-    Step,
-    accumulate,
-    chunk_width,
-    column_block,
-    contiguous,
-    finish_sum,
-    hoistable,
-    matmul,
-    new_tag,
-    packed,
-    rows_of_block,
-    slice_block,
-    start_transfers,
-    transposed,
-    unpacked,
-    viewed,
-    wait_transfers,
-)
-from ..site import Direction, Site, matched
+from ..placement import hoistable
+from ..rewrite import Rewrite
+from ..ring import Products, collect_then_compute, replace_collective, sliced
+from ..site_kind import SiteKind
+from ..uses import U, Use, UsesSite, without_read_twice
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-ROLES = ("rows", "contract", "columns", "contract_left", "contract_k")
 
 
-@dataclasses.dataclass(frozen=True)
-class GatherUse:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GatherUse(Use):
     """A matmul reading the gathered tensor G, viewed 2-D with the gathered dim in its rows.
 
     Where G2d sits decides what a block of it computes (``role``):
@@ -93,9 +87,7 @@ class GatherUse:
     gathered on its last dim): adds ``G2d_b @ W[K_b]``.
     """
 
-    mm: Matmul
     row_dims: int  # the gathered tensor's dims [:row_dims] fold into G2d's rows
-    role: str = "rows"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,8 +104,9 @@ class Beside:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class AgMmSite(Site):
+class AgMmSite(UsesSite):
     kind: ClassVar[str] = "ag_mm"
+    LEFT_OUT: ClassVar[str] = "ag.matmuls_left_out"
     gathers: tuple[Node, ...]  # all-gathers of one shard on one group (merged: one ring)
     waits: tuple[Node, ...]
     shard: Node
@@ -121,16 +114,19 @@ class AgMmSite(Site):
     gathered_shape: tuple[dims.Size, ...] = ()
     uses: tuple[GatherUse, ...] = ()
     chain: tuple[Node, ...] = ()  # nodes between the waits and the matmuls
-    unmatched: tuple[str, ...] = ()  # matmul users left on the gathered tensor, and why
     beside: Beside | None = None
-
-    @property
-    def anchor(self) -> Node:
-        return self.gathers[0]
 
     @property
     def collectives(self) -> tuple[Node, ...]:
         return (*self.gathers, *((self.beside.gather,) if self.beside else ()))
+
+    @property
+    def results(self) -> tuple[Node, ...]:
+        return self.waits
+
+    def replaced(self) -> list[Node]:
+        beside = (self.beside.gather, self.beside.wait, *self.beside.chain) if self.beside else ()
+        return [*self.gathers, *self.waits, *self.chain, *(u.mm.node for u in self.uses), *beside]
 
     def describe(self) -> dict[str, object]:
         return {
@@ -145,78 +141,55 @@ class AgMmSite(Site):
             "unmatched": list(self.unmatched),
         }
 
-    def leaving_out(self, left: dict[GatherUse, str]) -> AgMmSite:
-        """This site without the uses in ``left`` (use -> why), which are noted; declined
-        (``ag.matmuls_left_out``) if no use is left."""
-        unmatched = (
-            *self.unmatched,
-            *(f"{u.mm.node.name} ({u.role}): {why}" for u, why in left.items()),
-        )
-        uses = tuple(u for u in self.uses if u not in left)
-        beside = self.beside
-        if beside is not None and not beside.readers <= {u.mm.node for u in uses}:
-            beside = None  # a matmul left out keeps reading the gathered scale
-        site = dataclasses.replace(self, uses=uses, unmatched=unmatched, beside=beside)
-        if not uses:
-            raise decline("ag.matmuls_left_out", unmatched="; ".join(unmatched))
+    def leaving_out(self, left: Mapping[U, str]) -> AgMmSite:
+        """As ``UsesSite.leaving_out``; the scales gathered beside A stay gathered on
+        their own if a matmul left out reads them."""
+        site = super().leaving_out(left)
+        beside = site.beside
+        if beside is not None and not beside.readers <= {u.mm.node for u in site.uses}:
+            site = dataclasses.replace(site, beside=None)
         return site
 
 
-class AgMm:
+class AgMm(SiteKind[AgMmSite]):
     name = "ag_mm"
-    direction: Direction = "gather"
+    direction = Direction.GATHER
+    roles = ROLES[name]
     nests = True
 
-    def find(self, graph: Graph) -> list[Site]:
-        sites = matched(_gathers_by_shard(graph).items(), lambda item: _match(*item))
-        beside = {s.beside.gather for s in sites if isinstance(s, AgMmSite) and s.beside}
-        return [s for s in sites if not beside & set(s.gathers)]  # type: ignore[attr-defined]
+    def find(self, graph: Graph) -> list[AgMmSite]:
+        found = (_match(*item) for item in _gathers_by_shard(graph).items())
+        sites = [site for site in found if site is not None]
+        beside = {s.beside.gather for s in sites if s.beside}
+        return [s for s in sites if not beside & set(s.gathers)]
 
-    def rematch(self, site: Site) -> Site | None:
-        assert isinstance(site, AgMmSite)
+    def rematch(self, site: AgMmSite) -> AgMmSite | None:
         gathers = [g for g in site.gathers if not g._erased]
         shard, n, group_name = gathers[0].args[:3]
         return _match((shard, int(n), str(group_name)), gathers)  # type: ignore[arg-type]
 
-    def without(self, site: Site, disabled: frozenset[str]) -> Site:
-        assert isinstance(site, AgMmSite)
-        left = {u: "disabled" for u in site.uses if u.role in disabled}
-        if not left:
-            return site
-        try:
-            return site.leaving_out(left)
-        except Declined as why:
-            raise decline("plan.roles_disabled", unmatched=why.reason) from None
+    def without(self, site: AgMmSite, disabled: frozenset[str]) -> AgMmSite:
+        return site.without_roles(disabled)
 
-    def work(self, site: Site, n: int) -> Work:
-        assert isinstance(site, AgMmSite)
+    def work(self, site: AgMmSite, n: int) -> Work:
         flops = sum(2 * numel(u.mm.node) * dims.hint(val(u.mm.a).shape[1]) for u in site.uses)
         shards = (site.shard, *((site.beside.shard,) if site.beside else ()))
         shard_bytes = sum(numel(shard) * val(shard).element_size() for shard in shards)
-        return Work("gather", n, flops / n, shard_bytes, len(site.uses))
+        return Work(self.direction, n, flops / n, shard_bytes, len(site.uses))
 
-    def start(self, site: Site) -> tuple[Site, Node]:
-        assert isinstance(site, AgMmSite)
+    def start(self, site: AgMmSite) -> tuple[AgMmSite, Node]:
         site = _nested_in_one_window(site)
-        site = _without_uses_needing_own_result(site, _first_reader(site))
+        site = site.without_own_result(_first_reader(site))
         site = _without_uses_read_too_late(site)
         return site, _ring_place(site)
 
-    def lower(self, rw: Rewrite, group: Group, schedule: Schedule, slices: int) -> None:
-        assert isinstance(rw.site, AgMmSite)
+    def lower(
+        self, rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, slices: int
+    ) -> None:
         if schedule.sliced:
-            _lower_sliced(rw, rw.site, group, schedule, slices)
+            _lower_sliced(rw, site, group, schedule, slices)
         else:
-            _lower(rw, rw.site, group, schedule)
-
-    def replaced(self, site: Site) -> Sequence[Node]:
-        assert isinstance(site, AgMmSite)
-        beside = (site.beside.gather, site.beside.wait, *site.beside.chain) if site.beside else ()
-        return [*site.gathers, *site.waits, *site.chain, *(u.mm.node for u in site.uses), *beside]
-
-    def collectives(self, site: Site) -> Sequence[Node]:
-        assert isinstance(site, AgMmSite)
-        return site.collectives
+            _lower(rw, site, group, schedule)
 
 
 KIND = AgMm()
@@ -280,7 +253,8 @@ def _match(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite | None:
         for node, _, chain in gathered:
             found.chain += chain
             _collect_uses(found, node)
-        _drop_matmuls_reading_it_twice(found, {*waits, *found.chain})
+        found.uses, twice = without_read_twice(found.uses, {*waits, *found.chain}, "gathered")
+        found.unmatched += twice
         if not found.uses and found.unmatched:
             raise decline("ag.matmuls_left_out", unmatched="; ".join(found.unmatched))
         if not found.uses:
@@ -389,7 +363,7 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
         node = frontier.pop()
         for user in node.users:
             if user.op == "call_function" and is_mutating(user):
-                raise decline("ag.mutated", node=user.name)
+                raise decline("site.mutated", node=user.name)
             mm = Matmul.of(user)
             if (user.target in VIEWS or is_full_slice(user) or same_data(user)) and (
                 user.args[0] is node
@@ -414,19 +388,6 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
                         site.unmatched.append(between_note(consumer))
             elif reaches_matmul(user):
                 site.unmatched.append(between_note(user))
-
-
-def _drop_matmuls_reading_it_twice(site: _Uses, own: set[Node]) -> None:
-    """``G @ G^T``, the gathered tensor as both operands (``graph.read_twice``)."""
-    twice = read_twice(((u.mm.node, _operands(u)[1]) for u in site.uses), own, "gathered")
-    site.unmatched += twice.values()
-    site.uses = [u for u in site.uses if u.mm.node not in twice]
-
-
-def _operands(use: GatherUse) -> tuple[Node, Node]:
-    """(the matmul operand that is a view or transpose of the gathered tensor, the other)."""
-    mm = use.mm
-    return (mm.a, mm.b) if use.role in ("rows", "contract", "contract_k") else (mm.b, mm.a)
 
 
 def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str) -> None:
@@ -471,7 +432,7 @@ def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str) -> None:
 # lower
 
 
-class _GatherProducts:
+class _GatherBlocks:
     """What every use of the gathered tensor computes from one piece of it.
 
     A piece is block ``index`` of ``count`` equal blocks along the gathered dim (a shard,
@@ -479,59 +440,72 @@ class _GatherProducts:
     piece, contracting uses add the piece's partial product to a running sum."""
 
     def __init__(self, rw: Rewrite, site: AgMmSite) -> None:
-        self.rw, self.site = rw, site
-        self.blocks: list[dict[int, Node]] = [{} for _ in site.uses]
-        self.sums: list[Node | None] = [None for _ in site.uses]
+        self.em, self.site = rw.emit, site
+        self.products = Products(rw, [(u.mm, u.role) for u in site.uses])
         self.others: dict[int, Node] = {}  # contract: the other operand viewed like G
 
     def add(
         self, piece: Node, scale: Node | None, index: int, shape: Sequence[dims.Size], s: int
     ) -> None:
         """``scale``: the piece's rows' scales, where they came beside it (``Beside``)."""
-        rw, site = self.rw, self.site
-        width = shape[site.gather_dim]
+        em, site = self.em, self.site
         views: dict[tuple[object, ...], Node] = {}  # one 2-D view of the piece per shape
         for i, use in enumerate(site.uses):
-            mm, lead = use.mm, shape[: use.row_dims]
-            shape2d = (math.prod(lead), math.prod(shape[use.row_dims :]))
-            dtype = val(_operands(use)[0]).dtype  # float8 data may travel as bytes
+            shape2d = (math.prod(shape[: use.row_dims]), math.prod(shape[use.row_dims :]))
+            dtype = val(use.operands[0]).dtype  # float8 data may travel as bytes
             key = (*dims.as_json(shape2d), dtype)
             if key not in views:
                 data = piece
                 if val(piece).dtype != dtype:
-                    data = rw.emit(aten.view.dtype, (piece, dtype), step=s, lane="compute")
-                views[key] = rw.emit(
-                    aten.view.default, (data, rw.shape(shape2d, s)), step=s, lane="compute"
+                    data = em(aten.view.dtype, (piece, dtype), step=s, lane="compute")
+                views[key] = em(
+                    aten.view.default, (data, em.shape(shape2d, s)), step=s, lane="compute"
                 )
-            g2d = views[key]
-            if use.role == "rows":
-                rows = functools.partial(self._rows_of, use, index, width, s)
-                if scale is not None and site.beside and mm.node in site.beside.readers:
-                    rows = functools.partial(_as_rows, rw, scale, shape2d[0], s)
-                part = matmul(rw, mm, g2d, mm.b, s, rows=rows)
-                self.blocks[i][index] = viewed(rw, part, [*lead, val(part).shape[1]], s)
-            elif use.role == "columns":
-                g_t = transposed(rw, g2d, s)
-                self.blocks[i][index] = matmul(rw, mm, mm.a, g_t, s, cols=(index, shape2d[0]))
-            elif use.role == "contract":
-                if i not in self.others:
-                    k = val(mm.b).shape[1]
-                    self.others[i] = viewed(rw, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
-                x_b = rows_of_block(rw, self.others[i], site.gather_dim, index, width, s)
-                self.sums[i] = accumulate(rw, mm, self.sums[i], transposed(rw, g2d, s), x_b, s)
-            elif use.role == "contract_k":
-                w_b = slice_block(rw, mm.b, 0, index, shape2d[1], s, "compute")
-                self.sums[i] = accumulate(rw, mm, self.sums[i], g2d, w_b, s)
-            else:  # contract_left
-                y_b = self._columns_meeting(i, use, index, width, shape2d[0], s)
-                self.sums[i] = accumulate(rw, mm, self.sums[i], y_b, g2d, s)
+            self._compute(i, use, views[key], scale, index, shape, s)
+
+    def _compute(
+        self,
+        i: int,
+        use: GatherUse,
+        g2d: Node,
+        scale: Node | None,
+        index: int,
+        shape: Sequence[dims.Size],
+        s: int,
+    ) -> None:
+        """What ``use``'s matmul computes from piece ``index`` (of ``shape``) viewed 2-D
+        (``g2d``)."""
+        em, site, mm = self.em, self.site, use.mm
+        width, lead = shape[site.gather_dim], shape[: use.row_dims]
+        shape2d = (math.prod(lead), math.prod(shape[use.row_dims :]))
+        if use.role == "rows":
+            rows = functools.partial(self._rows_of, use, index, width, s)
+            if scale is not None and site.beside and mm.node in site.beside.readers:
+                rows = functools.partial(_as_rows, em, scale, shape2d[0], s)
+            part = matmul(em, mm, g2d, mm.b, s, rows=rows)
+            self.products.put(i, index, viewed(em, part, [*lead, val(part).shape[1]], s))
+        elif use.role == "columns":
+            g_t = transposed(em, g2d, s)
+            self.products.put(i, index, matmul(em, mm, mm.a, g_t, s, cols=(index, shape2d[0])))
+        elif use.role == "contract":
+            if i not in self.others:
+                k = val(mm.b).shape[1]
+                self.others[i] = viewed(em, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
+            x_b = rows_of_block(em, self.others[i], site.gather_dim, index, width, s)
+            self.products.add(i, transposed(em, g2d, s), x_b, s)
+        elif use.role == "contract_k":
+            w_b = slice_block(em, mm.b, 0, index, shape2d[1], s, "compute")
+            self.products.add(i, g2d, w_b, s)
+        else:  # contract_left
+            y_b = self._columns_meeting(i, use, index, width, shape2d[0], s)
+            self.products.add(i, y_b, g2d, s)
 
     def _rows_of(self, use: GatherUse, index: int, width: dims.Size, s: int, x: Node) -> Node:
         """Piece ``index``'s rows of ``x``, laid out like the rows of the gathered tensor
         viewed 2-D (a per-row scale of A: the rows the piece holds, in its order)."""
-        rw, site = self.rw, self.site
+        em, site = self.em, self.site
         lead = [*site.gathered_shape[: use.row_dims], val(x).shape[-1]]
-        return rows_of_block(rw, viewed(rw, x, lead, s), site.gather_dim, index, width, s)
+        return rows_of_block(em, viewed(em, x, lead, s), site.gather_dim, index, width, s)
 
     def _columns_meeting(
         self, i: int, use: GatherUse, index: int, width: dims.Size, rows: dims.Size, s: int
@@ -540,54 +514,44 @@ class _GatherProducts:
         column block where the gathered dim is outermost; otherwise (the sequence of
         [batch, seq, dim], a weight gradient's t(dY) @ X) Y viewed with G's leading
         dims, sliced on the gathered dim and copied into 2-D."""
-        rw, site, y = self.rw, self.site, use.mm.a
+        em, site, y = self.em, self.site, use.mm.a
         if dims.equal(math.prod(site.gathered_shape[: site.gather_dim]), 1):
-            return column_block(rw, y, index, rows, s)
+            return column_block(em, y, index, rows, s)
         m = val(y).shape[0]
         if i not in self.others:
-            self.others[i] = viewed(rw, y, [m, *site.gathered_shape[: use.row_dims]], s)
-        part = slice_block(rw, self.others[i], 1 + site.gather_dim, index, width, s, "compute")
-        return viewed(rw, contiguous(rw, part, s), [m, rows], s)
+            self.others[i] = viewed(em, y, [m, *site.gathered_shape[: use.row_dims]], s)
+        part = slice_block(em, self.others[i], 1 + site.gather_dim, index, width, s, "compute")
+        return viewed(em, contiguous(em, part, s), [m, rows], s)
 
     def finish(self, count: int, step: int) -> None:
         """Assemble the ``count`` pieces' products into each matmul's replacement."""
-        rw, site = self.rw, self.site
-        for i, use in enumerate(site.uses):
-            total = self.sums[i]
-            if total is not None:
-                rw.replace[use.mm.node] = finish_sum(rw, total, use.mm.node, step)
-                continue
-            dim = site.gather_dim if use.role == "rows" else 1
-            pieces = [self.blocks[i][b] for b in range(count)]
-            full = rw.emit(aten.cat.default, (pieces, dim), step=step, lane="compute")
-            rw.replace[use.mm.node] = viewed(rw, full, list(val(use.mm.node).shape), step)
+        self.products.finish(count, step, self.site.gather_dim)
 
 
-def _as_rows(rw: Rewrite, scale: Node, rows: dims.Size, s: int, _: Node) -> Node:
+def _as_rows(em: Emitter, scale: Node, rows: dims.Size, s: int, _: Node) -> Node:
     """A piece's per-row scales (that came beside it), as its [rows, 1] scale_a."""
-    return viewed(rw, scale, [rows, 1], s)
+    return viewed(em, scale, [rows, 1], s)
 
 
 def _lower(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule) -> None:
     """The ring of messages: a shard, or a shard and its rows' scales packed (``Beside``);
     each block's matmuls read it as it arrives (this rank's own block first, unpacked)."""
-    n, tag = group.size, new_tag()
+    em, n = rw.emit, group.size
     shard_shape = dims.sizes(val(site.shard).shape)
-    local = _local_shard(rw, site)
+    local = _local_shard(em, site)
     scale = site.beside.shard if site.beside else None
     pieces: dict[int, tuple[Node, Node | None]] = {group.rank: (local, scale)}
-    held: dict[int, Node] = {group.rank: packed(rw, local, scale, 0) if scale else local}
-    products = _GatherProducts(rw, site)
-    for s, step in enumerate(schedule.steps("gather", group.rank, n, 0)):
-        started, recvs, sent = start_transfers(
-            rw, group, tag, s, step.sends, step.recvs, held, recv_like=held[group.rank]
-        )
-        for b in step.compute:
-            if b not in pieces:
-                pieces[b] = _piece(rw, held[b], local, scale, s)
-            products.add(*pieces[b], b, shard_shape, s)
-        waits = wait_transfers(rw, s, recvs, sent, held)
-        rw.steps.append(Step(started, rw.matmuls.get(s, []), waits))
+    held: dict[int, Node] = {group.rank: packed(em, local, scale, 0) if scale else local}
+    products = _GatherBlocks(rw, site)
+
+    def compute(b: int, message: Node, s: int) -> None:
+        if b not in pieces:
+            pieces[b] = _piece(em, message, local, scale, s)
+        products.add(*pieces[b], b, shard_shape, s)
+
+    collect_then_compute(
+        rw, group, schedule, Direction.GATHER, held, lambda t, _: held[t.block], compute
+    )
     last = len(rw.steps)
     products.finish(n, last)
     _rebuild_gathered(rw, site, [pieces[b][0] for b in range(n)], last)
@@ -596,74 +560,66 @@ def _lower(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule) -> Non
 def _lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, k: int) -> None:
     """k all-gathers of shard chunks along the gathered dim, chunk i-1's matmuls under
     chunk i's all-gather; piece (b, i) is block b*k + i of the gathered dim."""
-    n, dim = group.size, site.gather_dim
+    em, n, dim = rw.emit, group.size, site.gather_dim
     shard_shape = dims.sizes(val(site.shard).shape)
     width = chunk_width(shard_shape[dim], k, f"the shard's dim {dim}")
     chunk_shape = [*shard_shape[:dim], width, *shard_shape[dim + 1 :]]
-    gathering: dict[int, Node] = {}
     chunks: dict[int, tuple[Node, Node | None]] = {}  # this rank's chunk i (and its scales)
     pieces: dict[tuple[int, int], tuple[Node, Node | None]] = {}  # (block, chunk) -> piece
-    products = _GatherProducts(rw, site)
-    for s, step in enumerate(schedule.steps("gather", group.rank, n, k)):
-        issue = None
-        if step.issue is not None:
-            chunks[step.issue] = chunk, scale = _chunk(rw, site, step.issue, width, s)
-            message = packed(rw, chunk, scale, s) if scale else chunk
-            issue = gathering[step.issue] = rw.emit(
-                c10d.all_gather_into_tensor.default, (message, n, group.name), step=s, lane="comm"
-            )
-        if step.compute is not None:
-            for b in range(n):
-                index = b * k + step.compute
-                products.add(*pieces[b, step.compute], index, chunk_shape, s)
-        waits = []
-        if step.wait is not None:
-            gathered = rw.emit(
-                c10d.wait_tensor.default, (gathering[step.wait],), step=s, lane="comm"
-            )
-            waits.append(gathered)
-            chunk, scale = chunks[step.wait]
-            length = val(gathered).shape[0] // n
-            for b in range(n):
-                part = slice_block(rw, gathered, 0, b, length, s, "comm")
-                pieces[b, step.wait] = _piece(rw, part, chunk, scale, s)
-        rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
+    products = _GatherBlocks(rw, site)
+
+    def issue(i: int, s: int) -> Node:
+        chunks[i] = chunk, scale = _chunk(em, site, i, width, s)
+        message = packed(em, chunk, scale, s) if scale else chunk
+        gather = c10d.all_gather_into_tensor.default
+        return em(gather, (message, n, group.name), step=s, lane="comm")
+
+    def compute(i: int, s: int) -> None:
+        for b in range(n):
+            products.add(*pieces[b, i], b * k + i, chunk_shape, s)
+
+    def collected(i: int, gathered: Node, s: int) -> None:
+        chunk, scale = chunks[i]
+        length = val(gathered).shape[0] // n
+        for b in range(n):
+            part = slice_block(em, gathered, 0, b, length, s, "comm")
+            pieces[b, i] = _piece(em, part, chunk, scale, s)
+
+    sliced(rw, schedule, Direction.GATHER, k, issue, compute, collected)
     last = len(rw.steps)
     products.finish(n * k, last)
-    if _gathered_outlives(site):
+    if site.outlives():
         shards = [
-            rw.emit(
-                aten.cat.default, ([pieces[b, i][0] for i in range(k)], dim), step=last, lane="comm"
-            )
+            em(aten.cat.default, ([pieces[b, i][0] for i in range(k)], dim), step=last, lane="comm")
             for b in range(n)
         ]
         _rebuild_gathered(rw, site, shards, last)
 
 
 def _piece(
-    rw: Rewrite, message: Node, data: Node, scale: Node | None, s: int
+    em: Emitter, message: Node, data: Node, scale: Node | None, s: int
 ) -> tuple[Node, Node | None]:
     """A received (or gathered) block: the data and its rows' scales, if packed with it."""
-    return unpacked(rw, message, data, scale, s) if scale is not None else (message, None)
+    return unpacked(em, message, data, scale, s) if scale is not None else (message, None)
 
 
 def _chunk(
-    rw: Rewrite, site: AgMmSite, i: int, width: dims.Size, s: int
+    em: Emitter, site: AgMmSite, i: int, width: dims.Size, s: int
 ) -> tuple[Node, Node | None]:
     """This rank's chunk ``i`` along the gathered dim, and its rows' scales if they come
     beside it (then the chunk's bytes must keep them aligned: a multiple of 16)."""
     dim = site.gather_dim
-    chunk = contiguous(rw, slice_block(rw, site.shard, dim, i, width, s, "comm"), s)
+    chunk = contiguous(em, slice_block(em, site.shard, dim, i, width, s, "comm"), s)
     if site.beside is None:
         return chunk, None
     size = math.prod(val(chunk).shape)
     if not dims.divisible(size, 16):
         raise decline("lower.scale_beside", node=site.shard.name, size=size)
-    scale = slice_block(rw, site.beside.shard, dim, i, width, s, "comm")
-    return chunk, contiguous(rw, scale, s)
+    scale = slice_block(em, site.beside.shard, dim, i, width, s, "comm")
+    return chunk, contiguous(em, scale, s)
 
 
-def _local_shard(rw: Rewrite, site: AgMmSite) -> Node:
+def _local_shard(em: Emitter, site: AgMmSite) -> Node:
     """The shard as the ring sends it and every block is viewed (2-D rows): the data it
     holds (float8 data viewed as bytes for the collective travels as itself: P2P moves
     any dtype, and a view is no buffer of its own), copied once if it is neither
@@ -674,36 +630,25 @@ def _local_shard(rw: Rewrite, site: AgMmSite) -> Node:
     shard = val(node)
     if shard.dim() == 2 or is_contiguous_or_false(shard):
         return node
-    return contiguous(rw, node, 0)
+    return contiguous(em, node, 0)
 
 
 def _rebuild_gathered(rw: Rewrite, site: AgMmSite, shards: list[Node], step: int) -> None:
     """all_gather_into_tensor's value, rebuilt from the shards: never gather twice."""
-    if _gathered_outlives(site):
-        rebuilt = rw.emit(aten.cat.default, (shards, 0), step=step, lane="comm")
-        dtype = val(site.waits[0]).dtype  # the collective's (bytes, for float8 data)
-        if val(rebuilt).dtype != dtype:
-            rebuilt = rw.emit(aten.view.dtype, (rebuilt, dtype), step=step, lane="comm")
-        for wait in site.waits:
-            rw.replace[wait] = rebuilt
-        for gather in site.gathers:
-            if saved_unwaited(gather):
-                rw.replace[gather] = rebuilt
-
-
-def _gathered_outlives(site: AgMmSite) -> bool:
-    """Is the gathered value read by anything other than the rewritten matmuls?"""
-    inside = set(site.chain) | {u.mm.node for u in site.uses}
-    nodes = (*site.waits, *site.chain)
-    saved = any(saved_unwaited(gather) for gather in site.gathers)
-    return saved or any(user not in inside for node in nodes for user in data_users(node))
+    if not site.outlives():
+        return
+    rebuilt = rw.emit(aten.cat.default, (shards, 0), step=step, lane="comm")
+    dtype = val(site.waits[0]).dtype  # the collective's (bytes, for float8 data)
+    if val(rebuilt).dtype != dtype:
+        rebuilt = rw.emit(aten.view.dtype, (rebuilt, dtype), step=step, lane="comm")
+    replace_collective(rw, site.gathers, site.waits, rebuilt)
 
 
 def _first_reader(site: AgMmSite) -> Node:
     """Earliest node that reads a gathered value, where the collective stood."""
     readers = [u for wait in site.waits for u in wait.users]
     if not readers:  # pragma: no cover - matched sites have one
-        raise decline("ag.no_reader")
+        raise decline("site.no_reader")
     return min(readers, key=position)
 
 
@@ -792,14 +737,4 @@ def _nested_in_one_window(site: AgMmSite) -> AgMmSite:
         for u in emitted
         if _window(u.mm.node) != first
     }
-    return site.leaving_out(left) if left else site
-
-
-def _without_uses_needing_own_result(site: AgMmSite, before: Node) -> AgMmSite:
-    """A matmul whose other operand is computed from this site's own result (a consumer
-    reached again later, e.g. dX = dY @ W where dY comes from W's recomputed forward)
-    cannot share the ring: it keeps reading the (rebuilt) gathered tensor instead."""
-    own = {*site.waits, *site.chain, *(u.mm.node for u in site.uses)}
-    late = needs_own_result([u.mm for u in site.uses], own, before)
-    left = {u: OWN_RESULT for u in site.uses if u.mm in late}
     return site.leaving_out(left) if left else site

@@ -13,7 +13,6 @@ a dim of the 2-D product: its rows or its columns.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -21,9 +20,12 @@ from torch.fx import Graph, Node
 
 from ...cost.simulator import Work
 from ...runtime.groups import Group
-from ...schedules import Schedule
+from ...schedules import Direction, Schedule
+from ...site_kinds import ROLES
 from .. import dims
+from ..blocks import column_block, contiguous, matmul, replay, row_block
 from ..declines import Declined, decline
+from ..emit import Emitter
 from ..graph import (
     ALL_TO_ALL,
     LAYOUT_OPS,
@@ -44,20 +46,10 @@ from ..graph import (
     the_wait,
     val,
 )
-from ..rewrite import (
-    Pending,
-    Rewrite,
-    Step,
-    column_block,
-    contiguous,
-    matmul,
-    new_tag,
-    replay,
-    row_block,
-    start_transfers,
-    wait_transfers,
-)
-from ..site import Direction, Site, matched
+from ..rewrite import Rewrite
+from ..ring import compute_then_send, replace_collective
+from ..site import Site
+from ..site_kind import SiteKind
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -73,8 +65,13 @@ class MmA2aSite(Site):
     chain: tuple[tuple[Node, int], ...] = ()  # product -> collective, with the block dim
 
     @property
-    def anchor(self) -> Node:
-        return self.all_to_all
+    def collectives(self) -> tuple[Node, ...]:
+        return (self.all_to_all,)
+
+    def replaced(self) -> list[Node]:
+        chain = [node for node, _ in self.chain]
+        product = [self.product.node] if self.product is not None else []  # None: declined
+        return [self.all_to_all, self.wait, *chain, *product]
 
     def describe(self) -> dict[str, object]:
         return {
@@ -87,46 +84,36 @@ class MmA2aSite(Site):
         }
 
 
-class MmA2a:
+class MmA2a(SiteKind[MmA2aSite]):
     name = "mm_a2a"
-    direction: Direction = "exchange_out"
+    direction = Direction.EXCHANGE_OUT
+    roles = ROLES[name]
     nests = False
 
-    def find(self, graph: Graph) -> list[Site]:
-        return matched(graph.find_nodes(op="call_function", target=ALL_TO_ALL), _match)
+    def find(self, graph: Graph) -> list[MmA2aSite]:
+        found = map(_match, graph.find_nodes(op="call_function", target=ALL_TO_ALL))
+        return [site for site in found if site is not None]
 
-    def rematch(self, site: Site) -> Site | None:
-        assert isinstance(site, MmA2aSite)
+    def rematch(self, site: MmA2aSite) -> MmA2aSite | None:
         return _match(site.all_to_all)
 
-    def without(self, site: Site, disabled: frozenset[str]) -> Site:
+    def without(self, site: MmA2aSite, disabled: frozenset[str]) -> MmA2aSite:
         return site  # one product: nothing to leave out but the whole site
 
-    def work(self, site: Site, n: int) -> Work:
-        assert isinstance(site, MmA2aSite)
+    def work(self, site: MmA2aSite, n: int) -> Work:
         mm = site.product
-        assert mm is not None
+        assert mm is not None, "a matched site has its product"
         flops = 2 * numel(mm.node) * dims.hint(val(mm.a).shape[1])
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
-        return Work("exchange_out", n, flops / n, message / n)
+        return Work(self.direction, n, flops / n, message / n)
 
-    def start(self, site: Site) -> tuple[Site, Node]:
-        assert isinstance(site, MmA2aSite)
+    def start(self, site: MmA2aSite) -> tuple[MmA2aSite, Node]:
         return site, site.all_to_all
 
-    def lower(self, rw: Rewrite, group: Group, schedule: Schedule, slices: int) -> None:
-        assert isinstance(rw.site, MmA2aSite)
-        _lower(rw, rw.site, group, schedule)
-
-    def replaced(self, site: Site) -> Sequence[Node]:
-        assert isinstance(site, MmA2aSite)
-        chain = [node for node, _ in site.chain]
-        product = [site.product.node] if site.product is not None else []  # None: declined
-        return [site.all_to_all, site.wait, *chain, *product]
-
-    def collectives(self, site: Site) -> Sequence[Node]:
-        assert isinstance(site, MmA2aSite)
-        return (site.all_to_all,)
+    def lower(
+        self, rw: Rewrite, site: MmA2aSite, group: Group, schedule: Schedule, slices: int
+    ) -> None:
+        _lower(rw, site, group, schedule)
 
 
 KIND = MmA2a()
@@ -158,7 +145,7 @@ def _match(a2a: Node) -> MmA2aSite | None:
         if wait is a2a or wait.target is not c10d.wait_tensor.default:
             raise decline("site.wait", node=a2a.name)
         if not wait.users and not saved_unwaited(a2a):  # the rewrite would compute nothing
-            raise decline("rs.unread", node=a2a.name)
+            raise decline("site.unread", node=a2a.name)
         if n < 2:
             raise decline("site.group_of_one")
         if equal_splits(a2a) is None:
@@ -170,11 +157,11 @@ def _match(a2a: Node) -> MmA2aSite | None:
             raise decline("a2a.product_shared", node=mm.node.name)
         check_tensor(mm.node, "matmul output")
         if has_zero_size_dim(mm):
-            raise decline("rs.empty", node=mm.node.name)
+            raise decline("site.empty", node=mm.node.name)
         if dim == 0 and mm.bias is not None and not bias_is_row_broadcast(mm.bias):
             raise decline("a2a.bias_rows", node=mm.node.name)
         if problem := scales_problem(mm):
-            raise decline("rs.scales", node=mm.node.name, problem=problem)
+            raise decline("site.scales", node=mm.node.name, problem=problem)
     except Declined as why:
         declined = why.kept()
     return MmA2aSite(
@@ -196,40 +183,27 @@ def _match(a2a: Node) -> MmA2aSite | None:
 def _lower(rw: Rewrite, site: MmA2aSite, group: Group, schedule: Schedule) -> None:
     """Each step: compute the block for the step's peer, wait the step before's transfer,
     then send the block (and receive the peer's block for this rank) under the next."""
-    n, tag = group.size, new_tag()
-    pending: Pending = (None, [], [])
-    received: dict[tuple[int, int], Node] = {}  # (block, peer) -> the peer's block
-    blocks: dict[int, Node] = {}  # the all-to-all's output, by source rank
-    for s, step in enumerate(schedule.steps("exchange_out", group.rank, n, 0)):
-        computed = {b: _input_block(rw, site, b, n, s) for b in step.blocks}
-        started, recvs, sent = pending
-        waits = wait_transfers(rw, s, recvs, sent, received, by_peer=True)
-        rw.steps.append(Step(started, rw.matmuls.get(s, []), waits))
-        for block, peer in list(received):
-            blocks[(group.rank + peer) % n] = received.pop((block, peer))
-        if group.rank in computed:
-            blocks[group.rank] = computed[group.rank]
-        like = next(iter(computed.values()))
-        pending = start_transfers(
-            rw, group, tag, s, step.sends, step.recvs, computed, recv_like=like
-        )
-    assert not pending[1] and not pending[2] and len(blocks) == n
+    n = group.size
+
+    def compute(b: int, s: int) -> Node:
+        return _input_block(rw.emit, site, b, n, s)
+
+    blocks = compute_then_send(rw, group, schedule, Direction.EXCHANGE_OUT, compute)
+    assert len(blocks) == n, "a block from every rank"
     out = rw.emit(aten.cat.default, ([blocks[b] for b in range(n)], 0), step=n, lane="comm")
-    rw.replace[site.wait] = out
-    if saved_unwaited(site.all_to_all):
-        rw.replace[site.all_to_all] = out
+    replace_collective(rw, [site.all_to_all], [site.wait], out)
 
 
-def _input_block(rw: Rewrite, site: MmA2aSite, j: int, n: int, step: int) -> Node:
+def _input_block(em: Emitter, site: MmA2aSite, j: int, n: int, step: int) -> Node:
     """Block j of the all-to-all's input: that block of the product, laid out as the
     collective reads it, in its own contiguous buffer (it is sent as it is)."""
     mm = site.product
     assert mm is not None
     rows, cols = val(mm.node).shape
     if site.product_dim == 0:
-        cut = row_block(rw, j, rows // n, step)
-        part = matmul(rw, mm, cut(mm.a), mm.b, step, rows=cut)
+        cut = row_block(em, j, rows // n, step)
+        part = matmul(em, mm, cut(mm.a), mm.b, step, rows=cut)
     else:
-        w = column_block(rw, mm.b, j, cols // n, step)
-        part = matmul(rw, mm, mm.a, w, step, cols=(j, cols // n))
-    return contiguous(rw, replay(rw, part, site.chain, n, step, "compute"), step)
+        w = column_block(em, mm.b, j, cols // n, step)
+        part = matmul(em, mm, mm.a, w, step, cols=(j, cols // n))
+    return contiguous(em, replay(em, part, site.chain, n, step, "compute"), step)

@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import math
 import operator
-from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -19,9 +18,12 @@ from torch.fx import Graph, Node
 
 from ...cost.simulator import Work
 from ...runtime.groups import Group
-from ...schedules import Schedule
+from ...schedules import Direction, Schedule
+from ...site_kinds import ROLES
 from .. import dims
+from ..blocks import chunk_width, column_block, matmul, rows_of_block, slice_block, viewed
 from ..declines import Declined, decline
+from ..emit import Emitter
 from ..graph import (
     FLOAT8_DTYPES,
     VIEWS,
@@ -38,27 +40,15 @@ from ..graph import (
     numel,
     op_name,
     ordered_getitems,
-    saved_unwaited,
     scales_problem,
     the_wait,
     val,
     view_sources,
 )
-from ..rewrite import (
-    Pending,
-    Rewrite,
-    Step,
-    chunk_width,
-    column_block,
-    matmul,
-    new_tag,
-    rows_of_block,
-    slice_block,
-    start_transfers,
-    viewed,
-    wait_transfers,
-)
-from ..site import Direction, Site, matched
+from ..rewrite import Rewrite
+from ..ring import compute_then_send, replace_collective, sliced
+from ..site import Site
+from ..site_kind import SiteKind
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -83,8 +73,11 @@ class MmRsSite(Site):
     chain: tuple[Node, ...] = ()
 
     @property
-    def anchor(self) -> Node:
-        return self.reduce_scatter
+    def collectives(self) -> tuple[Node, ...]:
+        return (self.reduce_scatter,)
+
+    def replaced(self) -> list[Node]:
+        return [self.reduce_scatter, self.wait, *self.chain, *(t.node for t in self.terms)]
 
     def describe(self) -> dict[str, object]:
         return {
@@ -99,48 +92,40 @@ class MmRsSite(Site):
         }
 
 
-class MmRs:
+class MmRs(SiteKind[MmRsSite]):
     name = "mm_rs"
-    direction: Direction = "reduce"
+    direction = Direction.REDUCE
+    roles = ROLES[name]
     nests = False
 
-    def find(self, graph: Graph) -> list[Site]:
+    def find(self, graph: Graph) -> list[MmRsSite]:
         nodes = graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
         # (not the slicing schedule's own chunk collectives)
-        return matched((n for n in nodes if "commfuse" not in n.meta), _match)
+        found = (_match(n) for n in nodes if "commfuse" not in n.meta)
+        return [site for site in found if site is not None]
 
-    def rematch(self, site: Site) -> Site | None:
-        assert isinstance(site, MmRsSite)
+    def rematch(self, site: MmRsSite) -> MmRsSite | None:
         return _match(site.reduce_scatter)
 
-    def without(self, site: Site, disabled: frozenset[str]) -> Site:
+    def without(self, site: MmRsSite, disabled: frozenset[str]) -> MmRsSite:
         return site  # one product: nothing to leave out but the whole site
 
-    def work(self, site: Site, n: int) -> Work:
-        assert isinstance(site, MmRsSite)
+    def work(self, site: MmRsSite, n: int) -> Work:
         out = site.terms[0].node
         flops = sum(2 * numel(out) * dims.hint(val(t.a).shape[1]) for t in site.terms)
         out_bytes = numel(out) * val(out).element_size()
-        return Work("reduce", n, flops / n, out_bytes / n, len(site.terms))
+        return Work(self.direction, n, flops / n, out_bytes / n, len(site.terms))
 
-    def start(self, site: Site) -> tuple[Site, Node]:
-        assert isinstance(site, MmRsSite)
+    def start(self, site: MmRsSite) -> tuple[MmRsSite, Node]:
         return site, site.reduce_scatter
 
-    def lower(self, rw: Rewrite, group: Group, schedule: Schedule, slices: int) -> None:
-        assert isinstance(rw.site, MmRsSite)
+    def lower(
+        self, rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, slices: int
+    ) -> None:
         if schedule.sliced:
-            _lower_sliced(rw, rw.site, group, schedule, slices)
+            _lower_sliced(rw, site, group, schedule, slices)
         else:
-            _lower(rw, rw.site, group, schedule)
-
-    def replaced(self, site: Site) -> Sequence[Node]:
-        assert isinstance(site, MmRsSite)
-        return [site.reduce_scatter, site.wait, *site.chain, *(t.node for t in site.terms)]
-
-    def collectives(self, site: Site) -> Sequence[Node]:
-        assert isinstance(site, MmRsSite)
-        return (site.reduce_scatter,)
+            _lower(rw, site, group, schedule)
 
 
 KIND = MmRs()
@@ -196,7 +181,7 @@ def _checked(
     if wait is None or wait.target is not c10d.wait_tensor.default:
         raise decline("site.wait", node=rs.name)
     if not wait.users:
-        raise decline("rs.unread", node=rs.name)
+        raise decline("site.unread", node=rs.name)
     if "commfuse" in product.meta:
         raise decline("rs.taken", site=product.meta["commfuse"]["site"])
     if any(a.target is aten.constant_pad_nd.default for a in (inp, *inp.all_input_nodes)):
@@ -219,13 +204,13 @@ def _checked(
             raise decline("rs.product_shared", node=name)
         check_tensor(term.node, "matmul output")
         if has_zero_size_dim(term):
-            raise decline("rs.empty", node=name)
+            raise decline("site.empty", node=name)
         if not dims.same_shape(term.out_shape, (rows, cols)):
             raise decline("rs.shapes_differ", node=name)
         if term.bias is not None and not bias_is_row_broadcast(term.bias):
             raise decline("rs.bias_rows", node=name)
         if problem := scales_problem(term):
-            raise decline("rs.scales", node=name, problem=problem)
+            raise decline("site.scales", node=name, problem=problem)
         if val(term.node).dtype in FLOAT8_DTYPES:
             raise decline("rs.scaled_sum", node=name, dtype=val(term.node).dtype)
     columns = g == len(shape) - 1 and dims.equal(shape[-1], cols)
@@ -290,126 +275,97 @@ def _scattered(inp: Node, n: int) -> tuple[Node, int, list[Node]]:
 
 
 def _lower(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule) -> None:
-    n, tag = group.size, new_tag()
+    """Each step computes one block's partial, adds the partial sums received for it and
+    sends it on; this rank's own block comes last and is its result."""
+    n = group.size
     width = site.product_shape[site.scatter_dim] // n
-    pending: Pending = (None, [], [])
-    received: dict[tuple[int, int], Node] = {}  # (block, peer) -> partial sum from that peer
-    sums: dict[int, Node] = {}
-    for s, step in enumerate(schedule.steps("reduce", group.rank, n, 0)):
-        parts = {b: _reduce_part(rw, site, b, width, s) for b in step.blocks}
-        started, recvs, sent = pending
-        waits = wait_transfers(rw, s, recvs, sent, received, by_peer=True)
-        rw.steps.append(Step(started, rw.matmuls.get(s, []), waits))
-        sums = dict(parts)
-        for t in step.adds:
-            sums[t.block] = rw.emit(
-                aten.add.Tensor,
-                (sums[t.block], received.pop((t.block, t.peer))),
-                step=s,
-                lane="compute",
-            )
-        like = next(iter(parts.values()))
-        pending = start_transfers(rw, group, tag, s, step.sends, step.recvs, sums, recv_like=like)
-    assert not pending[1] and not pending[2] and not received
-    own = _averaged(rw, site, sums[group.rank], n, n)
-    out_shape = rw.shape(val(site.wait).shape, n)
-    _replace_result(rw, site, rw.emit(aten.view.default, (own, out_shape), step=n, lane="compute"))
+
+    def compute(b: int, s: int) -> Node:
+        return _reduce_part(rw.emit, site, b, width, s)
+
+    held = compute_then_send(rw, group, schedule, Direction.REDUCE, compute)
+    assert list(held) == [group.rank], "every partial sum received was added"
+    own = _averaged(rw.emit, site, held[group.rank], n, n)
+    out_shape = rw.emit.shape(val(site.wait).shape, n)
+    result = rw.emit(aten.view.default, (own, out_shape), step=n, lane="compute")
+    replace_collective(rw, [site.reduce_scatter], [site.wait], result)
 
 
 def _lower_sliced(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, k: int) -> None:
     """Chunk i of every block is computed, stacked and reduce-scattered while chunk i+1
     is computed; this rank's k reduced chunks are its block."""
-    n, dim = group.size, site.scatter_dim
+    em, n, dim = rw.emit, group.size, site.scatter_dim
     width = chunk_width(site.product_shape[dim] // n, k, f"a block's dim {dim}")
     parts: dict[tuple[int, int], Node] = {}  # (block, chunk) -> this rank's partial
-    reducing: dict[int, Node] = {}
     own: dict[int, Node] = {}
-    for s, step in enumerate(schedule.steps("reduce", group.rank, n, k)):
-        issue = None
-        if step.issue is not None:
-            stacked = rw.emit(
-                aten.cat.default,
-                ([parts[b, step.issue] for b in range(n)], 0),
-                step=s,
-                lane="comm",
-            )
-            issue = reducing[step.issue] = rw.emit(
-                c10d.reduce_scatter_tensor.default,
-                (stacked, "sum", n, group.name),
-                step=s,
-                lane="comm",
-            )
-        if step.compute is not None:
-            for b in range(n):
-                parts[b, step.compute] = _reduce_part(rw, site, b * k + step.compute, width, s)
-        waits = []
-        if step.wait is not None:
-            own[step.wait] = rw.emit(
-                c10d.wait_tensor.default, (reducing[step.wait],), step=s, lane="comm"
-            )
-            waits.append(own[step.wait])
-        rw.steps.append(Step(issue, rw.matmuls.get(s, []), waits))
+
+    def issue(i: int, s: int) -> Node:
+        stacked = em(aten.cat.default, ([parts[b, i] for b in range(n)], 0), step=s, lane="comm")
+        scatter = c10d.reduce_scatter_tensor.default
+        return em(scatter, (stacked, "sum", n, group.name), step=s, lane="comm")
+
+    def compute(i: int, s: int) -> None:
+        for b in range(n):
+            parts[b, i] = _reduce_part(em, site, b * k + i, width, s)
+
+    def collected(i: int, reduced: Node, s: int) -> None:
+        own[i] = reduced
+
+    sliced(rw, schedule, Direction.REDUCE, k, issue, compute, collected)
     last = len(rw.steps)
     if site.columns:
         chunks, cat_dim = [own[i] for i in range(k)], 1
     else:
         shape = [*site.product_shape[:dim], width, *site.product_shape[dim + 1 :]]
-        chunks, cat_dim = [viewed(rw, own[i], shape, last) for i in range(k)], dim
-    block = _averaged(
-        rw, site, rw.emit(aten.cat.default, (chunks, cat_dim), step=last, lane="compute"), n, last
-    )
-    _replace_result(rw, site, viewed(rw, block, val(site.wait).shape, last))
+        chunks, cat_dim = [viewed(em, own[i], shape, last) for i in range(k)], dim
+    whole = em(aten.cat.default, (chunks, cat_dim), step=last, lane="compute")
+    block = _averaged(em, site, whole, n, last)
+    result = viewed(em, block, val(site.wait).shape, last)
+    replace_collective(rw, [site.reduce_scatter], [site.wait], result)
 
 
-def _replace_result(rw: Rewrite, site: MmRsSite, result: Node) -> None:
-    """The reduced block replaces the wait, and the unwaited result where it is saved."""
-    rw.replace[site.wait] = result
-    if saved_unwaited(site.reduce_scatter):
-        rw.replace[site.reduce_scatter] = result
-
-
-def _averaged(rw: Rewrite, site: MmRsSite, block: Node, n: int, step: int) -> Node:
+def _averaged(em: Emitter, site: MmRsSite, block: Node, n: int, step: int) -> Node:
     """This rank's reduced block as the collective returns it: under "avg", the sum over
     ranks divided by n (the chunks are reduced with "sum": gloo has no "avg", and one
     division of the whole block is what the collective computes)."""
     if site.reduce_op != "avg":
         return block
-    return rw.emit(aten.div.Tensor, (block, n), step=step, lane="compute")
+    return em(aten.div.Tensor, (block, n), step=step, lane="compute")
 
 
-def _reduce_part(rw: Rewrite, site: MmRsSite, b: int, width: dims.Size, step: int) -> Node:
+def _reduce_part(em: Emitter, site: MmRsSite, b: int, width: dims.Size, step: int) -> Node:
     """This rank's partial of block ``b`` of the product: the sum over the site's terms."""
     part = None
     for term in site.terms:
-        term_part = _reduce_block(rw, site, term, b, width, step)
+        term_part = _reduce_block(em, site, term, b, width, step)
         part = (
             term_part
             if part is None
-            else rw.emit(aten.add.Tensor, (part, term_part), step=step, lane="compute")
+            else em(aten.add.Tensor, (part, term_part), step=step, lane="compute")
         )
     assert part is not None
     return part
 
 
 def _reduce_block(
-    rw: Rewrite, site: MmRsSite, mm: Matmul, b: int, width: dims.Size, step: int
+    em: Emitter, site: MmRsSite, mm: Matmul, b: int, width: dims.Size, step: int
 ) -> Node:
     """This rank's partial of block ``b`` of the product ``mm``."""
     if site.columns:
-        w = column_block(rw, mm.b, b, width, step)
-        return matmul(rw, mm, mm.a, w, step, cols=(b, width))
-    rows = functools.partial(_block_rows, rw, site, b, width, step)
+        w = column_block(em, mm.b, b, width, step)
+        return matmul(em, mm, mm.a, w, step, cols=(b, width))
+    rows = functools.partial(_block_rows, em, site, b, width, step)
     if len(site.product_shape) == 2 and is_transpose_2d(mm.a):
         # rows of t(Z) are columns of Z: slice Z and transpose the block, no copy
-        cols = slice_block(rw, mm.a.args[0], 1, b, width, step, "compute")  # type: ignore[arg-type]
-        a = rw.emit(aten.permute.default, (cols, [1, 0]), step=step, lane="compute")
+        cols = slice_block(em, mm.a.args[0], 1, b, width, step, "compute")  # type: ignore[arg-type]
+        a = em(aten.permute.default, (cols, [1, 0]), step=step, lane="compute")
     else:
         a = rows(mm.a)
-    return matmul(rw, mm, a, mm.b, step, rows=rows)
+    return matmul(em, mm, a, mm.b, step, rows=rows)
 
 
-def _block_rows(rw: Rewrite, site: MmRsSite, b: int, width: dims.Size, step: int, x: Node) -> Node:
+def _block_rows(em: Emitter, site: MmRsSite, b: int, width: dims.Size, step: int, x: Node) -> Node:
     """Block ``b``'s rows of ``x``, laid out like the product's rows ([M, c]: A, or a
     per-row scale of A), as contiguous 2-D rows."""
     lead = [*site.product_shape[:-1], val(x).shape[1]]
-    return rows_of_block(rw, viewed(rw, x, lead, step), site.scatter_dim, b, width, step)
+    return rows_of_block(em, viewed(em, x, lead, step), site.scatter_dim, b, width, step)

@@ -1,0 +1,231 @@
+"""Block maths: the pieces of a matmul that one step of a decomposed collective
+computes, and the views and copies that cut its operands into blocks.
+
+Each helper emits through an ``Emitter`` (``emit.py``) and returns the new node; none
+decides where a block goes or when it travels (that is the ring's, ``ring.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch._prims_common import is_contiguous_or_false
+from torch.fx import Node
+
+from . import dims
+from .declines import decline
+from .emit import Emitter
+from .graph import VIEWS, Matmul, split_dim_in_input, val, varies_by_row
+
+aten = torch.ops.aten
+
+# a dtype conversion as the graphs Inductor compiles spell it (``_to_copy`` is decomposed
+# before them, and Inductor has no lowering for it)
+CONVERT = torch.ops.prims.convert_element_type.default
+
+
+# a block's rows of a tensor laid out like a matmul's A (its [M, c] rows), as a site
+# kind cuts them: applied to A's per-row scale the way the kind cut A
+Rows = Callable[[Node], Node]
+
+
+def matmul(
+    em: Emitter,
+    mm: Matmul,
+    a: Node,
+    b: Node,
+    step: int,
+    rows: Rows | None = None,
+    cols: tuple[int, dims.Size] | None = None,
+) -> Node:
+    """One block of ``mm``'s product, by ``mm``'s own op: ``a``, the block's rows of A (cut
+    by ``rows``, or all of them), times ``b``, its columns of B (block ``cols`` = (index,
+    width), or all). What goes with an operand follows it: the bias and B's per-column
+    scale take the block's columns, A's per-row scale its rows; a per-tensor scale and a
+    row-broadcast bias are shared by every block."""
+    bias, scale_a, scale_b = mm.bias, mm.scale_a, mm.scale_b
+    if cols is not None:
+        bias = bias and column_block(em, bias, *cols, step)
+        scale_b = scale_b and column_block(em, scale_b, *cols, step)
+    if rows is not None and scale_a is not None and varies_by_row(scale_a):
+        scale_a = _per_row(em, rows(scale_a), step)
+    args, kwargs = mm.args(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b)
+    return _emit_matmul(em, mm, args, kwargs, step)
+
+
+def _per_row(em: Emitter, scale: Node, step: int) -> Node:
+    """A block's per-row scale, [rows, 1], with strides (1, 1): the CPU kernel checks the
+    size-1 dim's stride too, and Inductor lays a view of a copy out with stride 0 there."""
+    scale = contiguous(em, scale, step)
+    sizes = [em.size(size, step) for size in val(scale).shape]
+    return em(aten.as_strided.default, (scale, sizes, [1, 1]), step=step, lane="compute")
+
+
+def _emit_matmul(
+    em: Emitter, mm: Matmul, args: tuple[Any, ...], kwargs: dict[str, Any], step: int
+) -> Node:
+    """The block's matmul node. A scaled matmul's kernel may refuse a block the whole
+    passed (CUDA's takes only dims divisible by 16, B column-major): declined then."""
+    try:
+        return em(mm.node.target, args, kwargs, step=step, lane="compute")  # type: ignore[arg-type]
+    except RuntimeError as err:  # torch._check's error in the op's meta function
+        if not mm.scaled:
+            raise
+        raise decline("lower.scaled_block", node=mm.node.name, error=err) from None
+
+
+def chunk_width(width: dims.Size, k: int, what: str) -> dims.Size:
+    if not dims.divisible(width, k):
+        provably = " provably" if dims.is_symbolic([width]) else ""
+        raise decline("lower.slices", k=k, provably=provably, what=what, size=width)
+    return width // k
+
+
+def slice_block(
+    em: Emitter, node: Node, dim: int, index: int, width: dims.Size, step: int, lane: str
+) -> Node:
+    bounds = (em.size(index * width, step), em.size((index + 1) * width, step))
+    return em(aten.slice.Tensor, (node, dim, *bounds), step=step, lane=lane)
+
+
+def packed(em: Emitter, data: Node, scale: Node, step: int) -> Node:
+    """One message of ``data`` (one-byte elements: float8) and its ``scale`` (float32):
+    their bytes, the data's first (its kernels' pointer stays aligned; the scale's stays
+    aligned while the data's bytes are a multiple of 16, ``unpacked``)."""
+    parts = []
+    for node in (data, scale):
+        node = contiguous(em, node, step)
+        if val(node).dtype != torch.uint8:
+            node = em(aten.view.dtype, (node, torch.uint8), step=step, lane="comm")
+        parts.append(em(aten.view.default, (node, [-1]), step=step, lane="comm"))
+    return em(aten.cat.default, (parts, 0), step=step, lane="comm")
+
+
+def unpacked(em: Emitter, message: Node, data: Node, scale: Node, step: int) -> tuple[Node, Node]:
+    """A ``packed`` message, as tensors like ``data`` and ``scale``: the data a view of
+    it, the scale (a few bytes) copied into its own buffer."""
+    nbytes = math.prod(val(data).shape)
+    end = val(message).shape[0]
+    out = []
+    for node, bounds in ((data, (0, nbytes)), (scale, (nbytes, end))):
+        part = em(
+            aten.slice.Tensor, (message, 0, *(em.size(b, step) for b in bounds)), step=step,
+            lane="compute",
+        )  # fmt: skip
+        dtype = val(node).dtype
+        if dtype != torch.uint8:
+            part = em(aten.view.dtype, (part, dtype), step=step, lane="compute")
+        out.append(viewed(em, part, val(node).shape, step))
+    copy = em(aten.clone.default, (out[1],), step=step, lane="compute")
+    return out[0], copy
+
+
+def row_block(em: Emitter, index: int, width: dims.Size, step: int) -> Rows:
+    """Cuts rows [index * width, (index + 1) * width) of a 2-D tensor (a block of A's
+    rows, and so of its per-row scale)."""
+    return functools.partial(
+        slice_block, em, dim=0, index=index, width=width, step=step, lane="compute"
+    )
+
+
+def contiguous(em: Emitter, node: Node, step: int) -> Node:
+    value = val(node)
+    symbolic = dims.is_symbolic([*value.shape, *value.stride()])
+    if is_contiguous_or_false(value) if symbolic else value.is_contiguous():
+        return node
+    return em(
+        aten.clone.default,
+        (node,),
+        {"memory_format": torch.contiguous_format},
+        step=step,
+        lane="compute",
+    )
+
+
+def transposed(em: Emitter, node: Node, step: int) -> Node:
+    # permute, not t: the graphs Inductor compiles have t decomposed
+    return em(aten.permute.default, (node, [1, 0]), step=step, lane="compute")
+
+
+def column_block(em: Emitter, node: Node, b: int, width: dims.Size, step: int) -> Node:
+    """Columns [b*width, (b+1)*width) of ``node`` (kept whole if broadcast along them)."""
+    if val(node).dim() == 0 or dims.equal(val(node).shape[-1], 1):
+        return node
+    return slice_block(em, node, -1, b, width, step, "compute")
+
+
+def accumulate(em: Emitter, mm: Matmul, total: Node | None, a: Node, b: Node, step: int) -> Node:
+    """``total + a @ b``, ``a @ b`` one block of ``mm``'s contracting dim: one addmm in
+    float32/64; half-precision partials are summed in float32 (as one matmul would
+    accumulate them), see ``finish_sum``; a scaled matmul's partial is computed in float32
+    (its scales, which the contracting dim does not cut, applied) and summed so."""
+    if mm.scaled:
+        args, kwargs = mm.args(a, b, bias=None, scale_result=None, out_dtype=torch.float32)
+        part = _emit_matmul(em, mm, args, kwargs, step)
+    elif val(a).dtype in (torch.float32, torch.float64):
+        if total is None:
+            return em(aten.mm.default, (a, b), step=step, lane="compute")
+        return em(aten.addmm.default, (total, a, b), step=step, lane="compute")
+    else:
+        part = em(aten.mm.default, (a, b), step=step, lane="compute")
+        part = em(CONVERT, (part, torch.float32), step=step, lane="compute")
+    if total is None:
+        return part
+    return em(aten.add.Tensor, (total, part), step=step, lane="compute")
+
+
+def finish_sum(em: Emitter, total: Node, like: Node, step: int) -> Node:
+    if val(total).dtype == val(like).dtype:
+        return total
+    return em(CONVERT, (total, val(like).dtype), step=step, lane="compute")
+
+
+def viewed(em: Emitter, node: Node, shape: Sequence[dims.Size], step: int) -> Node:
+    """``node`` viewed as ``shape``, copied first where its strides forbid the view."""
+    if dims.same_shape(val(node).shape, shape):
+        return node
+    with em.fake_mode:
+        if not can_view(val(node), shape):
+            node = contiguous(em, node, step)
+    return em(aten.view.default, (node, em.shape(shape, step)), step=step, lane="compute")
+
+
+def rows_of_block(em: Emitter, x: Node, dim: int, b: int, width: dims.Size, step: int) -> Node:
+    """Block ``b`` along ``dim`` of ``x`` (shaped lead + [K]), as contiguous 2-D rows."""
+    rows = contiguous(em, slice_block(em, x, dim, b, width, step, "compute"), step)
+    k = val(rows).shape[-1]
+    return viewed(em, rows, [val(rows).numel() // k, k], step)
+
+
+def replay(
+    em: Emitter, block: Node, chain: Sequence[tuple[Node, int]], n: int, step: int, lane: str
+) -> Node:
+    """``chain`` (layout ops, each with the dim of its output that holds the n blocks)
+    applied to one block instead of the whole tensor: the same permutes, and views with
+    that dim's size divided by n (copying first where the block's strides forbid one)."""
+    for node, dim in chain:
+        shape = list(val(node).shape)
+        if node.target in VIEWS:
+            shape[dim] = shape[dim] // n
+            with em.fake_mode:
+                if not can_view(val(block), shape):
+                    block = contiguous(em, block, step)
+            block = em(aten.view.default, (block, em.shape(shape, step)), step=step, lane=lane)
+        elif node.target in (aten.clone.default, aten.alias.default):
+            block = contiguous(em, block, step)
+        else:  # a permute or transpose, written as a permute
+            perm = [split_dim_in_input(node, d, n) for d in range(len(shape))]
+            block = em(aten.permute.default, (block, perm), step=step, lane=lane)
+    return block
+
+
+def can_view(value: torch.Tensor, shape: Sequence[Any]) -> bool:
+    try:
+        value.view(dims.sizes(shape))
+    except (RuntimeError, ValueError):  # a fake tensor's view raises ValueError
+        return False
+    return True
