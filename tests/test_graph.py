@@ -842,7 +842,7 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
     from commfuse_compile.passes import match, verify
     from commfuse_compile.passes.declines import Declined
     from commfuse_compile.passes.lower import lower, start
-    from commfuse_compile.passes.rewrite import tag_of
+    from commfuse_compile.passes.rewrite import Taken, tag_of
     from commfuse_compile.runtime import groups
     from commfuse_compile.schedules import (
         Direction,
@@ -856,7 +856,7 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
     gm = build(AgMm())
     (site,) = match.find_sites(gm.graph)
     group = groups.resolve(site.group_name, site.group_size)
-    rewrite = start(site, 0, tag_of(0, 0), gm.graph)
+    rewrite = start(site, 0, tag_of(0, 0), gm.graph, Taken())
     lower(rewrite, group, by_name("ring"))
     verify.check_exchange(rewrite, group, by_name("ring"))
 

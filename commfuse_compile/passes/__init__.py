@@ -31,7 +31,7 @@ from .declines import Declined, decline
 from .kinds import of
 from .lower import lower, start
 from .plan import Plan, check_applies, plan, plan_options, profile_for, site_work
-from .rewrite import Rewrite, graph_digest, tag_of
+from .rewrite import Rewrite, Taken, graph_digest, tag_of
 from .site import Site
 
 T = TypeVar("T")
@@ -282,8 +282,9 @@ def _rewrite_sites(
     earlier site took is declined with the site that took it. A site declined as found
     keeps its reason."""
     rewrites: list[Rewrite] = []
+    taken = Taken()
     for ordinal, found in enumerate(match.find_sites(gm.graph)):
-        site = match.rematch(found) if rewrites and not found.declined else found
+        site = match.rematch(found, taken) if rewrites and not found.declined else found
         record = SiteRecord(
             kind=site.kind,
             graph=result.graph_kind,
@@ -292,8 +293,9 @@ def _rewrite_sites(
             match=site.describe(),
         )
         result.records.append(record)
-        rewrite = _rewrite_site(gm, site, options, result, record, tag_of(digest, ordinal))
+        rewrite = _rewrite_site(gm, site, options, result, record, tag_of(digest, ordinal), taken)
         if rewrite is not None:
+            taken.add(rewrite)
             for earlier in rewrites:
                 earlier.nest(rewrite)
             rewrites.append(rewrite)
@@ -307,6 +309,7 @@ def _rewrite_site(
     result: _Result,
     record: SiteRecord,
     tag: int,
+    taken: Taken,
 ) -> Rewrite | None:
     """Plan, lower, verify and commit one site: its rewrite, or None (declined, with the
     reason in ``record``)."""
@@ -317,7 +320,7 @@ def _rewrite_site(
         group = _group(site)
         site, predicted, chosen = _planned(site, group, options, result, record)
         result.original.keep()
-        rewrite = start(site, record.site, tag, gm.graph, options.measure)
+        rewrite = start(site, record.site, tag, gm.graph, taken, options.measure)
         record.match = rewrite.site.describe()  # some matmuls may be left out
         schedule = by_name(chosen.schedule)
         lower(rewrite, group, schedule, options.slices)

@@ -16,14 +16,16 @@ from .declines import decline
 from .emit import Emitter
 from .graph import SIZE_READERS, in_graph_order, val
 from .kinds import of
-from .rewrite import Rewrite
+from .rewrite import Rewrite, Taken
 from .site import Site
 
 
-def start(site: Site, site_id: int, tag: int, graph: Graph, timed: bool = False) -> Rewrite:
+def start(
+    site: Site, site_id: int, tag: int, graph: Graph, taken: Taken, timed: bool = False
+) -> Rewrite:
     """An empty rewrite of ``site``: where its nodes go, and the fake mode of their values.
     The kind may leave some of the site's matmuls out (``rw.site`` says which are in)."""
-    site, before = of(site).start(site)
+    site, before = of(site).start(site, taken)
     fake_mode = detect_fake_mode([val(site.anchor.args[0])])  # type: ignore[arg-type]
     if fake_mode is None:
         raise decline("lower.not_fake")

@@ -15,6 +15,7 @@ from torch.fx import Graph, Node
 from .declines import decline
 from .graph import is_matmul
 from .kinds import KINDS, of
+from .rewrite import Taken
 from .site import Site
 
 
@@ -52,10 +53,10 @@ def _nesting_last(sites: list[Site]) -> list[Site]:
     return [site for group in groups.values() for site in reversed(group)]
 
 
-def rematch(site: Site) -> Site:
+def rematch(site: Site, taken: Taken) -> Site:
     """``site`` matched again where it stands, after other sites were rewritten (their
-    results may now be its operands, or its matmul may be one they took)."""
-    again = of(site).rematch(site)
+    results may now be its operands, or its matmul may be one they took: ``taken``)."""
+    again = of(site).rematch(site, taken)
     if again is None:  # pragma: no cover - a site's collective keeps its matmul neighbour
         return dataclasses.replace(site, declined=decline("site.lost").kept())
     return again

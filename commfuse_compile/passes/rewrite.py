@@ -40,6 +40,25 @@ def graph_digest(graph: Graph) -> int:
     return int.from_bytes(hashlib.blake2b(ops.encode(), digest_size=8).digest(), "big")
 
 
+class Taken:
+    """What the graph's earlier rewrites emitted, each node with its window (site id,
+    step): the relation a later site that shared a matmul with one of them is matched
+    against. A reduce-scatter whose product one took is declined (``rs.taken``); an
+    all-gather feeding a matmul one split runs nested in that matmul's window
+    (``kinds/ag_mm``). The pipeline adds each rewrite once it is committed."""
+
+    def __init__(self) -> None:
+        self._windows: dict[Node, tuple[int, int]] = {}
+
+    def add(self, rw: Rewrite) -> None:
+        for node in rw.created:
+            self._windows[node] = (rw.site_id, node.meta["commfuse"]["step"])
+
+    def window(self, node: Node) -> tuple[int, int] | None:
+        """(site id, step) of the rewrite window that emitted ``node``; None: the graph's."""
+        return self._windows.get(node)
+
+
 @dataclasses.dataclass
 class Step:
     """One overlap window: ``issue`` starts, ``compute`` (every matmul of the window) runs,

@@ -15,7 +15,7 @@ from torch.fx import Graph, Node
 from ..cost.simulator import Work
 from ..runtime.groups import Group
 from ..schedules import Direction, Schedule
-from .rewrite import Rewrite
+from .rewrite import Rewrite, Taken
 from .site import Site
 
 S = TypeVar("S", bound=Site)
@@ -33,8 +33,9 @@ class SiteKind(Protocol[S]):
         """Every site of this kind in the graph, matched or declined (nothing rewritten)."""
         ...
 
-    def rematch(self, site: S) -> S | None:
-        """``site`` matched again where it stands after other sites were rewritten."""
+    def rematch(self, site: S, taken: Taken) -> S | None:
+        """``site`` matched again where it stands after other sites were rewritten (what
+        they emitted: ``taken``)."""
         ...
 
     def without(self, site: S, disabled: frozenset[str]) -> S:
@@ -45,7 +46,7 @@ class SiteKind(Protocol[S]):
         """Per-block matmul FLOPs and message bytes, for the cost model."""
         ...
 
-    def start(self, site: S) -> tuple[S, Node]:
+    def start(self, site: S, taken: Taken) -> tuple[S, Node]:
         """The site as it will be lowered, and the node its new nodes go before."""
         ...
 

@@ -49,7 +49,7 @@ from ..graph import (
     the_wait,
     val,
 )
-from ..rewrite import Rewrite
+from ..rewrite import Rewrite, Taken
 from ..ring import Products, collect_then_compute, replace_collective
 from ..site_kind import SiteKind
 from ..uses import Use, UsesSite, without_read_twice
@@ -111,7 +111,7 @@ class A2aMm(SiteKind[A2aMmSite]):
         found = map(_match, graph.find_nodes(op="call_function", target=ALL_TO_ALL))
         return [site for site in found if site is not None]
 
-    def rematch(self, site: A2aMmSite) -> A2aMmSite | None:
+    def rematch(self, site: A2aMmSite, taken: Taken) -> A2aMmSite | None:
         return _match(site.all_to_all)
 
     def without(self, site: A2aMmSite, disabled: frozenset[str]) -> A2aMmSite:
@@ -122,7 +122,7 @@ class A2aMm(SiteKind[A2aMmSite]):
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
         return Work(self.direction, n, flops / n, message / n, len(site.uses))
 
-    def start(self, site: A2aMmSite) -> tuple[A2aMmSite, Node]:
+    def start(self, site: A2aMmSite, taken: Taken) -> tuple[A2aMmSite, Node]:
         readers = list(site.wait.users)
         if not readers:  # pragma: no cover - matched sites have one
             raise decline("site.no_reader")

@@ -65,7 +65,7 @@ from ..graph import (
     varies_by_row,
 )
 from ..placement import hoistable
-from ..rewrite import Rewrite
+from ..rewrite import Rewrite, Taken
 from ..ring import Products, collect_then_compute, replace_collective, sliced
 from ..site_kind import SiteKind
 from ..uses import U, Use, UsesSite, without_read_twice
@@ -163,7 +163,7 @@ class AgMm(SiteKind[AgMmSite]):
         beside = {s.beside.gather for s in sites if s.beside}
         return [s for s in sites if not beside & set(s.gathers)]
 
-    def rematch(self, site: AgMmSite) -> AgMmSite | None:
+    def rematch(self, site: AgMmSite, taken: Taken) -> AgMmSite | None:
         gathers = [g for g in site.gathers if not g._erased]
         shard, n, group_name = gathers[0].args[:3]
         return _match((shard, int(n), str(group_name)), gathers)  # type: ignore[arg-type]
@@ -177,11 +177,11 @@ class AgMm(SiteKind[AgMmSite]):
         shard_bytes = sum(numel(shard) * val(shard).element_size() for shard in shards)
         return Work(self.direction, n, flops / n, shard_bytes, len(site.uses))
 
-    def start(self, site: AgMmSite) -> tuple[AgMmSite, Node]:
-        site = _nested_in_one_window(site)
+    def start(self, site: AgMmSite, taken: Taken) -> tuple[AgMmSite, Node]:
+        site = _nested_in_one_window(site, taken)
         site = site.without_own_result(_first_reader(site))
-        site = _without_uses_read_too_late(site)
-        return site, _ring_place(site)
+        site = _without_uses_read_too_late(site, taken)
+        return site, _ring_place(site, taken)
 
     def lower(
         self, rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, slices: int
@@ -672,23 +672,23 @@ def _late_inputs(use: GatherUse, site: AgMmSite) -> list[Node]:
     return [a for a in inputs if a not in own and not hoistable(a, first)]
 
 
-def _start_point(use: GatherUse, site: AgMmSite) -> Node | None:
+def _start_point(use: GatherUse, site: AgMmSite, taken: Taken) -> Node | None:
     """The earliest node the ring may go before for ``use``'s sake, if later than the
     collective's first reader: after the inputs of its matmul that cannot be computed
     earlier (a recomputed activation under checkpointing), and, for a matmul another
     ring emitted (a 2-D matmul, ``_nested_in_one_window``), right at it, inside that
     ring's window."""
     points = [a.next for a in _late_inputs(use, site)]
-    if _emitted_by_a_rewrite([use]):
+    if taken.window(use.mm.node) is not None:
         points.append(use.mm.node)
     return max(points, key=position, default=None)
 
 
-def _without_uses_read_too_late(site: AgMmSite) -> AgMmSite:
+def _without_uses_read_too_late(site: AgMmSite, taken: Taken) -> AgMmSite:
     """The ring must be done before anything reads the gathered tensor or a product of
     the site: a matmul that would make it start later than that keeps reading the
     rebuilt tensor instead (the earliest such starts are kept first)."""
-    points = {u: p for u in site.uses if (p := _start_point(u, site)) is not None}
+    points = {u: p for u in site.uses if (p := _start_point(u, site, taken)) is not None}
     readers = [*_outside_readers(site)]
     readers += [r for u in site.uses if u not in points for r in data_users(u.mm.node)]
     left = {}
@@ -700,41 +700,29 @@ def _without_uses_read_too_late(site: AgMmSite) -> AgMmSite:
     return site.leaving_out(left) if left else site
 
 
-def _ring_place(site: AgMmSite) -> Node:
+def _ring_place(site: AgMmSite, taken: Taken) -> Node:
     """Where the ring goes: where the collective's first reader stood, or later where a
     matmul needs it (``_start_point``). The views the ring leaves behind follow the tensor
     it rebuilds (``Rewrite.commit`` sorts them after it); nothing reads the gathered
     tensor or the site's products before that place (``_without_uses_read_too_late``)."""
-    points = [p for u in site.uses if (p := _start_point(u, site)) is not None]
+    points = [p for u in site.uses if (p := _start_point(u, site, taken)) is not None]
     return max(points, key=position) if points else _first_reader(site)
 
 
-def _emitted_by_a_rewrite(uses: Sequence[GatherUse]) -> list[GatherUse]:
-    """The uses whose matmul another site's rewrite emitted (``meta["commfuse"]``)."""
-    return [u for u in uses if "commfuse" in u.mm.node.meta]
-
-
-def _window(node: Node) -> tuple[int, int]:
-    meta = node.meta["commfuse"]
-    return meta["site"], meta["step"]
-
-
-def _nested_in_one_window(site: AgMmSite) -> AgMmSite:
+def _nested_in_one_window(site: AgMmSite, taken: Taken) -> AgMmSite:
     """A matmul whose other operand is gathered too (2-D: a data-parallel weight gather
     and a tensor-parallel activation gather) was split by the site rewritten first, one
     partial matmul per step of its ring. This ring runs inside that ring's first window,
     under its transfer, where its other operand is already there; the matmuls of the
     other windows read the gathered tensor this ring rebuilds, each hiding its own
     window's transfer."""
-    emitted = _emitted_by_a_rewrite(site.uses)
-    if not emitted:
+    windows = {u: w for u in site.uses if (w := taken.window(u.mm.node)) is not None}
+    if not windows:
         return site
-    first = _window(min(emitted, key=lambda u: position(u.mm.node)).mm.node)
+    first = windows[min(windows, key=lambda u: position(u.mm.node))]
     left = {
-        u: "in another window of site {}, step {}: reads the rebuilt gathered tensor".format(
-            *_window(u.mm.node)
-        )
-        for u in emitted
-        if _window(u.mm.node) != first
+        u: "in another window of site {}, step {}: reads the rebuilt gathered tensor".format(*w)
+        for u, w in windows.items()
+        if w != first
     }
     return site.leaving_out(left) if left else site

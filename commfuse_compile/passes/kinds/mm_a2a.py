@@ -46,7 +46,7 @@ from ..graph import (
     the_wait,
     val,
 )
-from ..rewrite import Rewrite
+from ..rewrite import Rewrite, Taken
 from ..ring import compute_then_send, replace_collective
 from ..site import Site
 from ..site_kind import SiteKind
@@ -94,7 +94,7 @@ class MmA2a(SiteKind[MmA2aSite]):
         found = map(_match, graph.find_nodes(op="call_function", target=ALL_TO_ALL))
         return [site for site in found if site is not None]
 
-    def rematch(self, site: MmA2aSite) -> MmA2aSite | None:
+    def rematch(self, site: MmA2aSite, taken: Taken) -> MmA2aSite | None:
         return _match(site.all_to_all)
 
     def without(self, site: MmA2aSite, disabled: frozenset[str]) -> MmA2aSite:
@@ -107,7 +107,7 @@ class MmA2a(SiteKind[MmA2aSite]):
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
         return Work(self.direction, n, flops / n, message / n)
 
-    def start(self, site: MmA2aSite) -> tuple[MmA2aSite, Node]:
+    def start(self, site: MmA2aSite, taken: Taken) -> tuple[MmA2aSite, Node]:
         return site, site.all_to_all
 
     def lower(

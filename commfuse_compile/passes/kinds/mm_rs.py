@@ -45,7 +45,7 @@ from ..graph import (
     val,
     view_sources,
 )
-from ..rewrite import Rewrite
+from ..rewrite import Rewrite, Taken
 from ..ring import compute_then_send, replace_collective, sliced
 from ..site import Site
 from ..site_kind import SiteKind
@@ -101,11 +101,11 @@ class MmRs(SiteKind[MmRsSite]):
     def find(self, graph: Graph) -> list[MmRsSite]:
         nodes = graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
         # (not the slicing schedule's own chunk collectives)
-        found = (_match(n) for n in nodes if "commfuse" not in n.meta)
+        found = (_match(n, Taken()) for n in nodes if "commfuse" not in n.meta)
         return [site for site in found if site is not None]
 
-    def rematch(self, site: MmRsSite) -> MmRsSite | None:
-        return _match(site.reduce_scatter)
+    def rematch(self, site: MmRsSite, taken: Taken) -> MmRsSite | None:
+        return _match(site.reduce_scatter, taken)
 
     def without(self, site: MmRsSite, disabled: frozenset[str]) -> MmRsSite:
         return site  # one product: nothing to leave out but the whole site
@@ -116,7 +116,7 @@ class MmRs(SiteKind[MmRsSite]):
         out_bytes = numel(out) * val(out).element_size()
         return Work(self.direction, n, flops / n, out_bytes / n, len(site.terms))
 
-    def start(self, site: MmRsSite) -> tuple[MmRsSite, Node]:
+    def start(self, site: MmRsSite, taken: Taken) -> tuple[MmRsSite, Node]:
         return site, site.reduce_scatter
 
     def lower(
@@ -135,20 +135,20 @@ KIND = MmRs()
 # find
 
 
-def _match(rs: Node) -> MmRsSite | None:
+def _match(rs: Node, taken: Taken) -> MmRsSite | None:
     inp, reduce_op, n, group_name = (node_arg(rs, i, "") for i in range(4))
     wait = the_wait(rs)
     scattered, g, chain = _scattered(inp, int(n))
     product = _through_views(scattered, chain)
     terms, between = _sum_of_matmuls(product)
-    rewritten = "commfuse" in product.meta  # a matmul an all-gather site already rewrote
+    window = taken.window(product)  # of an all-gather site that rewrote its matmul
     from_matmul = comes_from_matmul(inp) or any(is_matmul(a) for a in view_sources(product))
-    if not terms and not from_matmul and not rewritten:
+    if not terms and not from_matmul and window is None:
         return None
     fields: dict[str, Any] = {}
     declined = None
     try:
-        fields = _checked(rs, wait, inp, reduce_op, int(n), scattered, g, product, terms)
+        fields = _checked(rs, wait, inp, reduce_op, int(n), scattered, g, product, terms, window)
     except Declined as why:
         declined = why.kept()
     return MmRsSite(
@@ -175,15 +175,17 @@ def _checked(
     g: int,
     product: Node,
     terms: list[Matmul],
+    window: tuple[int, int] | None,
 ) -> dict[str, Any]:
     """The site's product shape and block layout, or the first reason it cannot be
-    rewritten (in the order a user would fix them)."""
+    rewritten (in the order a user would fix them). ``window``: the rewrite window that
+    emitted the product, if another site's rewrite did."""
     if wait is None or wait.target is not c10d.wait_tensor.default:
         raise decline("site.wait", node=rs.name)
     if not wait.users:
         raise decline("site.unread", node=rs.name)
-    if "commfuse" in product.meta:
-        raise decline("rs.taken", site=product.meta["commfuse"]["site"])
+    if window is not None:
+        raise decline("rs.taken", site=window[0])
     if any(a.target is aten.constant_pad_nd.default for a in (inp, *inp.all_input_nodes)):
         raise decline("rs.padded")
     if not terms:
