@@ -39,7 +39,7 @@ def commfuse_backend(
     return _inductor(gm, example_inputs, opts)
 
 
-def _graph_kind(is_backward: bool, is_inference: bool) -> str:
+def _graph_role(is_backward: bool, is_inference: bool) -> str:
     return "backward" if is_backward else "inference" if is_inference else "forward"
 
 
@@ -47,7 +47,7 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> 
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner_compile(graph: GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-        kind = _graph_kind(kwargs.get("is_backward", False), kwargs.get("is_inference", False))
+        kind = _graph_role(kwargs.get("is_backward", False), kwargs.get("is_inference", False))
 
         def compile_once(gm: GraphModule) -> Any:
             # A fallback compiles the graph a second time in the same tracing context,

@@ -28,7 +28,7 @@ log = logging.getLogger("commfuse")
 # Why sites are declined, as the one-line summary of a graph counts them. A decline the
 # options ask for, or the cost model's choice, is expected; the rest are patterns the
 # pass cannot rewrite, or faults (which also warn).
-DECLINE_KINDS = {
+DECLINE_CATEGORIES = {
     "not_profitable": "not profitable",
     "off": "schedule off",
     "disabled": "disabled",
@@ -46,7 +46,7 @@ class SiteRecord:
     schedule: str = "off"
     reason: str = ""
     decline_code: str = ""  # a code of passes.declines.REASONS when declined
-    decline_kind: str = ""  # a key of DECLINE_KINDS when declined
+    decline_category: str = ""  # a key of DECLINE_CATEGORIES when declined
     site: int = -1
     graph_index: int = -1  # the graph's number in this process (its files in the dump)
     match: dict[str, Any] = dataclasses.field(default_factory=dict)  # the kind's describe()
@@ -63,7 +63,7 @@ class SiteRecord:
 
     def declined(self, why: Any) -> SiteRecord:
         """Record the decline ``why`` (a ``passes.declines.Declined``)."""
-        self.reason, self.decline_code, self.decline_kind = why.reason, why.code, why.kind
+        self.reason, self.decline_code, self.decline_category = why.reason, why.code, why.category
         return self
 
     def as_json(self) -> dict[str, Any]:
@@ -169,10 +169,10 @@ def summary_line(records: list[SiteRecord], graph: str) -> str:
     declined: dict[str, int] = {}
     for r in records:
         if r.decision != "rewritten":
-            kind = DECLINE_KINDS.get(r.decline_kind, DECLINE_KINDS["unsupported"])
-            declined[kind] = declined.get(kind, 0) + 1
+            category = DECLINE_CATEGORIES.get(r.decline_category, DECLINE_CATEGORIES["unsupported"])
+            declined[category] = declined.get(category, 0) + 1
     if declined:
-        line += "; declined: " + ", ".join(f"{n} {kind}" for kind, n in declined.items())
+        line += "; declined: " + ", ".join(f"{n} {what}" for what, n in declined.items())
     return line
 
 

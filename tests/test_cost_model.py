@@ -14,7 +14,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from commfuse_compile import CommfuseOptionError, Options
 from commfuse_compile.cost.profiles import (
     BUILTIN,
-    COLLECTIVE_KINDS,
+    COLLECTIVES,
     Curve,
     Profile,
     ProfileError,
@@ -472,7 +472,7 @@ def _measurements_of(p: Profile, n: int) -> cal.Measurements:
                 g: [(float(b), _collective_s(p, kind, g, b)) for b in cal.CURVE_BLOCK_BYTES]
                 for g in range(2, n + 1)
             }
-            for kind in COLLECTIVE_KINDS
+            for kind in COLLECTIVES
         },
         overlap_slowdown=p.overlap_slowdown,
     )
@@ -491,7 +491,7 @@ def test_profile_from_reproduces_the_constants_it_was_measured_on(profile, n):
         value = getattr(profile, field.name)
         if isinstance(value, float):
             assert getattr(fitted, field.name) == pytest.approx(value, rel=1e-6), field.name
-    for kind in COLLECTIVE_KINDS:  # the measured curves time the collective as measured
+    for kind in COLLECTIVES:  # the measured curves time the collective as measured
         for g in range(2, n + 1):
             for nbytes in cal.CURVE_BLOCK_BYTES:
                 expected = _collective_s(profile, kind, g, nbytes)
@@ -582,7 +582,7 @@ def test_a_bad_all_to_all_curve_is_rejected(tmp_path):
         load(_write(tmp_path / "bad.json", json.dumps(fields)))
     fields["collectives"] = {"all_to_all_v": {}}
     with pytest.raises(
-        ProfileError, match=r"kinds are \['all_gather', 'reduce_scatter', 'all_to_all'\]"
+        ProfileError, match=r"collectives are \['all_gather', 'reduce_scatter', 'all_to_all'\]"
     ):
         load(_write(tmp_path / "bad.json", json.dumps(fields)))
 

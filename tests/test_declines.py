@@ -49,11 +49,11 @@ def test_docs_table_is_generated_from_the_registry():
 def test_decline_fills_the_template_and_carries_code_and_kind():
     err = decline("rs.not_sum", op="max")
     assert isinstance(err, Declined)
-    assert (err.code, err.kind, err.reason) == (
+    assert (err.code, err.category, err.reason) == (
         "rs.not_sum",
         "unsupported",
         "reduce op 'max' is neither 'sum' nor 'avg'",
     )
-    assert decline("plan.off").kind == "off"
+    assert decline("plan.off").category == "off"
     with pytest.raises(KeyError):
         decline("rs.no_such_code")

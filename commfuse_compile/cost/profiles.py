@@ -21,9 +21,9 @@ class ProfileError(ValueError):
     """A profile name or file that cannot be used."""
 
 
-# what ``calibrate`` measures; a profile file may lack a kind (those written before
-# all-to-alls were measured): the model then times that kind with the ring formula
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_to_all")
+# what ``calibrate`` measures; a profile file may lack a collective (those written before
+# all-to-alls were measured): the model then times that collective with the ring formula
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all")
 CURVE_BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block, calibrated
 
 
@@ -60,13 +60,13 @@ class Profile:
     # How much slower a matmul runs while a transfer is in flight on the same rank (0.3:
     # 30 % slower): on CPUs the transport's threads take cores; ``calibrate`` measures it.
     overlap_slowdown: float = 0.0
-    # The collectives as the backend runs them, by kind and group size (``calibrate``
-    # measures them, ``COLLECTIVE_KINDS``); without a curve the model takes the faster of
+    # The collectives as the backend runs them, by collective and group size (``calibrate``
+    # measures them, ``COLLECTIVES``); without a curve the model takes the faster of
     # a ring and a bidirectional ring of the same messages plus ``collective_overhead_s``.
     collectives: dict[str, dict[int, Curve]] = dataclasses.field(default_factory=dict)
 
-    def curve(self, kind: str, n: int) -> Curve | None:
-        return self.collectives.get(kind, {}).get(n)
+    def curve(self, collective: str, n: int) -> Curve | None:
+        return self.collectives.get(collective, {}).get(n)
 
     def matmul_s(self, flops: float) -> float:
         return self.matmul_latency_s + flops / self.matmul_flops
@@ -83,8 +83,8 @@ class Profile:
     def as_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["collectives"] = {
-            kind: {str(n): dataclasses.asdict(c) for n, c in curves.items()}
-            for kind, curves in self.collectives.items()
+            collective: {str(n): dataclasses.asdict(c) for n, c in curves.items()}
+            for collective, curves in self.collectives.items()
         }
         return out
 
@@ -236,11 +236,11 @@ def from_json(fields: object, where: str = "profile") -> Profile:
         if problem:
             raise ProfileError(f"{where}: {name} {problem}")
     values["collectives"] = {
-        kind: {
+        collective: {
             int(n): Curve(c["latency_s"], c["seconds_per_byte"], tuple(map(tuple, c["points"])))
             for n, c in curves.items()
         }
-        for kind, curves in values.get("collectives", {}).items()
+        for collective, curves in values.get("collectives", {}).items()
     }
     return Profile(**values)
 
@@ -248,23 +248,23 @@ def from_json(fields: object, where: str = "profile") -> Profile:
 def _collectives_problem(value: object) -> str | None:
     """``{"all_gather": {"2": {"latency_s", "seconds_per_byte", "points"}}}`` or why not."""
     if not isinstance(value, dict):
-        return f"must be an object by collective kind, got {value!r}"
-    for kind, curves in value.items():
-        if kind not in COLLECTIVE_KINDS or not isinstance(curves, dict):
-            return f"has {kind!r}: kinds are {list(COLLECTIVE_KINDS)}, each by group size"
+        return f"must be an object by collective, got {value!r}"
+    for collective, curves in value.items():
+        if collective not in COLLECTIVES or not isinstance(curves, dict):
+            return f"has {collective!r}: collectives are {list(COLLECTIVES)}, each by group size"
         for n, curve in curves.items():
             if not str(n).isdigit() or int(n) < 2:
-                return f"{kind}: group size {n!r} is not an integer >= 2"
+                return f"{collective}: group size {n!r} is not an integer >= 2"
             if not isinstance(curve, dict) or set(curve) != {
                 "latency_s",
                 "seconds_per_byte",
                 "points",
             }:
-                return f"{kind} {n}: needs latency_s, seconds_per_byte and points"
+                return f"{collective} {n}: needs latency_s, seconds_per_byte and points"
             for field in ("latency_s", "seconds_per_byte"):
                 problem = _field_problem(field, curve[field])
                 if problem:
-                    return f"{kind} {n} {field} {problem}"
+                    return f"{collective} {n} {field} {problem}"
             points = curve["points"]
             if not isinstance(points, list) or not all(
                 isinstance(pair, list)
@@ -272,7 +272,9 @@ def _collectives_problem(value: object) -> str | None:
                 and not any(_field_problem("points", v) for v in pair)
                 for pair in points
             ):
-                return f"{kind} {n}: points must be [block bytes, seconds] pairs, got {points!r}"
+                return (
+                    f"{collective} {n}: points must be [block bytes, seconds] pairs, got {points!r}"
+                )
     return None
 
 

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..schedules import NAMES, Direction, Transfer, by_name, slicing
-from .profiles import COLLECTIVE_KINDS, Profile
+from .profiles import COLLECTIVES, Profile
 
 SCHEDULES = ("collective", *NAMES)
 
@@ -103,12 +103,12 @@ def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> flo
 
 def collective_model(work: Work, p: Profile) -> str:
     """How the site's collective is timed on ``p`` (the report says which)."""
-    kind = work.direction.collective
-    if p.curve(kind, work.n) is not None:
-        return f"{kind} as measured on {work.n} ranks ({p.name})"
-    why = f"ring formula: {p.name} has no measured {kind} curve for {work.n} ranks"
-    if any(p.curve(other, work.n) for other in COLLECTIVE_KINDS if other != kind):
-        # a file calibrated before this kind was measured: its other curves are there
+    collective = work.direction.collective
+    if p.curve(collective, work.n) is not None:
+        return f"{collective} as measured on {work.n} ranks ({p.name})"
+    why = f"ring formula: {p.name} has no measured {collective} curve for {work.n} ranks"
+    if any(p.curve(other, work.n) for other in COLLECTIVES if other != collective):
+        # a file calibrated before this collective was measured: its other curves are there
         why += " (calibrated before `commfuse calibrate` measured it; re-run it to add one)"
     return why
 

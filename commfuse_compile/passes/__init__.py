@@ -37,10 +37,10 @@ from .site import Site
 T = TypeVar("T")
 
 
-def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[SiteRecord]:
+def rewrite_graph(gm: GraphModule, graph_role: str, options: Options) -> list[SiteRecord]:
     """Rewrite ``gm`` in place; returns one record per site found (also in the report).
     The graph runs node by node (eager FX), so its order of transfers is the graph's."""
-    result = _rewrite(gm, graph_kind, options)
+    result = _rewrite(gm, graph_role, options)
     try:
         why = _agree(result, gm)
         if why is not None and _rewritten(result):
@@ -52,7 +52,7 @@ def rewrite_graph(gm: GraphModule, graph_kind: str, options: Options) -> list[Si
 
 def rewrite_and_compile(
     gm: GraphModule,
-    graph_kind: str,
+    graph_role: str,
     options: Options,
     compile_fn: Callable[[GraphModule], T],
     program_of: Callable[[T], str | None] | None = None,
@@ -63,7 +63,7 @@ def rewrite_and_compile(
     in one order, and run together they must complete (``_agree``). Should the compiler
     reject the rewritten graph, or its program fail either check, warn, record every
     site as declined and compile the original graph (on every rank, for the second)."""
-    result = _rewrite(gm, graph_kind, options)
+    result = _rewrite(gm, graph_role, options)
     try:
         return _compile_checked(gm, result, options, compile_fn, program_of)
     finally:
@@ -103,7 +103,7 @@ class _Result:
     records: list[SiteRecord]
     original: _Original
     graph_index: int
-    graph_kind: str
+    graph_role: str
     groups: dict[int, tuple[groups.Group, dict[str, Any]]]  # site id -> (group, inputs)
 
 
@@ -123,7 +123,7 @@ def _fall_back(result: _Result, why: Declined) -> None:
 
 def _finish(result: _Result, options: Options) -> None:
     """The graph's decisions are final: into the report."""
-    REPORT.finish_graph(result.records, result.graph_kind, options.debug_dir, options.measure)
+    REPORT.finish_graph(result.records, result.graph_role, options.debug_dir, options.measure)
 
 
 def _agree(
@@ -166,7 +166,7 @@ def _agree(
     log.info(
         "commfuse: %s graph %d, ranks %s: %d transfer events read in %.1f ms, exchanged in "
         "%.1f ms (waiting for the slowest rank's compile), compared in %.1f ms: %s",
-        result.graph_kind,
+        result.graph_role,
         result.graph_index,
         sorted(seen),
         len(events or ()),
@@ -223,7 +223,7 @@ def _check_program(code: str | None, options: Options, result: _Result) -> progr
     memory intact until its wait; record the steps whose overlap the compiler lost."""
     if code is None:
         raise decline("compiler.unreadable")
-    dump_code(options.debug_dir, result.graph_index, result.graph_kind, "inductor", lambda: code)
+    dump_code(options.debug_dir, result.graph_index, result.graph_role, "inductor", lambda: code)
     try:
         checked = program.check(code, groups.ranks_of)
     except Exception as err:  # noqa: BLE001 - unreadable code, or a fault of the check
@@ -237,10 +237,10 @@ def _check_program(code: str | None, options: Options, result: _Result) -> progr
     return checked
 
 
-def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
+def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
     graph_index = REPORT.new_graph(options.described())
-    dump_code(options.debug_dir, graph_index, graph_kind, "before", lambda: gm.code)
-    result = _Result([], _Original(gm), graph_index, graph_kind, {})
+    dump_code(options.debug_dir, graph_index, graph_role, "before", lambda: gm.code)
+    result = _Result([], _Original(gm), graph_index, graph_role, {})
     try:
         keep = result.original.keep
         digest = graph_digest(gm.graph)  # as it came: the same on every rank
@@ -262,9 +262,9 @@ def _rewrite(gm: GraphModule, graph_kind: str, options: Options) -> _Result:
         result.groups.clear()
         why = decline("internal.error", error=_brief(err))
         result.records = [
-            SiteRecord(kind=s.kind, graph=graph_kind).declined(why) for s in _sites_or_none(gm)
+            SiteRecord(kind=s.kind, graph=graph_role).declined(why) for s in _sites_or_none(gm)
         ]
-    dump_code(options.debug_dir, graph_index, graph_kind, "after", lambda: _code(gm))
+    dump_code(options.debug_dir, graph_index, graph_role, "after", lambda: _code(gm))
     return result
 
 
@@ -287,7 +287,7 @@ def _rewrite_sites(
         site = match.rematch(found, taken) if rewrites and not found.declined else found
         record = SiteRecord(
             kind=site.kind,
-            graph=result.graph_kind,
+            graph=result.graph_role,
             site=REPORT.new_site_id(),
             graph_index=result.graph_index,
             match=site.describe(),

@@ -1,7 +1,7 @@
 """Why a site is left as it was: every reason the pass can give, as data.
 
-A reason has a stable code (``rs.not_sum``), the kind the graph's summary counts it
-under (``report.DECLINE_KINDS``) and a message template filled with the site's names and
+A reason has a stable code (``rs.not_sum``), the category the graph's summary counts
+it under (``report.DECLINE_CATEGORIES``) and a message template filled with the site's names and
 sizes. ``decline`` is the one way to decline a site; report.json carries the code and
 the message; the table of reasons in docs/rewrites.md is generated from ``REASONS``
 (``python -m commfuse_compile.passes.declines`` prints it, for the page's declines
@@ -13,13 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..report import DECLINE_KINDS
+from ..report import DECLINE_CATEGORIES
 
 
 @dataclasses.dataclass(frozen=True)
 class Reason:
     code: str
-    kind: str  # a key of report.DECLINE_KINDS
+    category: str  # a key of report.DECLINE_CATEGORIES
     template: str  # str.format over the fields ``decline`` is given
 
 
@@ -234,15 +234,15 @@ class Decline:
     reason: str
 
     def error(self) -> Declined:
-        return Declined(self.code, self.reason, REASONS[self.code].kind)
+        return Declined(self.code, self.reason, REASONS[self.code].category)
 
 
 class Declined(Exception):
     """Raised by ``decline``: the site is left as it was, for ``reason``."""
 
-    def __init__(self, code: str, reason: str, kind: str) -> None:
+    def __init__(self, code: str, reason: str, category: str) -> None:
         super().__init__(reason)
-        self.code, self.reason, self.kind = code, reason, kind
+        self.code, self.reason, self.category = code, reason, category
 
     def kept(self) -> Decline:
         return Decline(self.code, self.reason)
@@ -251,7 +251,7 @@ class Declined(Exception):
 def decline(code: str, **fields: Any) -> Declined:
     """The one way to decline a site: ``raise decline("rs.not_sum", op=op)``."""
     reason = REASONS[code]
-    return Declined(code, reason.template.format(**fields), reason.kind)
+    return Declined(code, reason.template.format(**fields), reason.category)
 
 
 def markdown_table() -> str:
@@ -260,11 +260,11 @@ def markdown_table() -> str:
     rows = ["| code | counted as | message |", "|---|---|---|"]
     for reason in _REASONS:
         message = reason.template.replace("|", "\\|")
-        rows.append(f"| `{reason.code}` | {DECLINE_KINDS[reason.kind]} | {message} |")
+        rows.append(f"| `{reason.code}` | {DECLINE_CATEGORIES[reason.category]} | {message} |")
     return "\n".join(rows)
 
 
-assert all(r.kind in DECLINE_KINDS for r in _REASONS)
+assert all(r.category in DECLINE_CATEGORIES for r in _REASONS)
 
 if __name__ == "__main__":
     # the table for docs/rewrites.md: paste it between the page's declines markers

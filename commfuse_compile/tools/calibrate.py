@@ -4,7 +4,7 @@ On n local gloo ranks (or the ranks of a running job): matmul time by shape (fit
 call latency + FLOPs / throughput, all ranks computing at once as in training), P2P
 time by message size (a ring exchange, fitted as alpha + bytes/beta), an element-wise
 add, the backend's own all-gather, reduce-scatter and all-to-all (``all_to_all_single``,
-even splits) by block size on every group size from 2 to n (fitted per kind and size:
+even splits) by block size on every group size from 2 to n (fitted per collective and size:
 the model times the collective with these curves, not with a ring formula), how much a
 matmul slows while a transfer is in flight, and the fixed cost of one P2P step of a
 rewritten graph, from a tiny all-gather -> matmul site run both ways. The result loads
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cost.profiles import COLLECTIVE_KINDS, CURVE_BLOCK_BYTES, Curve, Profile
+from ..cost.profiles import COLLECTIVES, CURVE_BLOCK_BYTES, Curve, Profile
 from ..cost.simulator import Work, simulate
 from ..schedules import Direction
 
@@ -44,7 +44,7 @@ class Measurements:
     add_bytes_per_s: float
     ring_site_s: float  # tiny all-gather -> matmul, rewritten as a ring
     collective_site_s: float  # the same site with its collective
-    # kind -> group size -> [(block bytes, seconds)] of the backend's own collective
+    # collective -> group size -> [(block bytes, seconds)] of the backend's own collective
     collectives: dict[str, dict[int, list[tuple[float, float]]]]
     overlap_slowdown: float  # matmul under a transfer / matmul alone - 1
 
@@ -79,8 +79,8 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         collective_overhead_s=0.0,
         overlap_slowdown=m.overlap_slowdown,
         collectives={
-            kind: {size: Curve(*fit_line(points), tuple(points)) for size, points in by_n.items()}
-            for kind, by_n in m.collectives.items()
+            name: {size: Curve(*fit_line(points), tuple(points)) for size, points in by_n.items()}
+            for name, by_n in m.collectives.items()
         },
     )
     # The fixed costs are what the simulation of the tiny site lacks without them: the
@@ -121,23 +121,24 @@ def measure(rank: int, world_size: int, reps: int) -> Measurements:
 def _collective_curves(
     rank: int, world_size: int, reps: int
 ) -> dict[str, dict[int, list[tuple[float, float]]]]:
-    """The backend's collectives (``COLLECTIVE_KINDS``), timed by block size on the groups
+    """The backend's collectives (``COLLECTIVES``), timed by block size on the groups
     of ranks 0..g-1 for every g from 2 to the world size (the others wait)."""
-    curves: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVE_KINDS}
+    curves: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
     for g in range(2, world_size + 1):
         group = dist.new_group(list(range(g))) if g < world_size else dist.group.WORLD
-        for kind, by_size in curves.items():
+        for collective, by_size in curves.items():
             points = []
             for nbytes in CURVE_BLOCK_BYTES:
                 if rank < g:  # the others only wait (new_group gives them no group)
-                    points.append((float(nbytes), _collective_s(kind, nbytes, g, group, reps)))
+                    seconds = _collective_s(collective, nbytes, g, group, reps)
+                    points.append((float(nbytes), seconds))
                 dist.barrier()
             if rank < g:
                 by_size[g] = points
     return curves
 
 
-def _collective_s(kind: str, block_bytes: int, g: int, group: Any, reps: int) -> float:
+def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: int) -> float:
     """The median time of one all-gather of ``block_bytes`` blocks (or the reduce-scatter
     down to them, or the all-to-all of one such block to each rank) on ``group`` of ``g``
     ranks, as the functional collectives run it."""
@@ -145,9 +146,9 @@ def _collective_s(kind: str, block_bytes: int, g: int, group: Any, reps: int) ->
     block = torch.randn(block_bytes // 4)
     whole = torch.randn(g * block.numel())
     call: Callable[[], torch.Tensor]
-    if kind == "all_gather":
+    if collective == "all_gather":
         call = functools.partial(c10d.all_gather_into_tensor, block, g, group.group_name)
-    elif kind == "reduce_scatter":
+    elif collective == "reduce_scatter":
         call = functools.partial(c10d.reduce_scatter_tensor, whole, "sum", g, group.group_name)
     else:  # all_to_all: even splits, as the Ulysses sites run it
         splits = [block.numel()] * g
