@@ -1,0 +1,69 @@
+"""All-gather -> matmul: a matmul reads the gathered tensor, so each block of it can be
+multiplied as soon as it arrives.
+
+The collective's dim is followed through the reassembly DTensor emits (split + cat) and
+through view/reshape into the matmul's rows, where any block of rows is an independent
+piece of the product; transposed uses (weight gradients, gathered weights) contract or
+fill columns block by block (``GatherUse.role``).
+
+``site``: what a site is; ``find``: matching; ``place``: where its ring goes, and what it
+leaves out to go there; ``lower``: what each piece computes, on the ring core.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Graph, Node
+
+from ....cost.simulator import Work
+from ....runtime.groups import Group
+from ....schedules import Direction, Schedule
+from ....site_kinds import ROLES
+from ... import dims
+from ...graph import numel, val
+from ...rewrite import Rewrite, Taken
+from ...site_kind import SiteKind
+from .find import gathers_by_shard, match
+from .lower import lower_ring, lower_sliced
+from .place import placed
+from .site import AgMmSite
+
+
+class AgMm(SiteKind[AgMmSite]):
+    name = "ag_mm"
+    direction = Direction.GATHER
+    roles = ROLES[name]
+    nests = True
+
+    def find(self, graph: Graph) -> list[AgMmSite]:
+        found = (match(*item) for item in gathers_by_shard(graph).items())
+        sites = [site for site in found if site is not None]
+        beside = {s.beside.gather for s in sites if s.beside}
+        return [s for s in sites if not beside & set(s.gathers)]
+
+    def rematch(self, site: AgMmSite, taken: Taken) -> AgMmSite | None:
+        gathers = [g for g in site.gathers if not g._erased]
+        shard, n, group_name = gathers[0].args[:3]
+        return match((shard, int(n), str(group_name)), gathers)  # type: ignore[arg-type]
+
+    def without(self, site: AgMmSite, disabled: frozenset[str]) -> AgMmSite:
+        return site.without_roles(disabled)
+
+    def work(self, site: AgMmSite, n: int) -> Work:
+        flops = sum(2 * numel(u.mm.node) * dims.hint(val(u.mm.a).shape[1]) for u in site.uses)
+        shards = (site.shard, *((site.beside.shard,) if site.beside else ()))
+        shard_bytes = sum(numel(shard) * val(shard).element_size() for shard in shards)
+        return Work(self.direction, n, flops / n, shard_bytes, len(site.uses))
+
+    def start(self, site: AgMmSite, taken: Taken) -> tuple[AgMmSite, Node]:
+        return placed(site, taken)
+
+    def lower(
+        self, rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, slices: int
+    ) -> None:
+        if schedule.sliced:
+            lower_sliced(rw, site, group, schedule, slices)
+        else:
+            lower_ring(rw, site, group, schedule)
+
+
+KIND = AgMm()
