@@ -887,6 +887,29 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
         verify._check_schedule_all_ranks(deadlocks, 3, Direction.GATHER)
 
 
+def test_p2p_tags_come_from_the_graph_and_the_site_not_from_what_was_compiled_before():
+    """Every rank must tag a site's messages alike. A tag that counted the graphs this
+    process compiled before would differ on a rank that compiled one graph more (a
+    recompile); the tag is the graph's ops and the site's place in it instead."""
+
+    def program(x, w1, w2):
+        return (scattered(gathered(x, N, 0) @ w1 @ w2, N, 0),)
+
+    def tags(gm: GraphModule) -> dict[str, int]:
+        return {str(n.args[6]).split(" step")[0]: int(n.args[4]) for n in calls(gm, P2P)}
+
+    first = fx(program, (2, 8), (8, 6), (6, 4))
+    rewrite_graph(first, "forward", RING)
+    other = build(MmRs())
+    rewrite_graph(other, "forward", RING)
+    again = fx(program, (2, 8), (8, 6), (6, 4))
+    rewrite_graph(again, "forward", RING)
+    assert len(tags(first)) == 2 and len(set(tags(first).values())) == 2  # a tag per site
+    assert list(tags(first).values()) == list(tags(again).values())  # ids differ, tags not
+    assert list(tags(first)) != list(tags(again))
+    assert set(tags(other).values()).isdisjoint(tags(first).values())
+
+
 @pytest.mark.parametrize("case", [AgMm(), MmRs()], ids=["ag_mm", "mm_rs"])
 def test_bidir_exchanges_with_both_neighbours_in_half_the_rounds(case):
     gm = build(case)
