@@ -1,6 +1,6 @@
 """Compile time of the pass against the depth of the model (not a test: it times things).
 
-Traces the TP+SP transformer of ``commfuse_compile.tools.training`` (front "tp") at several
+Traces the TP+SP transformer of ``commfuse_compile.tools.fronts`` (front "tp") at several
 depths on torch's fake process group (one process, rank 0 of 2: collectives and P2P
 complete at once without moving data), compiles one forward and backward with
 ``backend="commfuse"`` and Inductor, once with ``schedule="ring"`` and once with
@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse_compile.passes as passes
 from commfuse_compile import report
-from commfuse_compile.tools import training
+from commfuse_compile.tools import fronts
 
 
 class Timers:
@@ -73,8 +73,8 @@ def compile_once(blocks: int, schedule: str, profile: bool) -> tuple[int, Timers
     """One forward and backward of a ``blocks``-deep model; (sites, timers)."""
     report.reset()
     torch._dynamo.reset()
-    cfg = training.TrainConfig(blocks=blocks, dim=32, heads=4, hidden=64, batch=2, seq=16)
-    setup = training.build(cfg, rank=0, world_size=dist.get_world_size())
+    cfg = fronts.TrainConfig(blocks=blocks, dim=32, heads=4, hidden=64, batch=2, seq=16)
+    setup = fronts.build(cfg, rank=0, world_size=dist.get_world_size())
     compiled = torch.compile(setup.loss_module, backend="commfuse", options={"schedule": schedule})
     timers = Timers(profile)
     restore = timers.install()

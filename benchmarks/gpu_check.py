@@ -19,7 +19,7 @@ tested on CPU and collects, on one CUDA GPU in a few minutes:
    collective fields stay the built-in profile's (one device has no link to measure).
    It is printed beside the built-in profile, with ``commfuse sim``'s layer on both.
 2. **The program check on Inductor's wrapper code.** A TP+SP transformer block
-   (``tools/training.py``, one block, final norm and head), traced on torch's fake
+   (``tools/fronts.py``, one block, final norm and head), traced on torch's fake
    process group at world size 4, compiled with ``backend="commfuse"`` and Inductor for
    every schedule; each generated program (Triton kernels and streams on CUDA) is
    checked with ``passes/program.check``: it must parse, keep every transfer's buffer,
@@ -67,7 +67,7 @@ from commfuse_compile.cost.profiles import Profile, for_device, load, save
 from commfuse_compile.options import SCHEDULES, Options
 from commfuse_compile.passes import program
 from commfuse_compile.runtime import groups
-from commfuse_compile.tools import training
+from commfuse_compile.tools import fronts
 from commfuse_compile.tools.calibrate import fit_line
 from commfuse_compile.tools.sim import PRESETS, ModelShape, simulate_layer
 
@@ -100,7 +100,7 @@ class Mode:
     shrink: int  # the presets' sizes divided by this for the split GEMMs
     gemm_min_run_s: float  # per timed statement (torch.utils.benchmark)
     block_min_run_s: float
-    block: training.TrainConfig
+    block: fronts.TrainConfig
 
     def device_name(self) -> str:
         if self.device == "cuda":
@@ -112,7 +112,7 @@ def gpu_mode() -> Mode:
     """Llama 3 8B's block at full size (its hidden size, heads, FFN and sequence; every
     head with its own k/v, as ``tools/models.Block`` has them)."""
     model = PRESETS["llama3-8b"]
-    block = training.TrainConfig(
+    block = fronts.TrainConfig(
         blocks=1,
         dim=model.hidden,
         heads=model.heads,
@@ -127,7 +127,7 @@ def gpu_mode() -> Mode:
 
 def cpu_mode() -> Mode:
     """Tiny shapes: every path but CUDA's, in about a minute."""
-    block = training.TrainConfig(
+    block = fronts.TrainConfig(
         blocks=1, dim=32, heads=4, hidden=64, batch=2, seq=16, dtype=DTYPE_NAME
     )
     return Mode("cpu", 32, 0.01, 0.05, block)
@@ -359,7 +359,7 @@ def run_block(schedule: str, mode: Mode, out: Path) -> tuple[BlockRun, Callable[
     run = BlockRun(schedule)
     report.reset()
     torch._dynamo.reset()
-    setup = training.build(mode.block, RANK, WORLD_SIZE)
+    setup = fronts.build(mode.block, RANK, WORLD_SIZE)
     compiled = torch.compile(setup.loss_module, backend="commfuse", options={"schedule": schedule})
     inputs = setup.inputs(0)
 

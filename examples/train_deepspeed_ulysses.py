@@ -19,7 +19,7 @@ trains without the pass and prints the largest relative loss difference.
 
 from __future__ import annotations
 
-from commfuse_compile.tools import training
+from commfuse_compile.tools import training_examples
 
 if __name__ == "__main__":
-    training.ulysses_example("deepspeed", __doc__.splitlines()[0])
+    training_examples.ulysses_example("deepspeed", __doc__.splitlines()[0])

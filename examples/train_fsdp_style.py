@@ -21,20 +21,20 @@ import argparse
 
 import torch.distributed as dist
 
-from commfuse_compile.tools import training
+from commfuse_compile.tools import training_examples
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    training.add_arguments(parser)
+    training_examples.add_arguments(parser)
     parser.add_argument("--tp", type=int, default=1, help="size of the tensor-parallel mesh dim")
     args = parser.parse_args()
-    device = training.init_torchrun()
+    device = training_examples.init_torchrun()
     dp = dist.get_world_size() // args.tp
     # 2 sequences per data-parallel rank, 32 tokens per tensor-parallel rank
-    cfg = training.example_config(args, "fsdp", args.tp, 2 * dp, 32 * args.tp, device)
-    training.run_and_print(cfg, args)
-    training.leave_torchrun()
+    cfg = training_examples.example_config(args, "fsdp", args.tp, 2 * dp, 32 * args.tp, device)
+    training_examples.run_and_print(cfg, args)
+    training_examples.leave_torchrun()
 
 
 if __name__ == "__main__":

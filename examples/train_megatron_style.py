@@ -26,21 +26,21 @@ import argparse
 
 import torch.distributed as dist
 
-from commfuse_compile.tools import training
+from commfuse_compile.tools import training_examples
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    training.add_arguments(parser)
+    training_examples.add_arguments(parser)
     parser.add_argument("--float8", action="store_true", help="the linears in float8")
     args = parser.parse_args()
-    device = training.init_torchrun()
+    device = training_examples.init_torchrun()
     world_size = dist.get_world_size()
     # the whole batch on every rank; 32 tokens per rank (the sequence is sharded)
     front = "float8" if args.float8 else "megatron"
-    cfg = training.example_config(args, front, 1, 4, 32 * world_size, device, bias=True)
-    training.run_and_print(cfg, args)
-    training.leave_torchrun()
+    cfg = training_examples.example_config(args, front, 1, 4, 32 * world_size, device, bias=True)
+    training_examples.run_and_print(cfg, args)
+    training_examples.leave_torchrun()
 
 
 if __name__ == "__main__":

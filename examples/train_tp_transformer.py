@@ -15,7 +15,8 @@ shards it; the blocks then take and return local tensors), ``--compile-per-block
 compiles each block by itself (``fullgraph=True``) as torchtitan does, the rest eager;
 ``--loss-parallel`` keeps the head's output sharded on its last dim (the MSE on the
 shards, averaged over the ranks; no all-gather of the output).
-The model, the step and the summary live in ``commfuse_compile.tools.training``.
+The model lives in ``commfuse_compile.tools.fronts``, the step and the summary in
+``commfuse_compile.tools.training``, the options and the run in ``training_examples``.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import argparse
 
 import torch.distributed as dist
 
-from commfuse_compile.tools import training
+from commfuse_compile.tools import training_examples
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    training.add_arguments(parser)
+    training_examples.add_arguments(parser)
     parser.add_argument(
         "--vocab", type=int, default=0, help="token embedding of N rows first (default: none)"
     )
@@ -44,10 +45,10 @@ def main() -> None:
         help="keep the head's output sharded; the loss on the shards (no output all-gather)",
     )
     args = parser.parse_args()
-    device = training.init_torchrun()
+    device = training_examples.init_torchrun()
     world_size = dist.get_world_size()
     # TP over every rank; 32 tokens per rank (sequence parallel)
-    cfg = training.example_config(
+    cfg = training_examples.example_config(
         args,
         "tp",
         world_size,
@@ -58,8 +59,8 @@ def main() -> None:
         compile_per_block=args.compile_per_block,
         loss_parallel=args.loss_parallel,
     )
-    training.run_and_print(cfg, args)
-    training.leave_torchrun()
+    training_examples.run_and_print(cfg, args)
+    training_examples.leave_torchrun()
 
 
 if __name__ == "__main__":

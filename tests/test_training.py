@@ -1,11 +1,11 @@
 """Training end to end: AdamW steps with and without the pass, from the same init and data.
 
-Front ends (``commfuse_compile.tools.training``, shared with ``examples/train_*.py``): a TP+SP
-transformer (DTensor ``parallelize_module``), the same with activation checkpointing (per
-block, and torchtitan's op-level policy), with a token embedding (with and without loss
-parallelism) and compiled per block as torchtitan does, FSDP-style in-graph sharding on 2
-ranks, FSDP x TP on a 2x2 mesh, and Ulysses sequence parallelism (all-to-alls around
-attention) on 2 ranks. Each test checks that the losses
+Front ends (``commfuse_compile.tools.fronts``, trained by ``tools.training``, shared with
+``examples/train_*.py``): a TP+SP transformer (DTensor ``parallelize_module``), the same
+with activation checkpointing (per block, and torchtitan's op-level policy), with a token
+embedding (with and without loss parallelism) and compiled per block as torchtitan does,
+FSDP-style in-graph sharding on 2 ranks, FSDP x TP on a 2x2 mesh, and Ulysses sequence
+parallelism (all-to-alls around attention) on 2 ranks. Each test checks that the losses
 match the plain eager run; the TP and FSDP ones also pin the table of sites the pass found
 per (graph, kind, decision, reason), and check from the debug dump (``graph*_before.py``)
 that every all-gather / reduce-scatter next to a matmul has a report entry.
@@ -23,16 +23,16 @@ from pathlib import Path
 
 import pytest
 
-from commfuse_compile.tools import training
+from commfuse_compile.tools import fronts, training
 
-CFG = training.TrainConfig(blocks=2, dim=32, heads=4, hidden=64, batch=2, seq=16, steps=3)
+CFG = fronts.TrainConfig(blocks=2, dim=32, heads=4, hidden=64, batch=2, seq=16, steps=3)
 OPTIONS = {"schedule": "ring", "inner": "eager"}
 RTOL = 1e-5  # float32 losses; the ring changes summation order only
 
 RING = "ring"  # the schedule of a rewritten site; a declined one's is its decline code
 
 
-def run(ranks, n: int, cfg: training.TrainConfig, dump: Path, inner: str = "eager") -> list[dict]:
+def run(ranks, n: int, cfg: fronts.TrainConfig, dump: Path, inner: str = "eager") -> list[dict]:
     """Train with and without the pass on n ranks; per rank the results and site table."""
     options = {**OPTIONS, "inner": inner, "debug_dir": str(dump)}
     results = ranks(n).run(training.compare, cfg, options)
@@ -167,7 +167,7 @@ def test_tp_sp_transformer_trains_like_eager_and_every_site_is_rewritten(ranks, 
 
 
 def test_tp_sp_transformer_with_activation_checkpointing(ranks, tmp_path):
-    cfg = training.TrainConfig(**{**vars(CFG), "activation_checkpointing": True})
+    cfg = fronts.TrainConfig(**{**vars(CFG), "activation_checkpointing": True})
     (first, *_) = run(ranks, 2, cfg, tmp_path)
     # Each block is recomputed in backward (only the attention output is saved), forward
     # collectives included: the backward also holds the blocks' forward sites.
@@ -187,7 +187,7 @@ def test_tp_sp_transformer_with_activation_checkpointing(ranks, tmp_path):
 def test_tp_sp_transformer_with_op_level_selective_checkpointing(ranks, tmp_path):
     # torchtitan's op-level policy: the outputs of every mm, of reduce_scatter_tensor and
     # of attention are saved, the rest (norms, SwiGLU, the all-gathers) recomputed
-    cfg = training.TrainConfig(**{**vars(CFG), "activation_checkpointing": "op"})
+    cfg = fronts.TrainConfig(**{**vars(CFG), "activation_checkpointing": "op"})
     (first, *_) = run(ranks, 2, cfg, tmp_path)
     assert first["table"] == {
         ("forward", "ag_mm", "rewritten", RING): 5,
@@ -225,7 +225,7 @@ def test_tp_sp_with_embedding_what_stays(ranks, tmp_path, loss_parallel):
     # the README's coverage table: a token embedding (row-parallel, as torchtitan), and
     # the head's output all-gathered (no loss parallelism) or kept sharded on its last
     # dim with the MSE on the shards (loss parallelism)
-    cfg = training.TrainConfig(**{**vars(CFG), "vocab": 64, "loss_parallel": loss_parallel})
+    cfg = fronts.TrainConfig(**{**vars(CFG), "vocab": 64, "loss_parallel": loss_parallel})
     (first, *_) = run(ranks, 2, cfg, tmp_path)
     assert first["table"] == {  # the same sites as without the embedding
         ("forward", "ag_mm", "rewritten", RING): 5,
@@ -249,7 +249,7 @@ def test_tp_sp_with_embedding_what_stays(ranks, tmp_path, loss_parallel):
     }
 
 
-PER_BLOCK = training.TrainConfig(**{**vars(CFG), "vocab": 64, "compile_per_block": True})
+PER_BLOCK = fronts.TrainConfig(**{**vars(CFG), "vocab": 64, "compile_per_block": True})
 
 
 def test_tp_sp_compiled_per_block_like_torchtitan(ranks, tmp_path):
@@ -274,7 +274,7 @@ def test_per_block_compile_without_the_clone_is_torchs_fault(ranks):
     # Without the clone, block 0's input is the view to_local() returns from the
     # embedding, and the backward fails in DTensor's redistribute with any AOT backend
     # (aot_eager: no commfuse at all); the plain "eager" backend runs. When torch fixes
-    # it, this fails: drop the workaround (training.clone_output) and this test.
+    # it, this fails: drop the workaround (fronts.clone_output) and this test.
     job = training.per_block_backward
     (fault, _) = ranks(2).run(job, PER_BLOCK, "aot_eager", False)
     assert fault == "AttributeError: 'Tensor' object has no attribute '_local_tensor'"
@@ -283,7 +283,7 @@ def test_per_block_compile_without_the_clone_is_torchs_fault(ranks):
 
 
 def test_fsdp_style_trains_like_eager(ranks, tmp_path):
-    cfg = training.TrainConfig(**{**vars(CFG), "front": "fsdp", "batch": 4})
+    cfg = fronts.TrainConfig(**{**vars(CFG), "front": "fsdp", "batch": 4})
     (first, *_) = run(ranks, 2, cfg, tmp_path)
     assert first["table"] == {
         # every parameter gather that feeds a linear: the gathered weight is the second
@@ -299,7 +299,7 @@ def test_fsdp_style_trains_like_eager(ranks, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.matrix)])
 def test_fsdp_times_tp_on_a_2x2_mesh_trains_like_eager(ranks, tmp_path, inner):
-    cfg = training.TrainConfig(**{**vars(CFG), "front": "fsdp", "tp": 2, "batch": 4, "steps": 2})
+    cfg = fronts.TrainConfig(**{**vars(CFG), "front": "fsdp", "tp": 2, "batch": 4, "steps": 2})
     (first, *_) = run(ranks, 4, cfg, tmp_path, inner)
     assert first["table"] == {
         # 15 dp weight gathers (columns), as in 1-D, and the 5 TP activation gathers (norm
@@ -326,7 +326,7 @@ def test_ulysses_trains_like_eager_and_like_one_process(ranks, tmp_path):
     # the output projection's gradient reads the recomputed result).
     tables = {}
     for gqa, fused, ac in ((0, False, False), (2, True, False), (0, False, True)):
-        cfg = training.TrainConfig(
+        cfg = fronts.TrainConfig(
             **{
                 **vars(CFG),
                 "front": "ulysses",
