@@ -19,6 +19,7 @@ import pytest
 
 from commfuse_compile.tools import bench
 from commfuse_compile.tools.bench import QUICK, kind_rows, variants
+from commfuse_compile.tools.bench_block import BlockJob, block_compile, block_times
 from commfuse_compile.tools.bench_markdown import markdown
 from commfuse_compile.tools.bench_plot import plot_speedup
 from commfuse_compile.tools.bench_report import KIND_TITLES, block_result, format_block, slowest
@@ -130,8 +131,8 @@ def test_2d_block_row_is_built_and_reported(ranks):
     assert spec.schedules == ("baseline", "ring", "auto")
     rows = tuple(v for v in variants() if v.label in ("baseline", "ring"))
     pool = ranks(spec.world_size)
-    sites = pool.run(bench.block_compile, bench.BlockJob(spec.shape, rows, None))
-    times = slowest(pool.run(bench.block_times, ["baseline", "ring"], 0, 1))
+    sites = pool.run(block_compile, BlockJob(spec.shape, rows, None))
+    times = slowest(pool.run(block_times, ["baseline", "ring"], 0, 1))
     assert all(s == sites[0] for s in sites), "ranks disagree on the sites"
     block = block_result(spec.shape, 1e8, 0.1, times, sites[0], spec.ratio, 4, 2)
     off, ring = block["rows"]

@@ -1,13 +1,14 @@
-"""What ``commfuse bench`` measures, shared by ``bench.py`` (which runs the measurements)
-and ``bench_report.py`` (which turns them into figures): its rows, the shapes of its sites
-and of its block, and the label of the row that probes the machine's own overlap."""
+"""What ``commfuse bench`` measures, shared by the modules that run the measurements
+(``bench``, ``bench_cells``, ``bench_block``) and ``bench_report`` (which turns them into
+figures): its rows, the shapes of its sites and of its block, and the label of the row
+that probes the machine's own overlap."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-OVERLAP_PROBE = "both at once"  # comm alone with the matmul run meanwhile (bench._comm)
+OVERLAP_PROBE = "both at once"  # comm alone with the matmul run meanwhile (bench_cells._comm)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,316 @@
+"""``commfuse bench``'s cells, measured on the ranks: one site at one size, every row.
+
+A site is a TP+SP linear's all-gather -> matmul or matmul -> reduce-scatter, or a
+Ulysses projection's matmul -> all-to-all or all-to-all -> matmul, written as DTensor or
+Ulysses writes it and traced to aten. Each row is the pass applied to it with one
+schedule; the matmul alone, the communication alone and both at once are measured with
+the rows, interleaved (A B C ... A B C ...) after a warm-up, each call started together
+on all ranks by a barrier. These are jobs fed by ``NamespaceRanks.run``: every rank runs
+the same code in order.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import hashlib
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import report
+from .bench_config import OVERLAP_PROBE, SiteShape, Variant
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass
+class _Site:
+    graph: torch.fx.GraphModule  # the site as DTensor writes it, traced to aten
+    inputs: list[torch.Tensor]
+    matmul: Callable[[], object]  # the site's matmul alone, unsplit
+    collective: Callable[[], object]  # the site's collective alone (gloo's own algorithm)
+    message: torch.Tensor  # the bytes the collective must send per rank, as one tensor
+    flops: float  # of this rank's matmul
+
+
+@dataclasses.dataclass
+class _Parts:
+    """What a kind's builder makes of a shape; ``_build_site`` derives the rest."""
+
+    program: Callable[..., tuple[torch.Tensor]]  # the site as DTensor or Ulysses writes it
+    inputs: list[torch.Tensor]
+    operands: tuple[torch.Tensor, torch.Tensor]  # the site's matmul alone, unsplit: a @ b
+    collective: Callable[[], object]
+    block: int  # elements of one rank's block (a shard, a partial sum, a peer's heads)
+
+
+def _exchanged(x: torch.Tensor, n: int, group: str) -> torch.Tensor:
+    """``all_to_all_single`` of n equal blocks of dim 0 (block j to rank j), as Ulysses."""
+    m = [x.shape[0] // n] * n
+    return c10d.wait_tensor(c10d.all_to_all_single(x, m, m, group))
+
+
+def _ag_mm(s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str) -> _Parts:
+    x, w = rand(1, s // n, d), rand(d, f // n)
+
+    def program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        g = c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
+        g = torch.cat(torch.split(g, 1), dim=1)  # DTensor's gather on the sequence dim
+        return (torch.mm(g.reshape(-1, d), w),)
+
+    def collective() -> object:
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
+
+    return _Parts(program, [x, w], (rand(s, d), w), collective, (s // n) * d)
+
+
+def _mm_rs(s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str) -> _Parts:
+    a, w = rand(s, f // n), rand(f // n, d)
+    product = rand(n, s // n, d)
+
+    def program(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        z = torch.mm(a, w).view(1, s, d)
+        z = torch.cat(torch.split(z, s // n, dim=1), dim=0)  # DTensor's scatter on dim 1
+        return (c10d.wait_tensor(c10d.reduce_scatter_tensor(z, "sum", n, group)),)
+
+    def collective() -> object:
+        return c10d.wait_tensor(c10d.reduce_scatter_tensor(product, "sum", n, group))
+
+    return _Parts(program, [a, w], (a, w), collective, (s // n) * d)
+
+
+def _mm_a2a(
+    s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str
+) -> _Parts:
+    """Ulysses' q projection: this rank's s/n tokens times W (d -> f = heads x head
+    dim), its head groups sent one to each rank (heads scattered, the sequence whole)."""
+    m = s // n
+    x, w = rand(m, d), rand(d, f)
+    heads = rand(n, m, f // n)
+
+    def program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        q = torch.mm(x, w).view(m, n, f // n).permute(1, 0, 2).contiguous()
+        return (_exchanged(q, n, group).view(s, f // n),)
+
+    return _Parts(program, [x, w], (x, w), lambda: _exchanged(heads, n, group), m * (f // n))
+
+
+def _a2a_mm(
+    s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str
+) -> _Parts:
+    """Ulysses' attention output into the output projection: the whole sequence of this
+    rank's heads, each rank's tokens sent to it (heads gathered), then @ Wo (f -> d),
+    contracting over the heads."""
+    m = s // n
+    a, w = rand(s, f // n), rand(f, d)
+
+    def program(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        g = _exchanged(a.view(n, m, f // n), n, group)  # block j: rank j's heads
+        return (torch.mm(g.permute(1, 0, 2).reshape(m, f), w),)
+
+    def collective() -> object:
+        return _exchanged(a.view(n, m, f // n), n, group)
+
+    return _Parts(program, [a, w], (rand(m, f), w), collective, m * (f // n))
+
+
+_BUILDERS = {"ag_mm": _ag_mm, "mm_rs": _mm_rs, "mm_a2a": _mm_a2a, "a2a_mm": _a2a_mm}
+
+
+def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    group = dist.group.WORLD.group_name  # type: ignore[union-attr]
+    gen = torch.Generator().manual_seed(1000 + rank)
+    parts = _BUILDERS[kind](
+        shape.seq, shape.dim, shape.ffn, n, functools.partial(torch.randn, generator=gen), group
+    )
+    a, b = parts.operands
+    return _Site(
+        graph=make_fx(parts.program, tracing_mode="fake")(*parts.inputs),
+        inputs=parts.inputs,
+        matmul=lambda: torch.mm(a, b),
+        collective=parts.collective,
+        message=torch.randn((n - 1) * parts.block, generator=gen),  # n-1 blocks leave a rank
+        flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1],
+    )
+
+
+def _comm(site: _Site, overlap: Callable[[], object] | None = None) -> None:
+    """The site's communication as the link sees it at best: the n-1 blocks each rank
+    must send (an all-gather's or a reduce-scatter's ring traffic), sent to the next rank
+    in one batch, nothing computed. With ``overlap``: that runs while the bytes travel
+    (the machine's own overlap, no schedule; the result is not the site's).
+
+    The receive is posted first: gloo sends a message only once the peer has announced
+    its receive, and an announcement queued behind this rank's own outgoing megabytes
+    (a send started before the receive was posted) serializes the two directions
+    (measured: a 4 MiB exchange at 1 Gbit/s takes 34 ms receive-first, 66 ms send-first).
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    received = torch.empty_like(site.message)
+    works = dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.irecv, received, (rank - 1) % n),
+            dist.P2POp(dist.isend, site.message, (rank + 1) % n),
+        ]
+    )
+    if overlap is not None:
+        overlap()
+    for work in works:
+        work.wait()
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """``fn`` started together on every rank; this rank's seconds."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]], warmup: int, reps: int
+) -> dict[str, list[float]]:
+    """A B C ... repeated; the first ``warmup`` rounds are dropped."""
+    times: dict[str, list[float]] = {label: [] for label in fns}
+    for rep in range(warmup + reps):
+        for label, fn in fns.items():
+            elapsed = _timed(fn)
+            if rep >= warmup:
+                times[label].append(elapsed)
+    return times
+
+
+_SITES: dict[tuple[str, SiteShape], _Site] = {}  # this rank's sites, built once
+
+
+def _site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
+    if (kind, shape) not in _SITES:
+        _SITES[(kind, shape)] = _build_site(kind, shape, n, rank)
+    return _SITES[(kind, shape)]
+
+
+def site_alone(rank: int, n: int, kind: str, shape: SiteShape, reps: int) -> dict[str, Any]:
+    """Job: the matmul alone and the collective alone (to choose the link rate)."""
+    site = _site(kind, shape, n, rank)
+    times = interleaved({"matmul": site.matmul, "comm": lambda: _comm(site)}, 1, reps)
+    sent = site.message.numel() * site.message.element_size()
+    return {"times": times, "flops": site.flops, "sent_bytes": sent}
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteJob:
+    kind: str
+    shape: SiteShape
+    rows: tuple[Variant, ...]
+    profile: str | None  # profile file for every row's cost model (``auto`` decides on it)
+    warmup: int
+    reps: int
+    breakdown_reps: int = 3
+
+
+NODE_CATEGORIES = ("matmul", "comm issue", "comm wait", "other")
+
+
+def _category(node: torch.fx.Node) -> str:
+    if node.target in (aten.mm.default, aten.addmm.default, aten.bmm.default):
+        return "matmul"
+    if node.target is c10d.wait_tensor.default:
+        return "comm wait"
+    name = str(node.target)
+    if "c10d" in name or "commfuse" in name:
+        return "comm issue"
+    return "other"
+
+
+class _NodeClock(torch.fx.Interpreter):
+    """Runs a graph node by node, adding each node's wall time to its category."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.spent = dict.fromkeys(NODE_CATEGORIES, 0.0)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        start = time.perf_counter()
+        out = super().run_node(n)
+        if n.op == "call_function":
+            self.spent[_category(n)] += time.perf_counter() - start
+        return out
+
+
+def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
+    """Job: every row of one cell, plus the matmul and the collective alone, interleaved;
+    then, per row, where a call's time goes (node by node, median of a few calls)."""
+    from ..api import apply
+
+    site = _site(job.kind, job.shape, n, rank)
+    fns: dict[str, Callable[[], object]] = {
+        "matmul alone": site.matmul,
+        "comm alone": lambda: _comm(site),
+        "collective alone": site.collective,
+        OVERLAP_PROBE: lambda: _comm(site, overlap=site.matmul),
+    }
+    rows: dict[str, dict[str, Any]] = {}
+    graphs: dict[str, torch.fx.GraphModule] = {}
+    for row in job.rows:
+        first = len(report.REPORT.sites)
+        gm = apply(copy.deepcopy(site.graph), **row.options(job.profile))
+        records = report.REPORT.sites[first:]
+        graphs[row.label] = gm
+        fns[row.label] = _bind(gm, site.inputs)
+        rows[row.label] = _row_record(records) | {"program": program_key(gm)}
+    times = interleaved(fns, job.warmup, job.reps)
+    breakdown = {}
+    for label, gm in graphs.items():
+        runs = []
+        for _ in range(job.breakdown_reps):
+            clock = _NodeClock(gm)
+            dist.barrier()
+            clock.run(*site.inputs)
+            runs.append(clock.spent)
+        breakdown[label] = {c: statistics.median(r[c] for r in runs) for c in NODE_CATEGORIES}
+    return {"times": times, "rows": rows, "breakdown": breakdown}
+
+
+def program_key(gm: torch.fx.GraphModule) -> str:
+    """What a row runs, without names, tags or labels: rows with one key run the same
+    program (at n = 2 the ring and push send the same block to the same peer), so any
+    gap between their times is the run's noise."""
+    nodes = {node: i for i, node in enumerate(gm.graph.nodes)}
+    p2p = torch.ops.commfuse.p2p.default
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return f"%{nodes[a]}"
+        return [arg(x) for x in a] if isinstance(a, (list, tuple)) else a
+
+    lines = []
+    for node in gm.graph.nodes:
+        args = list(node.args[:4]) if node.target is p2p else node.args  # not tag or label
+        lines.append(f"{node.op} {node.target} {arg(args)} {arg(dict(node.kwargs))}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
+
+
+def _bind(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[[], object]:
+    return lambda: gm(*inputs)
+
+
+def _row_record(records: list[report.SiteRecord]) -> dict[str, Any]:
+    """What the pass did at the site: the schedule it ran and the cost model's times."""
+    if not records:
+        return {"schedule": "off", "decision": "no site found", "reason": "", "predicted_us": {}}
+    record = records[0]
+    return {
+        "schedule": record.schedule if record.decision == "rewritten" else "off",
+        "decision": record.decision,
+        "reason": record.reason,
+        "predicted_us": dict(record.predicted_us),
+    }

@@ -1,0 +1,133 @@
+"""``commfuse bench``'s link: the rate each cell runs at, and the cost model's profile of it.
+
+A cell's link rate is chosen from the measured matmul time so that the collective alone
+takes ``ratio`` times the matmul alone. ``auto`` gets the profile a user would calibrate
+on this link: ``commfuse calibrate``'s measurement run on the benchmark's ranks at a
+reference rate and unthrottled, its per-byte costs interpolated to each cell's rate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..cost.profiles import Curve
+from . import bench_report
+from .bench_cells import site_alone
+from .bench_config import SiteShape
+
+if TYPE_CHECKING:
+    from .bench import Progress
+
+REFERENCE_RATE = 1e9  # bit/s of the link while calibrating the profile ``auto`` uses
+RATE_TOLERANCE = 0.08  # accept a link rate whose comm-alone time is this close to target
+MAX_RATE_TRIES = 5  # the first one measures the matmul unthrottled
+
+
+def calibrate_link(rank: int, n: int, reps: int) -> Any:
+    """Job: ``commfuse calibrate``'s measurement, on this (throttled) link."""
+    from .calibrate import measure
+
+    return measure(rank, n, reps)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkProfiles:
+    """``commfuse calibrate``'s measurement at the reference rate and unthrottled: what a
+    byte costs on the link splits into the machine's own part (unthrottled) and the part
+    that scales with the link's rate, so that each cell's rate gets its own profile."""
+
+    reference: Any  # Profile at REFERENCE_RATE
+    free: Any  # Profile without the tbf
+
+    def at(self, rate: float) -> Any:
+        if not math.isfinite(rate):
+            return self.free
+
+        def per_byte(reference_s: float, free_s: float) -> float:
+            return free_s + max(reference_s - free_s, 0.0) * REFERENCE_RATE / rate
+
+        # The matmul's slowdown under a transfer is the throttled link's (measured: 51 %
+        # at 1 Gbit/s, 59 % at 2.5, under 1 % unthrottled): the reference's holds.
+        ref, free = self.reference, self.free
+        return dataclasses.replace(
+            ref,
+            name=f"bench link {rate / 1e6:.0f} Mbit/s",
+            source=ref.source + f"; per-byte costs interpolated to {rate / 1e6:.0f} Mbit/s "
+            f"between {REFERENCE_RATE / 1e6:.0f} Mbit/s and unthrottled",
+            link_bytes_per_s=1 / per_byte(1 / ref.link_bytes_per_s, 1 / free.link_bytes_per_s),
+            collectives={
+                kind: {
+                    n: Curve(
+                        c.latency_s,
+                        per_byte(c.seconds_per_byte, free.curve(kind, n).seconds_per_byte),
+                    )
+                    for n, c in curves.items()
+                    if free.curve(kind, n) is not None
+                }
+                for kind, curves in ref.collectives.items()
+            },
+        )
+
+    def file(self, rate: float, path: Path) -> str:
+        from ..cost.profiles import save
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save(self.at(rate), path)
+        return str(path)
+
+
+def choose_rate(
+    network: Any, ranks: Any, kind: str, shape: SiteShape, ratio: float, reps: int
+) -> tuple[float, list[dict[str, float]]]:
+    """A link rate under which the collective alone takes ``ratio`` times the matmul
+    alone: start from the bytes sent, then correct by measured times (fixed costs make
+    the collective slower than bytes / rate; the matmul time is re-measured each try)."""
+    rate, tries = None, []
+    for _ in range(MAX_RATE_TRIES):
+        network.set_rate(rate)
+        per_rank = ranks.run(site_alone, kind, shape, reps)
+        times = bench_report.slowest([r["times"] for r in per_rank])
+        matmul, comm = statistics.median(times["matmul"]), statistics.median(times["comm"])
+        tries.append({"rate_bits_per_s": rate or math.inf, "matmul_s": matmul, "comm_s": comm})
+        target = ratio * matmul
+        if rate is None:  # unthrottled: the first guess from the bytes alone
+            rate = 8 * per_rank[0]["sent_bytes"] / target
+            continue
+        if abs(comm / target - 1) <= RATE_TOLERANCE:
+            break
+        rate *= comm / target
+    assert rate is not None
+    network.set_rate(rate)
+    return rate, tries
+
+
+def calibrated(
+    network: Any, ranks: Any, description: str, reps: int, progress: Progress
+) -> LinkProfiles:
+    """``commfuse calibrate``'s measurement on these ranks, at the reference rate and
+    unthrottled."""
+    from .calibrate import profile_from
+
+    progress.stage(
+        f"calibrating the cost model's profile on {ranks.world_size} ranks at "
+        f"{REFERENCE_RATE / 1e6:.0f} Mbit/s and unthrottled"
+    )
+    calibrated = []
+    for rate in (REFERENCE_RATE, None):
+        network.set_rate(rate)
+        measured = ranks.run(calibrate_link, reps)[0]
+        where = f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled"
+        calibrated.append(
+            profile_from(
+                measured,
+                ranks.world_size,
+                "bench link",
+                f"`commfuse calibrate` measurement inside the benchmark's namespaces "
+                f"({description}) at {where}",
+            )
+        )
+    return LinkProfiles(*calibrated)
