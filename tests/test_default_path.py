@@ -27,7 +27,7 @@ import itertools
 
 import pytest
 
-from commfuse_compile.tools import training
+from commfuse_compile.tools import fronts, training
 
 SCHEDULES = [("ring", 2), ("bidir", 2), ("push", 2), ("slicing", 2), ("slicing", 3)]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
@@ -35,10 +35,10 @@ TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
 BIAS_GATHER = "the gathered tensor is its bias"
 
 
-def config(front: str, n: int, dtype: str) -> training.TrainConfig:
+def config(front: str, n: int, dtype: str) -> fronts.TrainConfig:
     """One block, shaped so that every schedule applies on n ranks (heads and the sequence
     shard divisible by n, every shard divisible by 2 and 3 for slicing)."""
-    return training.TrainConfig(
+    return fronts.TrainConfig(
         front=front,
         blocks=1,
         dim=12 * n,
@@ -53,11 +53,11 @@ def config(front: str, n: int, dtype: str) -> training.TrainConfig:
 
 
 @functools.cache
-def _reference(rank: int, n: int, cfg: training.TrainConfig):  # noqa: ANN202 - per rank
+def _reference(rank: int, n: int, cfg: fronts.TrainConfig):  # noqa: ANN202 - per rank
     return training.gradients(rank, n, cfg, None)
 
 
-def compare(rank: int, n: int, cfg: training.TrainConfig, options: dict) -> dict:
+def compare(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> dict:
     """A ``RankPool`` job: relative errors of the loss and gradients, and the sites."""
     import torch._inductor.config
 

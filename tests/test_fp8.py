@@ -428,9 +428,9 @@ def test_float8_megatron_front_end_trains_with_every_site_rewritten(ranks, n, in
     follow the uncompiled model's. Float8 quantizes each linear's input anew: a value a
     float32 summation order moves by one unit can round to another float8 value, so the
     losses agree to ~1e-5, not bit for bit, as soon as the order differs (n > 2)."""
-    from commfuse_compile.tools import training
+    from commfuse_compile.tools import fronts, training
 
-    cfg = training.TrainConfig(front="float8", blocks=2, steps=3, seq=8 * n, bias=True)
+    cfg = fronts.TrainConfig(front="float8", blocks=2, steps=3, seq=8 * n, bias=True)
     fused, eager = ranks(n).run(training.compare, cfg, {"schedule": "ring", "inner": inner})[0]
     table = {(r.graph, r.kind): (r.found, r.rewritten) for r in training.summarize(fused.sites)}
     assert table == {

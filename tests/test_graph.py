@@ -677,7 +677,9 @@ def _boom(*args, **kwargs):
 @pytest.mark.parametrize(
     ("module", "function", "inner", "warning"),
     [
-        pytest.param("kinds.ag_mm.lower", "matmul", "eager", "declined, internal error", id="lower"),
+        pytest.param(
+            "kinds.ag_mm.lower", "matmul", "eager", "declined, internal error", id="lower"
+        ),
         pytest.param(
             "verify", "check_committed", "eager", "graph left as it was", id="after-commit"
         ),

@@ -22,7 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commfuse_compile import Options, report
 from commfuse_compile.passes import rewrite_graph
-from commfuse_compile.tools import training
+from commfuse_compile.tools import fronts, training
 
 N, RANK = 4, 1
 aten = torch.ops.aten
@@ -195,9 +195,9 @@ def test_a_copy_that_converts_or_broadcasts_is_not_the_value(fake_world):
 
 
 @functools.cache
-def style_config(front: str, n: int, variant: str) -> training.TrainConfig:
+def style_config(front: str, n: int, variant: str) -> fronts.TrainConfig:
     extra = {"gqa_kv_heads": n, "fused_qkv": True} if variant == "gqa-fused" else {}
-    return training.TrainConfig(
+    return fronts.TrainConfig(
         front=front,
         blocks=1,
         dim=8 * 2 * n,
@@ -211,7 +211,7 @@ def style_config(front: str, n: int, variant: str) -> training.TrainConfig:
     )
 
 
-def train_style(rank: int, n: int, cfg: training.TrainConfig, options: dict) -> dict:
+def train_style(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> dict:
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1
