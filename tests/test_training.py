@@ -382,3 +382,18 @@ def test_ulysses_trains_like_eager_and_like_one_process(ranks, tmp_path):
     # fused q/k/v (and GQA): the one projection is split into one matmul per all-to-all
     # first (passes/unfuse.py), in the forward and in the backward's concatenation
     assert tables[2, True, False] == every_one
+
+
+def test_the_examples_baseline_dumps_beside_the_pass_never_over_it(monkeypatch, tmp_path):
+    """The examples' second run (``schedule="off"``) once took COMMFUSE_DEBUG_DIR too and
+    wrote its graphs and report over the pass's own."""
+    from commfuse_compile.options import DEBUG_DIR_ENV
+    from commfuse_compile.tools.training_examples import _baseline
+
+    options = {"schedule": "ring", "inner": "eager", "debug_dir": None}
+    monkeypatch.delenv(DEBUG_DIR_ENV, raising=False)
+    assert _baseline(options) == {**options, "schedule": "off", "debug_dir": None}
+    monkeypatch.setenv(DEBUG_DIR_ENV, str(tmp_path / "env"))
+    assert _baseline(options)["debug_dir"] == str(tmp_path / "env" / "schedule-off")
+    given = {**options, "debug_dir": str(tmp_path / "given")}
+    assert _baseline(given)["debug_dir"] == str(tmp_path / "given" / "schedule-off")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..options import Options
 from .checkpointing import CHECKPOINT_MODES
 from .fronts import TrainConfig
 from .training import TrainResult, format_summary, max_relative_diff, summarize, train
@@ -126,7 +128,7 @@ def run_and_print(cfg: TrainConfig, args: argparse.Namespace) -> None:
     if rank == 0:
         print("\nsites (rank 0):\n" + format_summary(summarize(fused.sites)), flush=True)
         print("\nthe same compile with schedule='off' (every collective kept):", flush=True)
-    off = train(cfg, rank, world_size, {**options, "schedule": "off", "debug_dir": None}, show)
+    off = train(cfg, rank, world_size, _baseline(options), show)
     if rank == 0:
         print("\n" + speed_line(fused, off), flush=True)
     if args.compare:
@@ -136,6 +138,14 @@ def run_and_print(cfg: TrainConfig, args: argparse.Namespace) -> None:
         if rank == 0:
             diff = max_relative_diff(fused.losses, eager.losses)
             print(f"\nlargest relative loss difference over {cfg.steps} steps: {diff:.3e}")
+
+
+def _baseline(options: dict[str, Any]) -> dict[str, Any]:
+    """The same compile with ``schedule="off"``; where a dump is on (``--debug-dir`` or
+    ``COMMFUSE_DEBUG_DIR``), it goes beside the pass's own, never over it."""
+    dump = Options.from_mapping({"debug_dir": options["debug_dir"]}).debug_dir
+    off_dump = str(Path(dump) / "schedule-off") if dump else None
+    return {**options, "schedule": "off", "debug_dir": off_dump}
 
 
 def speed_line(fused: TrainResult, off: TrainResult) -> str:
