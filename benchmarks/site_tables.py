@@ -99,7 +99,7 @@ def renumbered(code: str) -> str:
 
 def collect(dump: Path) -> dict[str, object]:
     ranks: dict[str, object] = {}
-    for rank in sorted(p for p in dump.iterdir() if p.is_dir()):
+    for rank in sorted(dump.glob("rank*")):  # (the examples' baseline dumps beside them)
         sites = json.loads((rank / "report.json").read_text())["sites"]
         rows = [[str(s.get(k, "")) for k in ROW] for s in sites]
         graphs = {f.name: renumbered(f.read_text()) for f in sorted(rank.glob("*_after.py"))}
