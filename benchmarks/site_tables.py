@@ -39,7 +39,7 @@ RUNS: list[tuple[str, int, list[str]]] = [
     ),
     ("demo-4-ring-inductor", 4, [*DEMO, "--world-size", "4", "--inner", "inductor"]),
     ("tp_mlp-2", 2, ["examples/tp_mlp.py"]),
-    ("tp-2-auto", 2, ["examples/train_tp_transformer.py"]),
+    ("tp-2-default", 2, ["examples/train_tp_transformer.py"]),  # its own options
     *(
         (name, ranks, [script, "--schedule", "ring", *more])
         for name, ranks, script, more in [
