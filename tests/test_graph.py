@@ -892,7 +892,8 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
 def test_p2p_tags_come_from_the_graph_and_the_site_not_from_what_was_compiled_before():
     """Every rank must tag a site's messages alike. A tag that counted the graphs this
     process compiled before would differ on a rank that compiled one graph more (a
-    recompile); the tag is the graph's ops and the site's place in it instead."""
+    recompile); the tag is the graph (its ops, their shapes and dtypes) and the site's
+    place in it instead, so two models of different sizes never share one."""
 
     def program(x, w1, w2):
         return (scattered(gathered(x, N, 0) @ w1 @ w2, N, 0),)
@@ -910,6 +911,9 @@ def test_p2p_tags_come_from_the_graph_and_the_site_not_from_what_was_compiled_be
     assert list(tags(first).values()) == list(tags(again).values())  # ids differ, tags not
     assert list(tags(first)) != list(tags(again))
     assert set(tags(other).values()).isdisjoint(tags(first).values())
+    wider = fx(program, (2, 16), (16, 6), (6, 4))  # the same ops, another model's sizes
+    rewrite_graph(wider, "forward", RING)
+    assert set(tags(wider).values()).isdisjoint(tags(first).values())
 
 
 @pytest.mark.parametrize("case", [AgMm(), MmRs()], ids=["ag_mm", "mm_rs"])

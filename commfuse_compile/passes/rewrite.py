@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
@@ -34,10 +35,20 @@ def tag_of(graph_digest: int, ordinal: int) -> int:
 
 
 def graph_digest(graph: Graph) -> int:
-    """A number for the graph's ops in order, the same on every rank of an SPMD program
-    (ops only: a rank's own offsets may differ in the arguments)."""
-    ops = "\n".join(f"{node.op} {node.target}" for node in graph.nodes)
-    return int.from_bytes(hashlib.blake2b(ops.encode(), digest_size=8).digest(), "big")
+    """A number for the graph's ops in order and the shapes and dtypes of their values:
+    the same on every rank of an SPMD program (not the arguments: a rank's own offsets
+    may differ there), and different for two models of different sizes, so that their
+    sites never share a tag."""
+    text = "\n".join(f"{node.op} {node.target} {_layout(node)}" for node in graph.nodes)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _layout(node: Node) -> str:
+    """A node's value as the digest sees it: dtype and sizes, a symbolic size as "?"."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return ""
+    return f"{value.dtype} {[s if isinstance(s, int) else '?' for s in value.shape]}"
 
 
 class Taken:
