@@ -42,7 +42,7 @@ from ..schedules import by_name
 from . import bench_report, bench_targets
 from .bench_block import BlockBench, run_block
 from .bench_cells import SiteJob, measure_site
-from .bench_config import BlockShape, SiteShape, Variant
+from .bench_config import BlockShape, Progress, SiteShape, Variant
 from .bench_link import LinkProfiles, calibrated, choose_rate
 from .bench_markdown import markdown
 from .bench_plot import plot_speedup
@@ -166,21 +166,6 @@ PRESETS = {p.name: p for p in (QUICK, FULL)}
 
 # ----------------------------------------------------------------------------------------
 # In the parent: progress and the machine
-
-
-class Progress:
-    """One line per stage, with the elapsed time: what the run is doing now."""
-
-    def __init__(self, total: int, echo: Callable[[str], None]) -> None:
-        self.total, self.done, self.echo = total, 0, echo
-        self.start = time.monotonic()
-
-    def stage(self, text: str) -> None:
-        minutes, seconds = divmod(round(time.monotonic() - self.start), 60)
-        self.echo(f"[{self.done}/{self.total} {minutes:02d}:{seconds:02d}] {text}")
-
-    def advance(self) -> None:
-        self.done += 1
 
 
 def machine() -> dict[str, Any]:

@@ -10,18 +10,15 @@ import math
 import os
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from .. import report
 from . import bench_report
 from .bench_cells import interleaved
-from .bench_config import BlockShape, Variant
+from .bench_config import BlockShape, Progress, Variant
 from .bench_link import MAX_RATE_TRIES, RATE_TOLERANCE, REFERENCE_RATE, LinkProfiles
-
-if TYPE_CHECKING:
-    from .bench import Progress
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,13 @@
 """What ``commfuse bench`` measures, shared by the modules that run the measurements
 (``bench``, ``bench_cells``, ``bench_block``) and ``bench_report`` (which turns them into
-figures): its rows, the shapes of its sites and of its block, and the label of the row
-that probes the machine's own overlap."""
+figures): its rows, the shapes of its sites and of its block, the label of the row
+that probes the machine's own overlap, and the progress lines of a run."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from typing import Any
 
 OVERLAP_PROBE = "both at once"  # comm alone with the matmul run meanwhile (bench_cells._comm)
@@ -65,3 +67,18 @@ class BlockShape:
     @property
     def label(self) -> str:
         return f"S={self.seq} D={self.dim} H={self.heads} F={self.hidden} B={self.batch}"
+
+
+class Progress:
+    """One line per stage, with the elapsed time: what the run is doing now."""
+
+    def __init__(self, total: int, echo: Callable[[str], None]) -> None:
+        self.total, self.done, self.echo = total, 0, echo
+        self.start = time.monotonic()
+
+    def stage(self, text: str) -> None:
+        minutes, seconds = divmod(round(time.monotonic() - self.start), 60)
+        self.echo(f"[{self.done}/{self.total} {minutes:02d}:{seconds:02d}] {text}")
+
+    def advance(self) -> None:
+        self.done += 1

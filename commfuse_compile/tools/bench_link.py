@@ -12,15 +12,12 @@ import dataclasses
 import math
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..cost.profiles import Curve
 from . import bench_report
 from .bench_cells import site_alone
-from .bench_config import SiteShape
-
-if TYPE_CHECKING:
-    from .bench import Progress
+from .bench_config import Progress, SiteShape
 
 REFERENCE_RATE = 1e9  # bit/s of the link while calibrating the profile ``auto`` uses
 RATE_TOLERANCE = 0.08  # accept a link rate whose comm-alone time is this close to target
