@@ -1,6 +1,6 @@
-"""The site kinds by name, with the matmul roles each can leave out of a site: the
-vocabulary the options (``disable``), the reports and the kinds (``passes.kinds``, each
-of which takes its roles from here) share."""
+"""The site kinds by name, with the matmul roles each gives its uses (and so can leave
+out of a site): the names the ``disable`` option takes, declared once below the pass
+(``passes.kinds`` implements the kinds; a test holds the two together)."""
 
 from __future__ import annotations
 

@@ -57,3 +57,12 @@ def test_decline_fills_the_template_and_carries_code_and_kind():
     assert decline("plan.off").category == "off"
     with pytest.raises(KeyError):
         decline("rs.no_such_code")
+
+
+def test_the_disable_vocabulary_names_every_site_kind_the_pass_has():
+    from commfuse_compile import site_kinds
+    from commfuse_compile.options import DISABLEABLE
+    from commfuse_compile.passes.kinds import KINDS
+
+    assert list(site_kinds.ROLES) == list(KINDS)
+    assert set(KINDS) | set(site_kinds.EVERY_ROLE) <= set(DISABLEABLE)

@@ -46,6 +46,7 @@ class Emitter:
         self.moved: list[Node] = []
         self._size_nodes: dict[tuple[Any, Node], int | Node] = {}
         self._views: dict[tuple[Any, ...], Node] = {}
+        self._matmuls: dict[int, list[Node]] = {}  # by step, in the order emitted
 
     def node(
         self,
@@ -77,6 +78,8 @@ class Emitter:
             return self._views[key]
         node = self.node(target, args, kwargs, before)
         node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
+        if target in MATMULS:
+            self._matmuls.setdefault(step, []).append(node)
         if key is not None and before is None:
             self._views[key] = node
         return node
@@ -89,17 +92,14 @@ class Emitter:
 
     def matmuls(self, step: int) -> list[Node]:
         """The matmuls of ``step``, in the order they were emitted."""
-        return [
-            n
-            for n in self.created
-            if n.target in MATMULS and n.meta.get("commfuse", {}).get("step") == step
-        ]
+        return list(self._matmuls.get(step, ()))
 
     def discard(self) -> None:
         """Erase every node this emitter created."""
         for node in reversed(self.created):
             self.graph.erase_node(node)
         self.created.clear()
+        self._matmuls.clear()
 
     def size(self, size: dims.Size, step: int, before: Node | None = None) -> int | Node:
         """``size`` as an FX argument: the int, or a node computing the symbolic size."""

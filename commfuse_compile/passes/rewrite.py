@@ -132,12 +132,14 @@ class Rewrite:
         kept through Inductor holds its transfer open over all of it. A ring that had to
         go before the window's transfer is only dropped from it."""
         replaced = inner.replace
-        ring = [n for s in inner.steps for n in ([s.issue] if s.issue else []) + s.compute]
-        first = min(inner.created, key=position)
+        ring: list[Node] | None = None  # inner's nodes, read only where a window was taken
         for window in self.steps:
             taken = [n for n in window.compute if n in replaced]
             if not taken:
                 continue
+            if ring is None:
+                ring = [n for s in inner.steps for n in ([s.issue] if s.issue else []) + s.compute]
+                first = min(inner.created, key=position)
             window.compute = [n for n in window.compute if n not in replaced]
             if window.issue is not None and position(window.issue) < position(first):
                 window.compute += [*ring, *(replaced[n] for n in taken)]

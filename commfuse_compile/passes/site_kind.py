@@ -24,7 +24,6 @@ S = TypeVar("S", bound=Site)
 class SiteKind(Protocol[S]):
     name: str
     direction: Direction  # which steps of a schedule run it (``Schedule.steps``)
-    roles: tuple[str, ...]  # the parts of a site the ``disable`` option can leave out
     # can run inside one window of a site that shares its matmul and is rewritten first
     # (``match.find_sites`` orders such sites so)
     nests: bool

@@ -25,7 +25,6 @@ from torch.fx import Graph, Node
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule, Transfer
-from ...site_kinds import ROLES
 from .. import dims
 from ..blocks import column_block, contiguous, matmul, replay, row_block, slice_block
 from ..declines import Declined, decline
@@ -104,7 +103,6 @@ class A2aMmSite(UsesSite):
 class A2aMm(SiteKind[A2aMmSite]):
     name = "a2a_mm"
     direction = Direction.EXCHANGE_IN
-    roles = ROLES[name]
     nests = False
 
     def find(self, graph: Graph) -> list[A2aMmSite]:

@@ -21,7 +21,6 @@ from torch.fx import Graph, Node
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule
-from ...site_kinds import ROLES
 from .. import dims
 from ..blocks import column_block, contiguous, matmul, replay, row_block
 from ..declines import Declined, decline
@@ -87,7 +86,6 @@ class MmA2aSite(Site):
 class MmA2a(SiteKind[MmA2aSite]):
     name = "mm_a2a"
     direction = Direction.EXCHANGE_OUT
-    roles = ROLES[name]
     nests = False
 
     def find(self, graph: Graph) -> list[MmA2aSite]:

@@ -19,7 +19,6 @@ from torch.fx import Graph, Node
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule
-from ...site_kinds import ROLES
 from .. import dims
 from ..blocks import chunk_width, column_block, matmul, rows_of_block, slice_block, viewed
 from ..declines import Declined, decline
@@ -95,7 +94,6 @@ class MmRsSite(Site):
 class MmRs(SiteKind[MmRsSite]):
     name = "mm_rs"
     direction = Direction.REDUCE
-    roles = ROLES[name]
     nests = False
 
     def find(self, graph: Graph) -> list[MmRsSite]:

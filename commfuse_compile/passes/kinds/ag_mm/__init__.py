@@ -17,7 +17,6 @@ from torch.fx import Graph, Node
 from ....cost.simulator import Work
 from ....runtime.groups import Group
 from ....schedules import Direction, Schedule
-from ....site_kinds import ROLES
 from ... import dims
 from ...graph import numel, val
 from ...rewrite import Rewrite, Taken
@@ -31,7 +30,6 @@ from .site import AgMmSite
 class AgMm(SiteKind[AgMmSite]):
     name = "ag_mm"
     direction = Direction.GATHER
-    roles = ROLES[name]
     nests = True
 
     def find(self, graph: Graph) -> list[AgMmSite]:
