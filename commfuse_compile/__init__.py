@@ -4,10 +4,22 @@
 ``commfuse_compile.apply(graph_module_or_exported_program)``.
 """
 
-from .api import apply
-from .backend import commfuse_backend
-from .options import CommfuseOptionError, Options
-from .report import REPORT, SiteRecord
+from ._torch_support import UnsupportedTorchError, require_supported_torch
 
-__all__ = ["REPORT", "CommfuseOptionError", "Options", "SiteRecord", "apply", "commfuse_backend"]
+require_supported_torch()  # before anything below reaches into Inductor
+
+from .api import apply  # noqa: E402
+from .backend import commfuse_backend  # noqa: E402
+from .options import CommfuseOptionError, Options  # noqa: E402
+from .report import REPORT, SiteRecord  # noqa: E402
+
+__all__ = [
+    "REPORT",
+    "CommfuseOptionError",
+    "Options",
+    "SiteRecord",
+    "UnsupportedTorchError",
+    "apply",
+    "commfuse_backend",
+]
 __version__ = "0.1.0"
