@@ -14,7 +14,14 @@ Such a copy preserves the value (same sizes, strides, dtype and device; the buff
 nothing else), so it *is* the collective's value: here it is replaced by that value, a
 ``cat`` of consecutive slices that cover a gathered tensor by the tensor, and the buffers
 left unread are dropped. Every site kind then matches these graphs as it matches the
-functional spelling, with no pattern per spelling. (``async_op=True`` with ``.wait()`` is
+functional spelling, with no pattern per spelling.
+
+A copy into a buffer that lives on (a graph input: Megatron-LM gathers into a persistent
+global buffer; the eager inner compiler's graphs return ``copy(buffer, value)`` for the
+runtime to write back, and read it) stays for the graph's output; its other readers read
+the collective's value. The copy is then one more reader of the site's collected tensor,
+which the site rebuilds from the ring's blocks for it (as Inductor's graphs, which write
+the buffer with ``copy_(buffer, value)``, already read it). (``async_op=True`` with ``.wait()`` is
 a graph break in torch 2.13: that collective runs outside any compiled graph.)
 
 Only copies of a collective's result (or of slices of it) are touched; the pipeline
@@ -31,7 +38,7 @@ import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .graph import SLICE_ARGS, node_arg
+from .graph import SLICE_ARGS, node_arg, writes_into
 from .sequence import WAIT_TENSOR
 
 aten = torch.ops.aten
@@ -52,11 +59,20 @@ Change = Callable[[], None]
 
 def canonicalize(graph: Graph, before_change: Change) -> bool:
     """Replace every value-preserving copy of a collective's result, and every ``cat``
-    that reassembles one from its slices, by the value itself; did anything change?"""
+    that reassembles one from its slices, by the value itself (a copy into a buffer that
+    lives on: in its readers but the output); did anything change?"""
     changed = False
     for node in list(graph.nodes):
         value = _copied_value(node) if node.target in COPIES else _reassembled(node)
         if value is None:
+            continue
+        if node.target in COPIES and not _into_fresh(node):
+            readers = [u for u in node.users if u.op != "output" and not writes_into(u, node)]
+            if readers:
+                before_change()
+                for reader in readers:
+                    reader.replace_input_with(node, value)
+                changed = True
             continue
         before_change()
         buffers = [node.args[0]] if node.target in COPIES else []
@@ -69,15 +85,18 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
     return changed
 
 
+def _into_fresh(copy: Node) -> bool:
+    """Is ``copy``'s buffer a new one that only this copy reads (dropped with it)?"""
+    buffer = copy.args[0]
+    return isinstance(buffer, Node) and buffer.target in FRESH and list(buffer.users) == [copy]
+
+
 def _copied_value(copy: Node) -> Node | None:
-    """``src`` of ``copy(fresh, src)`` when that copy is ``src``'s value: ``src`` is (a
-    slice of) a waited collective, ``fresh`` a new buffer only this copy reads, and the
-    copy's result has ``src``'s sizes, strides, dtype and device (no broadcast, no
-    conversion, no other layout)."""
-    fresh, src = copy.args[:2]
-    if not isinstance(fresh, Node) or not isinstance(src, Node):
-        return None
-    if fresh.target not in FRESH or list(fresh.users) != [copy] or not _collective_value(src):
+    """``src`` of ``copy(buffer, src)`` when that copy is ``src``'s value: ``src`` is (a
+    slice of) a waited collective and the copy's result has ``src``'s sizes, strides,
+    dtype and device (no broadcast, no conversion, no other layout)."""
+    buffer, src = copy.args[:2]
+    if not isinstance(buffer, Node) or not isinstance(src, Node) or not _collective_value(src):
         return None
     out, value = copy.meta.get("val"), src.meta.get("val")
     if not isinstance(out, torch.Tensor) or not isinstance(value, torch.Tensor):

@@ -57,6 +57,7 @@ PASS_THROUGH = (
         aten.cat.default,
         aten.clone.default,
         aten._to_copy.default,
+        aten.copy.default,  # into a buffer: the value, unless it converts (canonical.py)
         aten.contiguous.default,
         aten.slice.Tensor,  # DTensor unpads an uneven gather with a slice ...
         aten.constant_pad_nd.default,  # ... and pads an uneven reduce-scatter
@@ -370,9 +371,20 @@ def data_dtype(node: Node) -> torch.dtype:
     return dtype if dtype in FLOAT8_DTYPES else val(node).dtype
 
 
-def is_mutating(node: Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
+def writes_into(user: Node, node: Node) -> bool:
+    """Does ``user`` write into ``node`` in place: is ``node`` (alone or in a list) an
+    argument ``user``'s schema marks as written? ``copy_(buffer, node)`` only reads
+    ``node`` (its source); ``copy_(node, x)``, ``add_(node, 1)`` and ``out=node`` write it."""
+    schema = getattr(user.target, "_schema", None)
+    if user.op != "call_function" or schema is None:
+        return False
+    for index, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = node_arg(user, index, argument.name)
+        if any(v is node for v in (value if isinstance(value, list | tuple) else [value])):
+            return True
+    return False
 
 
 def normalized_dim(node: Node, dim: int) -> int:

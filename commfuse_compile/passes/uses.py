@@ -13,7 +13,7 @@ from typing import ClassVar, Self, TypeVar
 from torch.fx import Node
 
 from .declines import decline
-from .graph import Matmul, data_users, position, saved_unwaited
+from .graph import Matmul, data_users, position, saved_unwaited, writes_into
 from .site import Site
 
 # roles where the collected tensor is the matmul's first operand (A); in the others
@@ -96,6 +96,14 @@ class UsesSite(Site):
         readers = (user for node in (*self.results, *self.chain) for user in data_users(node))
         saved = any(saved_unwaited(c) for c in self.collectives)
         return saved or any(user not in inside for user in readers)
+
+
+def check_read_only(user: Node, node: Node) -> None:
+    """Declines the site if ``user`` writes into ``node`` (the collected tensor or a view
+    of it): its blocks would no longer be what the ring moved. Reading it in place, as
+    the source of a ``copy_`` into a buffer, is a reader like any other (``outlives``)."""
+    if writes_into(user, node):
+        raise decline("site.mutated", node=user.name)
 
 
 def without_read_twice(uses: Sequence[U], own: set[Node], what: str) -> tuple[list[U], list[str]]:

@@ -37,7 +37,6 @@ from ..graph import (
     check_tensor,
     equal_splits,
     has_zero_size_dim,
-    is_mutating,
     node_arg,
     numel,
     position,
@@ -51,7 +50,7 @@ from ..graph import (
 from ..rewrite import Rewrite, Taken
 from ..ring import Products, collect_then_compute, replace_collective
 from ..site_kind import SiteKind
-from ..uses import Use, UsesSite, without_read_twice
+from ..uses import Use, UsesSite, check_read_only, without_read_twice
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -185,8 +184,7 @@ def _collect_uses(wait: Node, n: int, uses: list[ExchangedUse], unmatched: list[
     while frontier:
         node, dim, path = frontier.pop()
         for user in node.users:
-            if user.op == "call_function" and is_mutating(user):
-                raise decline("site.mutated", node=user.name)
+            check_read_only(user, node)
             mm = Matmul.of(user)
             if mm is not None:
                 _add_use(mm, node, dim, path, uses, unmatched)

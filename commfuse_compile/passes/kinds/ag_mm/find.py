@@ -21,7 +21,6 @@ from ...graph import (
     data_users,
     has_zero_size_dim,
     is_full_slice,
-    is_mutating,
     is_transpose_2d,
     node_arg,
     normalized_dim,
@@ -35,7 +34,7 @@ from ...graph import (
     val,
     varies_by_row,
 )
-from ...uses import without_read_twice
+from ...uses import check_read_only, without_read_twice
 from .site import AgMmSite, Beside, GatherUse
 
 aten = torch.ops.aten
@@ -205,8 +204,7 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if user.op == "call_function" and is_mutating(user):
-                raise decline("site.mutated", node=user.name)
+            check_read_only(user, node)
             mm = Matmul.of(user)
             if (user.target in VIEWS or is_full_slice(user) or same_data(user)) and (
                 user.args[0] is node
