@@ -4,10 +4,21 @@ process, and `sim`. What it says to a wrong argument: test_user_errors.py."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
+
+from commfuse_compile.tools import netns
+from commfuse_compile.tools.demo import LINK_RATE, DemoConfig, predicted_on_link
+from commfuse_compile.tools.netns import can_throttle
+
+_MODEL_FIGURE = re.compile(
+    r"no throttled link here \(see link: above\); behind a \d+ Mbit/s link per rank the cost "
+    r"model \(gloo-loopback, calibrated on this machine kind\) predicts the block's sites at "
+    r"[\d.]+ ms with the pass, [\d.]+ ms with their collectives: [\d.]+x faster"
+)
 
 
 def test_demo_runs_checks_and_reports(tmp_path):
@@ -39,12 +50,46 @@ def test_demo_runs_checks_and_reports(tmp_path):
                 for line in proc.stdout.splitlines()
             ), (graph, kind)
     assert "unwaited" not in proc.stderr  # every P2P output was waited on
+    # the headline: behind a throttled link as root, else the cost model's figure for one
+    # (values vary with the machine: only what is said is checked)
+    if can_throttle() is None:
+        assert "link: 2 namespaces, one veth link per rank" in proc.stdout
+        assert re.search(
+            r"on the \d+ Mbit/s link: commfuse [\d.]+ ms, the same compile with "
+            r"schedule='off' [\d.]+ ms: [\d.]+x faster with the pass",
+            proc.stdout,
+        )
+        assert re.search(
+            r"overlap limit max\(compute [\d.]+ ms, communication [\d.]+ ms\) = "
+            r"[\d.]+ ms: commfuse at [\d.]+x it",
+            proc.stdout,
+        )
+    else:
+        assert _MODEL_FIGURE.search(proc.stdout)
     assert proc.stdout.rstrip().endswith(
         f"debug dump written to {dump}; for its HTML report and Perfetto trace run: "
         f"commfuse inspect {dump}"
     )
     assert {p.name for p in dump.iterdir()} == {"rank0", "rank1"}
     assert all((dump / rank / "report.json").is_file() for rank in ("rank0", "rank1"))
+
+
+def test_demo_without_root_says_so_and_gives_the_cost_models_figure(monkeypatch, capsys):
+    monkeypatch.setattr(netns, "can_throttle", lambda: "not root: namespaces need root")
+    from commfuse_compile.tools.cli import main
+
+    assert main(["demo", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "link: UNTHROTTLED (not root: namespaces need root)" in out
+    assert "unthrottled loopback (a transfer costs no wall time: nothing to hide" in out
+    assert _MODEL_FIGURE.search(out)
+    assert "faster with the pass" not in out  # nothing measured behind a link
+
+
+def test_the_cost_models_figure_is_the_simulated_block():
+    collective_s, ring_s = predicted_on_link(DemoConfig(), LINK_RATE)
+    slower_collective_s, _ = predicted_on_link(DemoConfig(), LINK_RATE / 2)
+    assert 0 < ring_s < collective_s < slower_collective_s
 
 
 def test_sim_prints_every_schedule_and_writes_traces(tmp_path, capsys):

@@ -114,7 +114,9 @@ def _add_demo(commands: _Commands) -> None:
         "demo",
         "Compile a tensor- and sequence-parallel transformer block with backend='commfuse' "
         "on local CPU ranks, check outputs and gradients against the uncompiled block, and "
-        "show which sites were rewritten and the step times with and without the rewrite.",
+        "show which sites were rewritten and the step times with and without the rewrite: "
+        "behind a throttled 400 Mbit/s link as root (network namespaces), else on loopback "
+        "with the cost model's figure for such a link.",
     )
     demo.add_argument(
         "--world-size",
