@@ -8,6 +8,11 @@ matmul under the eager inner compiler). That copy only reads the gathered tensor
 site is rewritten and the buffer receives the tensor rebuilt from the ring's blocks. A
 write into the gathered tensor (``copy_`` into it, ``add_``) still declines.
 
+A dtype cast between the matmul and its collective joins the site (SimpleFSDP's mixed
+precision: bfloat16 parameters gathered, the bfloat16 weight gradient cast to float32 and
+reduce-scattered): each block is cast as the collective's operand was, and the partial
+sums are added in the collective's dtype.
+
 Graph level on torch's fake process group (rank 1 of 4); numbers on 3 gloo ranks,
 forward and backward, eager and Inductor, against the uncompiled program.
 """
@@ -117,6 +122,100 @@ def test_writes_into_tells_a_copys_source_from_its_destination(fake_world):
 
 
 # ----------------------------------------------------------------------------------------
+# casts between the matmul and the collective: graph level
+
+
+def scattered(z: torch.Tensor) -> torch.Tensor:
+    group = dist.group.WORLD.group_name
+    return c10d.wait_tensor(c10d.reduce_scatter_tensor(z, "sum", N, group))
+
+
+CONVERT = torch.ops.prims.convert_element_type.default
+BF16 = torch.bfloat16
+
+
+def bf16_fx(fn, *shapes) -> torch.fx.GraphModule:
+    return make_fx(fn, tracing_mode="fake")(*(torch.randn(s, dtype=BF16) for s in shapes))
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        pytest.param(lambda a, w: scattered((a @ w).float()), id="to_copy"),
+        pytest.param(lambda a, w: scattered(CONVERT(a @ w, torch.float32)), id="convert"),
+        pytest.param(  # a weight gradient: t(t(...)) around the cast, then a view
+            lambda a, w: scattered((a.t() @ w).t().float().t().reshape(8, 6)), id="t-cast-t"
+        ),
+    ],
+)
+def test_a_cast_before_the_reduce_scatter_joins_the_site(fake_world, program):
+    """Each step's partial product block (bfloat16) is cast to float32 before it is added
+    to the partial sum received and sent on: every message is float32."""
+    gm = bf16_fx(program, (8, 8), (8, 6))
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision, r.decline_code) for r in records] == [("mm_rs", "rewritten", "")]
+    assert not calls(gm, c10d.reduce_scatter_tensor.default)
+    blocks = calls(gm, aten.mm.default)
+    assert len(blocks) == N and all(b.meta["val"].dtype == BF16 for b in blocks)
+    for block in blocks:
+        (cast,) = block.users
+        assert cast.target is CONVERT and cast.args[1] == torch.float32
+    p2p = calls(gm, P2P)
+    assert len(p2p) == N - 1
+    assert all(sent.meta["val"].dtype == torch.float32 for op in p2p for sent in op.args[0])
+    (out,) = gm.graph.find_nodes(op="output")
+    assert out.args[0].meta["val"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        pytest.param(lambda x, w: gathered(x).float() @ w.float(), id="to_copy"),
+        pytest.param(
+            lambda x, w: CONVERT(gathered(x).view(8, 8), torch.float32) @ w.float(), id="view"
+        ),
+        pytest.param(lambda x, w: w.float().t() @ gathered(x).float(), id="contract_left"),
+    ],
+)
+def test_a_cast_after_the_all_gather_joins_the_site(fake_world, program):
+    """The ring moves the bfloat16 shards; each block is cast before its matmul."""
+    gm = bf16_fx(program, (2, 8), (8, 6))
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision, r.decline_code) for r in records] == [("ag_mm", "rewritten", "")]
+    p2p = calls(gm, P2P)
+    assert len(p2p) == N - 1
+    assert all(sent.meta["val"].dtype == BF16 for op in p2p for sent in op.args[0])
+    blocks = [n for n in gm.graph.nodes if n.target in (aten.mm.default, aten.addmm.default)]
+    assert len(blocks) == N
+    for block in blocks:
+        assert all(op.meta["val"].dtype == torch.float32 for op in block.args[-2:])
+    assert len(calls(gm, CONVERT)) >= N
+
+
+@pytest.mark.parametrize(
+    ("program", "code"),
+    [
+        pytest.param(
+            lambda a, w, r: scattered((a @ w).float() + r[:, :6].float()),
+            "rs.not_matmul",
+            id="plus-r",
+        ),
+        pytest.param(  # one term of a sum cast: the sum is not the matmuls' sum
+            lambda a, w, r: scattered((a @ w).float() + r.float() @ w.float()),
+            "rs.not_matmul",
+            id="one-term-cast",
+        ),
+    ],
+)
+def test_what_a_cast_does_not_make_a_matmul_still_declines(fake_world, program, code):
+    gm = bf16_fx(program, (8, 8), (8, 6), (8, 8))
+    before = gm.code
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.decision, r.decline_code) for r in records] == [("declined", code)]
+    assert gm.code == before
+
+
+# ----------------------------------------------------------------------------------------
 # gloo ranks
 
 
@@ -195,3 +294,91 @@ def test_gathered_into_a_buffer_matches_on_gloo_ranks(ranks, program, inner):
         forward = [s for s in r["sites"] if s[0] == "forward"]
         assert forward == [("forward", "ag_mm", "rewritten", "")], r["sites"]
         assert all(s[2] == "rewritten" for s in r["sites"]), r["sites"]
+
+
+class GatherMixedPrecision(torch.autograd.Function):
+    """SimpleFSDP's default mixed precision: the float32 shard gathered in bfloat16, the
+    bfloat16 gradient cast to float32 and reduce-scattered (the weight-gradient matmul,
+    a cast, the reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, shard):
+        from torch.distributed._functional_collectives import all_gather_tensor
+
+        return all_gather_tensor(shard.to(torch.bfloat16), 0, dist.group.WORLD)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed._functional_collectives import reduce_scatter_tensor
+
+        return reduce_scatter_tensor(grad.to(torch.float32), "sum", 0, dist.group.WORLD)
+
+
+def fsdp_mixed_precision(x, w_shard):
+    """x: bfloat16 activations, w_shard: this rank's float32 rows of the weight."""
+    return (x @ GatherMixedPrecision.apply(w_shard).t()).float().pow(2).sum()
+
+
+def gather_then_cast(x_shard, w):
+    """A bfloat16 activation gathered, cast to float32 for the matmul; the backward casts
+    the float32 input gradient to bfloat16 before its reduce-scatter."""
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+
+    g = all_gather_single_autograd(x_shard, 0, dist.group.WORLD)
+    return (g.float() @ w.t()).pow(2).sum()
+
+
+CAST_PROGRAMS = {
+    # (program, x's shape (rows per rank for the gather), x's dtype, w's shape per rank)
+    "fsdp_mixed_precision": (fsdp_mixed_precision, (8, 8), torch.bfloat16, (2, 8)),
+    "gather_then_cast": (gather_then_cast, (2, 8), torch.bfloat16, (6, 8)),
+}
+
+
+def cast_step(rank: int, n: int, program: str, inner: str) -> dict:
+    """One forward and backward of ``program``, uncompiled and compiled (ring): relative
+    errors of the loss and the gradients, their dtypes, and the sites."""
+    import torch._inductor.config
+    from models import relative_error
+
+    torch._inductor.config.compile_threads = 1
+    torch._dynamo.reset()
+    report.reset()
+    fn, x_shape, x_dtype, w_shape = CAST_PROGRAMS[program]
+    torch.manual_seed(0)
+    w = torch.randn(w_shape)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(x_shape).to(x_dtype)
+    compiled = torch.compile(
+        fn, backend="commfuse", options={"schedule": "ring", "inner": inner}, fullgraph=True
+    )
+    results = []
+    for run in (fn, compiled):
+        leaves = [t.clone().requires_grad_() for t in (x, w)]
+        loss = run(*leaves)
+        loss.backward()
+        results.append([loss.detach(), *(t.grad for t in leaves)])
+    expected, actual = results
+    return {
+        "errors": [
+            relative_error(a.float(), e.float()) for a, e in zip(actual, expected, strict=True)
+        ],
+        "dtypes": [str(a.dtype) for a in actual],
+        "sites": [(r.graph, r.kind, r.decision, r.decline_code) for r in report.REPORT.sites],
+    }
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("program", list(CAST_PROGRAMS))
+def test_casts_between_matmul_and_collective_match_on_gloo_ranks(ranks, program, inner):
+    """Every site rewritten, the cast ones included: the backward's reduce-scatter of the
+    cast weight gradient (float32) or input gradient (bfloat16), the forward's gather
+    read through a cast. Loss and gradients against the uncompiled program."""
+    for r in ranks(3).run(cast_step, program, inner):
+        print(program, inner, "relative errors (loss, dx, dw):", r["errors"], r["dtypes"])
+        assert r["sites"] and all(s[2] == "rewritten" for s in r["sites"]), r["sites"]
+        assert ("backward", "mm_rs", "rewritten", "") in r["sites"], r["sites"]
+        assert ("forward", "ag_mm", "rewritten", "") in r["sites"], r["sites"]
+        loss, dx, dw = r["errors"]
+        assert loss < 1e-2 and dx < 2e-2, r["errors"]  # bfloat16 products
+        assert dw < (1e-5 if program == "fsdp_mixed_precision" else 2e-2), r["errors"]

@@ -19,13 +19,9 @@ from torch.fx import Node
 from . import dims
 from .declines import decline
 from .emit import Emitter
-from .graph import VIEWS, Matmul, split_dim_in_input, val, varies_by_row
+from .graph import CONVERT, VIEWS, Matmul, split_dim_in_input, val, varies_by_row
 
 aten = torch.ops.aten
-
-# a dtype conversion as the graphs Inductor compiles spell it (``_to_copy`` is decomposed
-# before them, and Inductor has no lowering for it)
-CONVERT = torch.ops.prims.convert_element_type.default
 
 
 # a block's rows of a tensor laid out like a matmul's A (its [M, c] rows), as a site

@@ -47,6 +47,11 @@ ALLOCATE_LIKE = frozenset(
 TRANSPOSES = frozenset({aten.t.default, aten.permute.default, aten.transpose.int})
 
 
+# a dtype conversion as the graphs Inductor compiles spell it (``_to_copy`` is decomposed
+# before them, and Inductor has no lowering for it)
+CONVERT = torch.ops.prims.convert_element_type.default
+
+
 PASS_THROUGH = (
     VIEWS
     | TRANSPOSES
@@ -57,6 +62,7 @@ PASS_THROUGH = (
         aten.cat.default,
         aten.clone.default,
         aten._to_copy.default,
+        CONVERT,
         aten.copy.default,  # into a buffer: the value, unless it converts (canonical.py)
         aten.contiguous.default,
         aten.slice.Tensor,  # DTensor unpads an uneven gather with a slice ...
@@ -260,6 +266,28 @@ def is_full_slice(node: Node) -> bool:
 SLICE_ARGS = ((1, "dim", 0), (2, "start", None), (3, "end", None), (4, "step", 1))
 
 
+def cast_to(node: Node) -> torch.dtype | None:
+    """The dtype ``node`` converts its input to, if it is a cast and nothing else (element
+    by element: it commutes with every view, transpose, slice and block of its input),
+    between floating dtypes; else None."""
+    if node.target is aten._to_copy.default:
+        layout, memory_format = node.kwargs.get("layout"), node.kwargs.get("memory_format")
+        same_layout = layout in (None, torch.strided) and memory_format in (
+            None,
+            torch.preserve_format,
+        )
+        if len(node.args) != 1 or not same_layout or node.kwargs.get("pin_memory"):
+            return None  # a copy into another layout too
+    elif node.target is not CONVERT:
+        return None
+    source = node.args[0]
+    value, source_value = node.meta.get("val"), getattr(source, "meta", {}).get("val")
+    if not isinstance(value, torch.Tensor) or not isinstance(source_value, torch.Tensor):
+        return None
+    floats = value.dtype in FLOAT_DTYPES and source_value.dtype in FLOAT_DTYPES
+    return value.dtype if floats and value.device == source_value.device else None
+
+
 def is_transpose_2d(node: Node) -> bool:
     if node.target is aten.t.default:
         return True
@@ -318,9 +346,10 @@ def _matmul_through_pass_through(
 
 
 def view_sources(node: Node) -> Iterable[Node]:
-    """Producers of ``node``'s inputs, looking through views (one level of a sum of matmuls)."""
+    """Producers of ``node``'s inputs, looking through views and casts (one level of a sum
+    of matmuls)."""
     for arg in node.all_input_nodes:
-        while arg.target in VIEWS:
+        while arg.target in VIEWS or cast_to(arg) is not None:
             arg = node_arg(arg, 0, "self")
         yield arg
 

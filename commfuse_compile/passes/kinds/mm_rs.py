@@ -2,7 +2,10 @@
 one shape) over ranks, so each block of it can be sent on while the next is computed.
 
 The scattered dim is followed back through the split + cat DTensor emits and through
-views to the product, where it is a block of its rows or of its columns.
+views to the product, where it is a block of its rows or of its columns. A dtype cast on
+the way (mixed precision: a bfloat16 weight gradient reduced in float32) is element by
+element, so it commutes with all of that: each block's partial is cast as the
+collective's operand was, and the partial sums are added in the collective's dtype.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from ..blocks import chunk_width, column_block, matmul, rows_of_block, slice_blo
 from ..declines import Declined, decline
 from ..emit import Emitter
 from ..graph import (
+    CONVERT,
     FLOAT8_DTYPES,
     VIEWS,
     Matmul,
     bias_is_row_broadcast,
+    cast_to,
     check_tensor,
     comes_from_matmul,
     data_users,
@@ -111,7 +116,7 @@ class MmRs(SiteKind[MmRsSite]):
     def work(self, site: MmRsSite, n: int) -> Work:
         out = site.terms[0].node
         flops = sum(2 * numel(out) * dims.hint(val(t.a).shape[1]) for t in site.terms)
-        out_bytes = numel(out) * val(out).element_size()
+        out_bytes = numel(out) * val(site.reduce_scatter).element_size()  # as it travels
         return Work(self.direction, n, flops / n, out_bytes / n, len(site.terms))
 
     def start(self, site: MmRsSite, taken: Taken) -> tuple[MmRsSite, Node]:
@@ -136,8 +141,10 @@ KIND = MmRs()
 def _match(rs: Node, taken: Taken) -> MmRsSite | None:
     inp, reduce_op, n, group_name = (node_arg(rs, i, "") for i in range(4))
     wait = the_wait(rs)
-    scattered, g, chain = _scattered(inp, int(n))
-    product = _through_views(scattered, chain)
+    casts: list[Node] = []
+    scattered, g, chain = _scattered(_through_casts(inp, casts), int(n))
+    chain += casts
+    product = _through_views(scattered, chain, casts=True)
     terms, between = _sum_of_matmuls(product)
     window = taken.window(product)  # of an all-gather site that rewrote its matmul
     from_matmul = comes_from_matmul(inp) or any(is_matmul(a) for a in view_sources(product))
@@ -220,19 +227,35 @@ def _checked(
     return {"product_shape": shape, "columns": columns}
 
 
-def _through_views(node: Node, chain: list[Node]) -> Node:
+def _through_views(node: Node, chain: list[Node], casts: bool = False) -> Node:
     """The producer of ``node`` behind single-user views and transposes that cancel in
-    pairs (AOTAutograd writes a weight gradient as ``t(t(mm(...)))``), added to ``chain``."""
+    pairs (AOTAutograd writes a weight gradient as ``t(t(mm(...)))``), and with ``casts``
+    dtype casts too (between the product and the collective, not on one summed term),
+    added to ``chain``."""
     while len(data_users(node)) == 1:
         source = node_arg(node, 0, "self")
         if node.target in VIEWS:
             chain.append(node)
             node = source
-        elif is_transpose_2d(node) and is_transpose_2d(source) and len(data_users(source)) == 1:
-            chain += [node, source]
-            node = node_arg(source, 0, "self")
+        elif casts and cast_to(node) is not None:
+            node = _through_casts(node, chain)
+        elif is_transpose_2d(node):
+            between: list[Node] = []
+            inner = _through_casts(source, between) if casts else source
+            if not is_transpose_2d(inner) or len(data_users(inner)) != 1:
+                break
+            chain += [node, *between, inner]
+            node = node_arg(inner, 0, "self")
         else:
             break
+    return node
+
+
+def _through_casts(node: Node, chain: list[Node]) -> Node:
+    """The input of ``node`` behind single-user dtype casts, added to ``chain``."""
+    while cast_to(node) is not None and len(data_users(node)) == 1:
+        chain.append(node)
+        node = node_arg(node, 0, "self")
     return node
 
 
@@ -334,7 +357,9 @@ def _averaged(em: Emitter, site: MmRsSite, block: Node, n: int, step: int) -> No
 
 
 def _reduce_part(em: Emitter, site: MmRsSite, b: int, width: dims.Size, step: int) -> Node:
-    """This rank's partial of block ``b`` of the product: the sum over the site's terms."""
+    """This rank's partial of block ``b`` of the product: the sum over the site's terms,
+    cast to the collective's dtype where a cast stood before it (so the partial sums are
+    added in that dtype, as the collective adds them)."""
     part = None
     for term in site.terms:
         term_part = _reduce_block(em, site, term, b, width, step)
@@ -344,6 +369,9 @@ def _reduce_part(em: Emitter, site: MmRsSite, b: int, width: dims.Size, step: in
             else em(aten.add.Tensor, (part, term_part), step=step, lane="compute")
         )
     assert part is not None
+    dtype = val(site.reduce_scatter).dtype
+    if val(part).dtype != dtype:
+        part = em(CONVERT, (part, dtype), step=step, lane="compute")
     return part
 
 

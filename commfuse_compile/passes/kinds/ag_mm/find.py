@@ -17,6 +17,7 @@ from ...graph import (
     Matmul,
     between_note,
     bias_is_row_broadcast,
+    cast_to,
     check_tensor,
     data_users,
     has_zero_size_dim,
@@ -199,10 +200,11 @@ def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
 
 
 def _collect_uses(site: _Uses, gathered: Node) -> None:
-    """Follow view/reshape users of the gathered tensor to the matmuls that read its rows."""
-    frontier = [gathered]
+    """Follow view/reshape users of the gathered tensor to the matmuls that read its rows,
+    and its dtype casts (element by element: each block is cast as the whole was)."""
+    frontier: list[tuple[Node, torch.dtype | None]] = [(gathered, None)]
     while frontier:
-        node = frontier.pop()
+        node, cast = frontier.pop()
         for user in node.users:
             check_read_only(user, node)
             mm = Matmul.of(user)
@@ -210,29 +212,34 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
                 user.args[0] is node
             ):
                 site.chain.append(user)
-                frontier.append(user)
+                frontier.append((user, cast))
+            elif cast_to(user) is not None and user.args[0] is node:
+                site.chain.append(user)
+                frontier.append((user, cast_to(user)))
             elif mm is not None and node not in (mm.a, mm.b):
                 what = mm.reads_as(node)
                 site.unmatched.append(f"{mm.node.name}: the gathered tensor is its {what}")
             elif mm is not None:
-                _add_use(site, node, mm, "rows" if mm.a is node else "contract_left")
+                _add_use(site, node, mm, "rows" if mm.a is node else "contract_left", cast)
             elif is_transpose_2d(user) and user.args[0] is node:
                 site.chain.append(user)
                 for consumer in user.users:
                     mm = Matmul.of(consumer)
                     if mm is not None:
-                        _add_use(site, node, mm, "contract" if mm.a is user else "columns")
+                        role = "contract" if mm.a is user else "columns"
+                        _add_use(site, node, mm, role, cast)
                     elif is_transpose_2d(consumer):  # t(t(G)) is G
                         site.chain.append(consumer)
-                        frontier.append(consumer)
+                        frontier.append((consumer, cast))
                     elif reaches_matmul(consumer):
                         site.unmatched.append(between_note(consumer))
             elif reaches_matmul(user):
                 site.unmatched.append(between_note(user))
 
 
-def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str) -> None:
-    """Record ``mm`` as a use if the gathered dim lands in the rows of ``g2d``."""
+def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str, cast: torch.dtype | None) -> None:
+    """Record ``mm`` as a use if the gathered dim lands in the rows of ``g2d`` (the
+    gathered values cast to ``cast`` on the way, if not None)."""
     rows, cols = dims.sizes(val(g2d).shape)
     j = dims.row_split(site.gathered_shape, rows, cols)
     contiguous = dims.equal(math.prod(site.gathered_shape[: site.gather_dim]), 1)
@@ -266,7 +273,7 @@ def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str) -> None:
         return
     check_tensor(mm.node, "matmul output")
     assert j is not None
-    site.uses.append(GatherUse(mm=mm, row_dims=j, role=role))
+    site.uses.append(GatherUse(mm=mm, row_dims=j, role=role, cast=cast))
 
 
 # ----------------------------------------------------------------------------------------

@@ -28,10 +28,7 @@ from ...blocks import (
 )
 from ...declines import decline
 from ...emit import Emitter
-from ...graph import (
-    same_data,
-    val,
-)
+from ...graph import CONVERT, same_data, val
 from ...rewrite import Rewrite
 from ...ring import Products, collect_then_compute, replace_collective, sliced
 from .site import AgMmSite, GatherUse
@@ -60,12 +57,15 @@ class _GatherBlocks:
         views: dict[tuple[object, ...], Node] = {}  # one 2-D view of the piece per shape
         for i, use in enumerate(site.uses):
             shape2d = (math.prod(shape[: use.row_dims]), math.prod(shape[use.row_dims :]))
-            dtype = val(use.operands[0]).dtype  # float8 data may travel as bytes
+            # the operand's dtype: the piece cast (``use.cast``), or float8 data that
+            # travelled as bytes viewed as itself again
+            dtype = val(use.operands[0]).dtype
             key = (*dims.as_json(shape2d), dtype)
             if key not in views:
                 data = piece
                 if val(piece).dtype != dtype:
-                    data = em(aten.view.dtype, (piece, dtype), step=s, lane="compute")
+                    convert = CONVERT if use.cast is not None else aten.view.dtype
+                    data = em(convert, (piece, dtype), step=s, lane="compute")
                 views[key] = em(
                     aten.view.default, (data, em.shape(shape2d, s)), step=s, lane="compute"
                 )

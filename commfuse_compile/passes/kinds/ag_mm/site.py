@@ -31,6 +31,7 @@ class GatherUse(Use):
     """
 
     row_dims: int  # the gathered tensor's dims [:row_dims] fold into G2d's rows
+    cast: torch.dtype | None = None  # the dtype G is cast to before the matmul reads it
 
 
 @dataclasses.dataclass(frozen=True)
