@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Mapping
@@ -36,9 +37,10 @@ ENV = {
     "profile": PROFILE_ENV,
     "debug_dir": DEBUG_DIR_ENV,
     "disable": DISABLE_ENV,
+    "exchange_timeout": "COMMFUSE_EXCHANGE_TIMEOUT",
 }
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-UNSET_BY_NONE = frozenset({"debug_dir", "profile", "disable"})  # None: not given
+UNSET_BY_NONE = frozenset({"debug_dir", "profile", "disable", "exchange_timeout"})  # None: unset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,9 @@ class Options:
     profile: str | None = None  # built-in profile name or profile file; None: by device
     slices: int = 2  # chunks of the slicing schedule
     measure: bool = False  # time each rewritten site's P2P steps into report.json
+    # how long a rank waits for its peers' view of a graph, in seconds; None: half the
+    # process group's timeout (a peer blocked in a collective meanwhile must outlast it)
+    exchange_timeout: float | None = None
     # option -> where its value came from: "option", "environment variable NAME", "default"
     origins: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 
@@ -73,6 +78,7 @@ class Options:
             "profile": _profile(got["profile"]),
             "slices": _slices(got["slices"]),
             "measure": _measure(got["measure"]),
+            "exchange_timeout": _seconds(got["exchange_timeout"]),
         }
         origins = tuple((name, got[name].origin) for name in ENV)
         return cls(**{k: v for k, v in values.items() if v is not None}, origins=origins)
@@ -173,6 +179,20 @@ def _slices(got: _Given) -> int:
             f"commfuse: {got.where} must be an integer in 2..{MAX_SLICES}, got {value!r}"
         )
     return value
+
+
+def _seconds(got: _Given) -> float | None:
+    if got.value is None:
+        return None
+    value = got.value
+    if isinstance(value, str) and got.from_env:
+        with contextlib.suppress(ValueError):
+            value = float(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise CommfuseOptionError(
+            f"commfuse: {got.where} must be a number of seconds > 0, got {value!r}"
+        )
+    return float(value)
 
 
 def _measure(got: _Given) -> bool:

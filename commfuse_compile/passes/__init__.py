@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -22,16 +21,16 @@ from torch.fx import Graph, GraphModule
 from ..cost.profiles import Profile
 from ..cost.simulator import Timeline, collective_model, predict
 from ..options import Options
-from ..report import REPORT, SiteRecord, dump_code, log
+from ..report import REPORT, SiteRecord, dump_code
 from ..runtime import groups
 from ..schedules import by_name
-from . import match, order, program, sequence, unfuse, verify
+from . import agree, match, order, program, sequence, unfuse, verify
 from .canonical import canonicalize
 from .declines import Declined, decline
 from .kinds import of
 from .lower import lower, start
 from .plan import Plan, check_applies, plan, plan_options, profile_for, site_work
-from .rewrite import Rewrite, Taken, graph_digest, tag_of
+from .rewrite import Rewrite, Taken, graph_digest, tag_of, transfers_digest
 from .site import Site
 
 T = TypeVar("T")
@@ -42,7 +41,7 @@ def rewrite_graph(gm: GraphModule, graph_role: str, options: Options) -> list[Si
     The graph runs node by node (eager FX), so its order of transfers is the graph's."""
     result = _rewrite(gm, graph_role, options)
     try:
-        why = _agree(result, gm)
+        why = _agree(result, gm, options)
         if why is not None and _rewritten(result):
             _fall_back(result, why)  # the restored graph recompiles
     finally:
@@ -88,7 +87,7 @@ def _compile_checked(
         failed = err if isinstance(err, Declined) else decline("compiler.failed", error=_brief(err))
         _fall_back(result, failed)
         compiled = compile_fn(gm)
-    why = _agree(result, gm, checked.sequence if checked is not None else None)
+    why = _agree(result, gm, options, checked.sequence if checked is not None else None)
     if why is not None and _rewritten(result):
         _fall_back(result, why)
         compiled = compile_fn(gm)
@@ -105,6 +104,8 @@ class _Result:
     graph_index: int
     graph_role: str
     groups: dict[int, tuple[groups.Group, dict[str, Any]]]  # site id -> (group, inputs)
+    digest: int = 0  # the graph as it came (``rewrite.graph_digest``): equal on every rank
+    ops: list[str] = dataclasses.field(default_factory=list)  # its ops, to name a difference
 
 
 def _rewritten(result: _Result) -> list[SiteRecord]:
@@ -113,7 +114,8 @@ def _rewritten(result: _Result) -> list[SiteRecord]:
 
 def _fall_back(result: _Result, why: Declined) -> None:
     """Restore the graph as it came and record every rewritten site as declined."""
-    warnings.warn(f"commfuse: {why.reason}; compiling the original graph", stacklevel=3)
+    if why.code not in agree.WARNED:
+        warnings.warn(f"commfuse: {why.reason}; compiling the original graph", stacklevel=3)
     result.original.restore()
     for record in _rewritten(result):
         record.decision, record.schedule = "declined", "off"
@@ -121,84 +123,17 @@ def _fall_back(result: _Result, why: Declined) -> None:
         record.declined(why)
 
 
+def _agree(
+    result: _Result, gm: GraphModule, options: Options, events: list[sequence.Event] | None = None
+) -> Declined | None:
+    """The ranks' verdict on this graph (``agree.agree``)."""
+    identity = (result.digest, result.ops)
+    return agree.agree(result.records, result.groups, gm.graph, identity, options, events)
+
+
 def _finish(result: _Result, options: Options) -> None:
     """The graph's decisions are final: into the report."""
     REPORT.finish_graph(result.records, result.graph_role, options.debug_dir, options.measure)
-
-
-def _agree(
-    result: _Result, gm: GraphModule, events: list[sequence.Event] | None = None
-) -> Declined | None:
-    """Compare this graph across the ranks of its groups (``groups.exchange``): they must
-    have been given the same inputs (else ``RankMismatchError``), have decided alike,
-    start their transfers in one order, and their programs run together must complete
-    (``sequence.simulate``). ``events``: the compiled program's transfers, if it was
-    read; else the graph's, in node order. Returns why the graph falls back, the same on
-    every rank (each reads the same exchange), or None. A graph with no site on a group,
-    or a process with no peers, costs nothing; otherwise one store exchange, and a
-    replay of the sequences."""
-    if not result.groups or not groups.exchanging():
-        return None
-    started = time.perf_counter()
-    try:
-        if events is None:
-            events = sequence.from_graph(gm.graph, groups.ranks_of)
-    except Exception as err:  # noqa: BLE001 - a fault of the reading: decline, never break
-        log.warning("commfuse: cannot read this graph's transfers: %s", _brief(err))
-        events = None
-    member_of = {g.name: g.ranks for g, _ in result.groups.values()}
-    member_of |= {e.group: e.ranks for e in events or () if e.ranks}
-    inputs: dict[str, list[Any]] = {}
-    for _, site_inputs in result.groups.values():
-        inputs |= {k: sorted({*inputs.get(k, []), v}) for k, v in site_inputs.items()}
-    mine = {
-        "inputs": inputs,
-        "decisions": [[r.kind, r.decision, r.schedule] for r in result.records],
-        "sequence": None if events is None else [e.as_json() for e in events],
-    }
-    read = time.perf_counter()
-    seen = groups.exchange(mine, member_of)
-    if seen is None:
-        return None
-    exchanged = time.perf_counter()
-    groups.check_inputs(seen)
-    why = _verdict(seen)
-    log.info(
-        "commfuse: %s graph %d, ranks %s: %d transfer events read in %.1f ms, exchanged in "
-        "%.1f ms (waiting for the slowest rank's compile), compared in %.1f ms: %s",
-        result.graph_role,
-        result.graph_index,
-        sorted(seen),
-        len(events or ()),
-        (read - started) * 1e3,
-        (exchanged - read) * 1e3,
-        (time.perf_counter() - exchanged) * 1e3,
-        "ok" if why is None else why.reason,
-    )
-    return why
-
-
-def _verdict(seen: dict[int, dict[str, Any]]) -> Declined | None:
-    """Why the ranks' programs cannot run together, from every rank's exchange."""
-    if not any(d[1] == "rewritten" for s in seen.values() for d in s["decisions"]):
-        return None  # nothing of the pass's runs: the graphs as they came
-    decisions = {r: s["decisions"] for r, s in seen.items()}
-    differ = sorted(r for r, d in decisions.items() if d != decisions[min(decisions)])
-    if differ:
-        detail = "; ".join(f"rank {r}: {decisions[r]}" for r in [min(decisions), *differ])
-        return decline("compiler.rank_decisions", ranks=differ, detail=detail[:600])
-    unread = sorted(r for r, s in seen.items() if s["sequence"] is None)
-    if unread:
-        return decline("compiler.unverifiable", error=f"ranks {unread} could not read theirs")
-    programs = {r: [sequence.Event.from_json(e) for e in s["sequence"]] for r, s in seen.items()}
-    digests = {r: sequence.digest(events) for r, events in programs.items()}
-    where = sequence.first_divergence(digests)
-    if where is not None:
-        return decline("compiler.rank_order", detail=sequence.divergence_text(digests, where))
-    stuck = sequence.simulate(programs)
-    if stuck is not None:
-        return decline("compiler.rank_deadlock", detail=str(stuck)[:600])
-    return None
 
 
 class _Original:
@@ -243,10 +178,12 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
     result = _Result([], _Original(gm), graph_index, graph_role, {})
     try:
         keep = result.original.keep
-        digest = graph_digest(gm.graph)  # as it came: the same on every rank
+        result.digest = graph_digest(gm.graph)  # as it came: the same on every rank
+        result.ops = agree.graph_ops(gm.graph)
+        tags = transfers_digest(gm.graph)
         canonical = canonicalize(gm.graph, before_change=keep)
         split = unfuse.split_fused_projections(gm.graph, before_change=keep)
-        rewrites = _rewrite_sites(gm, options, result, digest)
+        rewrites = _rewrite_sites(gm, options, result, tags)
         if (canonical or split) and not rewrites:
             result.original.restore()
         if rewrites and options.inner == "inductor":
@@ -273,9 +210,7 @@ def _code(gm: GraphModule) -> str:
     return gm.graph.python_code("self").src
 
 
-def _rewrite_sites(
-    gm: GraphModule, options: Options, result: _Result, digest: int
-) -> list[Rewrite]:
+def _rewrite_sites(gm: GraphModule, options: Options, result: _Result, tags: int) -> list[Rewrite]:
     """Find every site once, then rewrite them in graph order. A rewrite changes only the
     nodes around its own site, so a later site is matched again where it stands (its
     collective's neighbourhood, not the graph) once anything was rewritten: a matmul an
@@ -293,7 +228,7 @@ def _rewrite_sites(
             match=site.describe(),
         )
         result.records.append(record)
-        rewrite = _rewrite_site(gm, site, options, result, record, tag_of(digest, ordinal), taken)
+        rewrite = _rewrite_site(gm, site, options, result, record, tag_of(tags, ordinal), taken)
         if rewrite is not None:
             taken.add(rewrite)
             for earlier in rewrites:
@@ -373,9 +308,11 @@ def _declined(record: SiteRecord, err: Exception) -> None:
 
 def _group(site: Site) -> groups.Group:
     try:
-        return groups.resolve(site.group_name, site.group_size)
+        group = groups.resolve(site.group_name, site.group_size)
     except groups.GroupError as err:
         raise decline("site.group", error=err) from None
+    agree.check_group(group.name)
+    return group
 
 
 def _inputs(options: Options, profile: Profile) -> dict[str, Any]:

@@ -185,6 +185,23 @@ _REASONS = (
         "compiler",
         "the ranks' programs, run together, would hang: {detail}",
     ),
+    Reason(
+        "compiler.rank_graphs",
+        "compiler",
+        "the ranks of {group} compiled different graphs ({detail})",
+    ),
+    Reason(
+        "compiler.rank_absent",
+        "compiler",
+        "ranks {ranks} of {group} did not compile this graph within {wait_s:.0f} s "
+        "(the option exchange_timeout)",
+    ),
+    Reason(
+        "site.ranks_diverged",
+        "compiler",
+        "the ranks of group {group!r} compiled different graphs before, so its sites keep "
+        "their collectives ({why})",
+    ),
     # faults of the pass itself (each one also warns)
     Reason("internal.error", "internal", "internal error: {error}"),
     Reason("internal.unpacked", "internal", "internal: {node} outputs are not all unpacked"),

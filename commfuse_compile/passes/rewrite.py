@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
 from .emit import P2P, Emitter
-from .graph import in_graph_order, position
+from .graph import in_graph_order, is_matmul, position
 from .placement import inputs_to_hoist
+from .sequence import is_transfer_start
 from .site import Site
 
 # P2P tags start high up, so that a user's own send/recv on the same group (small tags)
@@ -28,18 +29,29 @@ SITES_PER_GRAPH = 1 << 12
 GRAPH_TAGS = 1 << 16  # graph ranges: TAG_BASE + 2**28 stays below 2**31
 
 
-def tag_of(graph_digest: int, ordinal: int) -> int:
+def tag_of(transfers_digest: int, ordinal: int) -> int:
     """The P2P tag of the graph's ``ordinal``-th site: what every rank agrees on (the
-    graph, the site's place in it), not how many graphs this process compiled before."""
-    return TAG_BASE + (graph_digest % GRAPH_TAGS) * SITES_PER_GRAPH + ordinal % SITES_PER_GRAPH
+    graph's transfers and matmuls, the site's place among its sites), not how many graphs
+    this process compiled before. A graph recompiled on one rank with the same transfers
+    (a constant that became an input) tags alike, so it runs with its peers' graph."""
+    return TAG_BASE + (transfers_digest % GRAPH_TAGS) * SITES_PER_GRAPH + ordinal % SITES_PER_GRAPH
 
 
 def graph_digest(graph: Graph) -> int:
     """A number for the graph's ops in order and the shapes and dtypes of their values:
     the same on every rank of an SPMD program (not the arguments: a rank's own offsets
-    may differ there), and different for two models of different sizes, so that their
-    sites never share a tag."""
-    text = "\n".join(f"{node.op} {node.target} {_layout(node)}" for node in graph.nodes)
+    may differ there); the ranks compare it to know they compiled the same graph."""
+    return _digest(graph.nodes)
+
+
+def transfers_digest(graph: Graph) -> int:
+    """``graph_digest`` of the graph's collectives and matmuls only: different for two
+    models of different sizes, so that their sites never share a tag."""
+    return _digest(n for n in graph.nodes if is_transfer_start(n) or is_matmul(n))
+
+
+def _digest(nodes: Iterable[Node]) -> int:
+    text = "\n".join(f"{node.op} {node.target} {_layout(node)}" for node in nodes)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 

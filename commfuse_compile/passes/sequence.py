@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import operator
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -73,12 +74,25 @@ def digest(events: Iterable[Event]) -> list[str]:
     return [e.label for e in events if e.action == START]
 
 
+_SITE = re.compile(r"\bsite (\d+)")
+
+
+def renumbered(labels: Sequence[str]) -> list[str]:
+    """``labels`` with their site ids counted from the graph's first: a process numbers
+    sites over every graph it compiled, so ranks that compiled different graphs before
+    (or a rank that recompiled one) give one graph's sites other ids."""
+    ids = [int(i) for label in labels for i in _SITE.findall(label)]
+    first = min(ids, default=0)
+    return [_SITE.sub(lambda m: f"site +{int(m.group(1)) - first}", label) for label in labels]
+
+
 def first_divergence(digests: Mapping[int, Sequence[str]]) -> tuple[int, int, int] | None:
-    """``(position, rank, other rank)`` of the first start where two ranks differ, or None."""
+    """``(position, rank, other rank)`` of the first start where two ranks differ, or None
+    (each rank's site ids counted from the graph's first)."""
     ranks = sorted(digests)
-    first = digests[ranks[0]]
+    first = renumbered(digests[ranks[0]])
     for rank in ranks[1:]:
-        other = digests[rank]
+        other = renumbered(digests[rank])
         for i in range(max(len(first), len(other))):
             if i >= len(first) or i >= len(other) or first[i] != other[i]:
                 return i, ranks[0], rank
