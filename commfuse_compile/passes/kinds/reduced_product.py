@@ -1,0 +1,261 @@
+"""A product summed over ranks, block by block: what matmul -> reduce-scatter (``mm_rs``)
+and matmul -> all-reduce (``mm_ar``) share. Not a site kind itself.
+
+Both collectives sum one product (or a sum of products of one shape) over the ranks of a
+group. Cut into n blocks (rows or columns of the product), each block's partial is sent
+on while the next is computed, and each rank ends with its own block summed over every
+rank: a reduce-scatter's result, and an all-reduce's first half. Matching walks back from
+the collective to the product through views, transpose pairs and dtype casts (all of
+which commute with the blocks); lowering runs the reduce ring (or the sliced schedule)
+of the ring core over the product's blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import torch
+from torch.fx import Node
+
+from ...runtime.groups import Group
+from ...schedules import Direction, Schedule
+from .. import dims
+from ..blocks import chunk_width, column_block, matmul, rows_of_block, slice_block, viewed
+from ..declines import decline
+from ..emit import Emitter
+from ..graph import (
+    CONVERT,
+    FLOAT8_DTYPES,
+    VIEWS,
+    Matmul,
+    bias_is_row_broadcast,
+    cast_to,
+    check_tensor,
+    data_users,
+    has_zero_size_dim,
+    is_transpose_2d,
+    node_arg,
+    numel,
+    scales_problem,
+    val,
+)
+from ..rewrite import Rewrite
+from ..ring import compute_then_send, sliced
+from ..site import Site
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+# "avg" is the sum divided by the group size (``Partial("avg")``, hand-written functional
+# code): the blocks are summed as for "sum" and this rank's block is scaled once.
+REDUCE_OPS = ("sum", "avg")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReducedProductSite(Site):
+    """A collective that sums ``terms`` (one matmul, or several with one shape: the
+    backward of an input shared by several linears, e.g. gate and up) over the group;
+    its first collective (``anchor``) has the dtype the partial sums are added in."""
+
+    kind: ClassVar[str]
+    terms: tuple[Matmul, ...]
+    scatter_dim: int  # dim of the product's (viewed) shape cut into blocks
+    product_shape: tuple[dims.Size, ...] = ()  # the product as the collective sees it
+    columns: bool = False  # the blocks are the product's last (N) dim
+    reduce_op: str = "sum"  # or "avg": the sum, scaled by 1/n once, on this rank's block
+    chain: tuple[Node, ...] = ()
+
+
+def flops(site: ReducedProductSite) -> float:
+    """The FLOPs of the site's whole product (every term)."""
+    return sum(2 * numel(t.node) * dims.hint(val(t.a).shape[1]) for t in site.terms)
+
+
+# ----------------------------------------------------------------------------------------
+# find
+
+
+def through_views(node: Node, chain: list[Node], casts: bool = False) -> Node:
+    """The producer of ``node`` behind single-user views and transposes that cancel in
+    pairs (AOTAutograd writes a weight gradient as ``t(t(mm(...)))``), and with ``casts``
+    dtype casts too (between the product and the collective, not on one summed term),
+    added to ``chain``."""
+    while len(data_users(node)) == 1:
+        source = node_arg(node, 0, "self")
+        if node.target in VIEWS:
+            chain.append(node)
+            node = source
+        elif casts and cast_to(node) is not None:
+            node = through_casts(node, chain)
+        elif is_transpose_2d(node):
+            between: list[Node] = []
+            inner = through_casts(source, between) if casts else source
+            if not is_transpose_2d(inner) or len(data_users(inner)) != 1:
+                break
+            chain += [node, *between, inner]
+            node = node_arg(inner, 0, "self")
+        else:
+            break
+    return node
+
+
+def through_casts(node: Node, chain: list[Node]) -> Node:
+    """The input of ``node`` behind single-user dtype casts, added to ``chain``."""
+    while cast_to(node) is not None and len(data_users(node)) == 1:
+        chain.append(node)
+        node = node_arg(node, 0, "self")
+    return node
+
+
+def sum_of_matmuls(node: Node) -> tuple[list[Matmul], list[Node]]:
+    """(matmul terms, add/view nodes between) if ``node`` is a matmul or a sum of them."""
+    mm = Matmul.of(node)
+    if mm is not None:
+        return [mm], []
+    plain_add = node.target is aten.add.Tensor and node_arg(node, 2, "alpha", 1) == 1
+    if not plain_add or not all(isinstance(a, Node) for a in node.args[:2]):
+        return [], []
+    terms, between = [], [node]
+    for arg in node.args[:2]:
+        source = through_views(arg, between)  # type: ignore[arg-type]
+        single = len(data_users(source)) == 1
+        sub_terms, sub_between = sum_of_matmuls(source) if single else ([], [])
+        if not sub_terms:
+            return [], []
+        terms += sub_terms
+        between += sub_between
+    return terms, between
+
+
+def check_terms(terms: list[Matmul], shared: str) -> None:
+    """Each term can be cut into blocks and summed block by block, or the first reason
+    it cannot; ``shared``: the code of a product read by more than the collective."""
+    rows, cols = terms[0].out_shape
+    for term in terms:
+        name = term.node.name
+        if len(data_users(term.node)) != 1:
+            raise decline(shared, node=name)
+        check_tensor(term.node, "matmul output")
+        if has_zero_size_dim(term):
+            raise decline("site.empty", node=name)
+        if not dims.same_shape(term.out_shape, (rows, cols)):
+            raise decline("rs.shapes_differ", node=name)
+        if term.bias is not None and not bias_is_row_broadcast(term.bias):
+            raise decline("rs.bias_rows", node=name)
+        if problem := scales_problem(term):
+            raise decline("site.scales", node=name, problem=problem)
+        if val(term.node).dtype in FLOAT8_DTYPES:
+            raise decline("rs.scaled_sum", node=name, dtype=val(term.node).dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# lower
+
+
+def reduced_block(
+    rw: Rewrite, site: ReducedProductSite, group: Group, schedule: Schedule, slices: int
+) -> tuple[Node, int]:
+    """This rank's block of the product summed over the group (divided by n under
+    "avg"), and the step after the schedule's last, where what reads it goes."""
+    if schedule.sliced:
+        block, last = _sliced(rw, site, group, schedule, slices)
+    else:
+        block, last = _ring(rw, site, group, schedule), group.size
+    if site.reduce_op == "avg":
+        # the chunks are reduced with "sum": gloo has no "avg", and one division of the
+        # whole block is what the collective computes
+        block = rw.emit(aten.div.Tensor, (block, group.size), step=last, lane="compute")
+    return block, last
+
+
+def _ring(rw: Rewrite, site: ReducedProductSite, group: Group, schedule: Schedule) -> Node:
+    """Each step computes one block's partial, adds the partial sums received for it and
+    sends it on; this rank's own block comes last and is its result."""
+    width = site.product_shape[site.scatter_dim] // group.size
+
+    def compute(b: int, s: int) -> Node:
+        return _reduce_part(rw.emit, site, b, width, s)
+
+    held = compute_then_send(rw, group, schedule, Direction.REDUCE, compute)
+    assert list(held) == [group.rank], "every partial sum received was added"
+    return held[group.rank]
+
+
+def _sliced(
+    rw: Rewrite, site: ReducedProductSite, group: Group, schedule: Schedule, k: int
+) -> tuple[Node, int]:
+    """Chunk i of every block is computed, stacked and reduce-scattered while chunk i+1
+    is computed; this rank's k reduced chunks are its block."""
+    em, n, dim = rw.emit, group.size, site.scatter_dim
+    width = chunk_width(site.product_shape[dim] // n, k, f"a block's dim {dim}")
+    parts: dict[tuple[int, int], Node] = {}  # (block, chunk) -> this rank's partial
+    own: dict[int, Node] = {}
+
+    def issue(i: int, s: int) -> Node:
+        stacked = em(aten.cat.default, ([parts[b, i] for b in range(n)], 0), step=s, lane="comm")
+        scatter = c10d.reduce_scatter_tensor.default
+        return em(scatter, (stacked, "sum", n, group.name), step=s, lane="comm")
+
+    def compute(i: int, s: int) -> None:
+        for b in range(n):
+            parts[b, i] = _reduce_part(em, site, b * k + i, width, s)
+
+    def collected(i: int, reduced: Node, s: int) -> None:
+        own[i] = reduced
+
+    sliced(rw, schedule, Direction.REDUCE, k, issue, compute, collected)
+    last = len(rw.steps)
+    if site.columns:
+        chunks, cat_dim = [own[i] for i in range(k)], 1
+    else:
+        shape = [*site.product_shape[:dim], width, *site.product_shape[dim + 1 :]]
+        chunks, cat_dim = [viewed(em, own[i], shape, last) for i in range(k)], dim
+    return em(aten.cat.default, (chunks, cat_dim), step=last, lane="compute"), last
+
+
+def _reduce_part(
+    em: Emitter, site: ReducedProductSite, b: int, width: dims.Size, step: int
+) -> Node:
+    """This rank's partial of block ``b`` of the product: the sum over the site's terms,
+    cast to the collective's dtype where a cast stood before it (so the partial sums are
+    added in that dtype, as the collective adds them)."""
+    part = None
+    for term in site.terms:
+        term_part = _reduce_block(em, site, term, b, width, step)
+        part = (
+            term_part
+            if part is None
+            else em(aten.add.Tensor, (part, term_part), step=step, lane="compute")
+        )
+    assert part is not None
+    dtype = val(site.anchor).dtype
+    if val(part).dtype != dtype:
+        part = em(CONVERT, (part, dtype), step=step, lane="compute")
+    return part
+
+
+def _reduce_block(
+    em: Emitter, site: ReducedProductSite, mm: Matmul, b: int, width: dims.Size, step: int
+) -> Node:
+    """This rank's partial of block ``b`` of the product ``mm``."""
+    if site.columns:
+        w = column_block(em, mm.b, b, width, step)
+        return matmul(em, mm, mm.a, w, step, cols=(b, width))
+    rows = functools.partial(_block_rows, em, site, b, width, step)
+    if len(site.product_shape) == 2 and is_transpose_2d(mm.a):
+        # rows of t(Z) are columns of Z: slice Z and transpose the block, no copy
+        cols = slice_block(em, mm.a.args[0], 1, b, width, step, "compute")  # type: ignore[arg-type]
+        a = em(aten.permute.default, (cols, [1, 0]), step=step, lane="compute")
+    else:
+        a = rows(mm.a)
+    return matmul(em, mm, a, mm.b, step, rows=rows)
+
+
+def _block_rows(
+    em: Emitter, site: ReducedProductSite, b: int, width: dims.Size, step: int, x: Node
+) -> Node:
+    """Block ``b``'s rows of ``x``, laid out like the product's rows ([M, c]: A, or a
+    per-row scale of A), as contiguous 2-D rows."""
+    lead = [*site.product_shape[:-1], val(x).shape[1]]
+    return rows_of_block(em, viewed(em, x, lead, step), site.scatter_dim, b, width, step)
