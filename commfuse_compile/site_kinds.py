@@ -9,5 +9,6 @@ ROLES: dict[str, tuple[str, ...]] = {
     "mm_rs": (),
     "a2a_mm": ("rows", "contract", "columns", "contract_left"),
     "mm_a2a": (),
+    "mm_ar": (),
 }
 EVERY_ROLE = tuple(dict.fromkeys(role for roles in ROLES.values() for role in roles))

@@ -16,7 +16,8 @@ PACKAGE = Path(commfuse_compile.__file__).parent
 # the docs page that holds the generated table, between its "declines" markers
 DECLINES_PAGE = PACKAGE.parent / "docs" / "rewrites.md"
 RAISED = re.compile(r"""decline\(\s*["']([a-z_]+\.[a-z_]+)["']""")
-CHOSEN = re.compile(r"""["']((?:rs|ag|a2a|site|plan|lower|size|compiler|internal)\.[a-z_]+)["']""")
+PREFIXES = "rs|ar|ag|a2a|site|plan|lower|size|compiler|internal"
+CHOSEN = re.compile(rf"""["']((?:{PREFIXES})\.[a-z_]+)["']""")
 
 
 def _codes_in_code() -> set[str]:

@@ -29,6 +29,9 @@ class Work:
     block_flops: float  # FLOPs of one block's matmuls (all the site's matmuls)
     block_bytes: float  # bytes of one block's message (a shard, or a partial sum)
     matmuls_per_block: int = 1  # matmul calls per block (each pays the call latency)
+    # the reduced blocks are then all-gathered (an all-reduce's second half, the same
+    # on every schedule and after the collective alike)
+    then_gather: bool = False
 
     def __post_init__(self) -> None:  # a direction's name is taken too ("gather")
         object.__setattr__(self, "direction", Direction(self.direction))
@@ -76,6 +79,11 @@ class Timeline:
 
 
 def simulate(work: Work, schedule: str, profile: Profile, slices: int = 2) -> Timeline:
+    timeline = _simulate(work, schedule, profile, slices)
+    return _then_gathered(work, timeline, profile) if work.then_gather else timeline
+
+
+def _simulate(work: Work, schedule: str, profile: Profile, slices: int) -> Timeline:
     if schedule == "collective":
         return _collective(work, profile)
     if schedule == "slicing":
@@ -127,7 +135,7 @@ def _collective_s(work: Work, p: Profile) -> float:
     if curve is not None:
         return curve.seconds(work.block_bytes)
     messages_only = dataclasses.replace(p, matmul_latency_s=0.0, step_overhead_s=0.0)
-    no_matmul = dataclasses.replace(work, block_flops=0.0)
+    no_matmul = dataclasses.replace(work, block_flops=0.0, then_gather=False)
     algorithms = [s for s in ("ring", "bidir") if by_name(s).supports(work.direction)]
     rounds = min(simulate(no_matmul, s, messages_only).end_s for s in algorithms)
     return p.collective_overhead_s + rounds
@@ -152,6 +160,16 @@ def _collective(work: Work, p: Profile) -> Timeline:
                 Event(r, "comm", 0, name, matmul, matmul + comm),
             ]
     return Timeline("collective", events)
+
+
+def _then_gathered(work: Work, timeline: Timeline, p: Profile) -> Timeline:
+    """``timeline`` then one all-gather of the reduced blocks, started once every rank
+    holds its block (a collective starts when the last rank joins it)."""
+    gather = dataclasses.replace(work, direction=Direction.GATHER, then_gather=False)
+    start, took = timeline.end_s, _collective_s(gather, p)
+    step = 1 + max((e.step for e in timeline.events), default=-1)
+    events = [Event(r, "comm", step, "all_gather", start, start + took) for r in range(work.n)]
+    return Timeline(timeline.schedule, [*timeline.events, *events])
 
 
 def _sliced(work: Work, p: Profile, k: int) -> Timeline:

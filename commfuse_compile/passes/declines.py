@@ -88,6 +88,25 @@ _REASONS = (
         "rs.product_shared", "unsupported", "product {node} is also used outside the reduce-scatter"
     ),
     Reason("site.empty", "unsupported", "{node} has a zero-size dim: nothing to overlap"),
+    Reason(
+        "ar.not_matmul",
+        "unsupported",
+        "all-reduce input is {node} ({op}), not a matmul or a sum of matmuls behind views",
+    ),
+    Reason(
+        "ar.product_shared", "unsupported", "product {node} is also used outside the all-reduce"
+    ),
+    Reason("ar.not_sum", "unsupported", "reduce op {op!r} is neither 'sum' nor 'avg'"),
+    Reason(
+        "ar.indivisible",
+        "unsupported",
+        "the product's {size} rows (tokens) are not divisible by the group size {n}",
+    ),
+    Reason(
+        "ar.not_provably_divisible",
+        "unsupported",
+        "the product's {size} rows (tokens) are not provably divisible by the group size {n}",
+    ),
     Reason("rs.shapes_differ", "unsupported", "the summed matmuls have different shapes ({node})"),
     Reason("rs.bias_rows", "unsupported", "bias of {node} has a row dim"),
     Reason("site.scales", "unsupported", "scaled matmul {node}: {problem}"),

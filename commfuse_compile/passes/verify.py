@@ -121,12 +121,13 @@ def _check_schedule_all_ranks(schedule: Schedule, n: int, direction: Direction) 
 
 
 def _check_sliced(rw: Rewrite, group: Group, k: int, direction: Direction) -> None:
-    collectives = [node for node in rw.created if node.target in COLLECTIVES]
+    gather = direction.collects_first
+    chunk = COLLECTIVES[0] if gather else COLLECTIVES[1]  # (an all-reduce's gather follows)
+    collectives = [node for node in rw.created if node.target is chunk]
     if len(collectives) != k or any(
         node.args[-2:] != (group.size, group.name) for node in collectives
     ):
         raise decline("internal.slicing", k=k, error=f"{len(collectives)} collectives on the group")
-    gather = direction.collects_first
     try:
         slicing.check(slicing.gather_steps(k) if gather else slicing.reduce_steps(k), k, gather)
     except exchange.ScheduleError as err:

@@ -1,0 +1,190 @@
+"""Matmul -> all-reduce: plain tensor parallelism's row-parallel output (DTensor's
+``RowwiseParallel`` with its replicated output, Hugging Face's ``tp_plan="auto"``,
+Megatron without sequence parallelism) and the column-parallel input's gradient.
+
+An all-reduce is a reduce-scatter then an all-gather. The reduce-scatter half runs as
+``mm_rs`` runs it (``reduced_product``): the product is cut into n blocks of its rows
+(the tokens), each block's partial sent on while the next is computed; each rank then
+holds its block summed over the group, and one all-gather of those blocks (the
+all-reduce's second half, the same bytes) gives every rank the whole sum. Every
+all-reduce is a site, so none goes unreported: one whose operand is not a matmul (or a
+sum of matmuls) behind views and casts is declined (``ar.not_matmul``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import torch
+from torch.fx import Graph, Node
+
+from ...cost.simulator import Work
+from ...runtime.groups import Group, ranks_of
+from ...schedules import Direction, Schedule
+from .. import dims
+from ..blocks import contiguous, viewed
+from ..declines import Declined, decline
+from ..graph import Matmul, is_matmul, node_arg, numel, op_name, the_wait, val, view_sources
+from ..rewrite import Rewrite, Taken
+from ..ring import replace_collective
+from ..site_kind import SiteKind
+from .reduced_product import (
+    REDUCE_OPS,
+    ReducedProductSite,
+    check_terms,
+    flops,
+    reduced_block,
+    sum_of_matmuls,
+    through_views,
+)
+
+c10d = torch.ops._c10d_functional
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MmArSite(ReducedProductSite):
+    """all_reduce(sum of ``terms``), reduced by blocks of the product's rows, then
+    gathered."""
+
+    kind: ClassVar[str] = "mm_ar"
+    all_reduce: Node
+    wait: Node
+
+    @property
+    def collectives(self) -> tuple[Node, ...]:
+        return (self.all_reduce,)
+
+    def replaced(self) -> list[Node]:
+        return [self.all_reduce, self.wait, *self.chain, *(t.node for t in self.terms)]
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "collectives": [self.all_reduce.name],
+            "group": self.group_name,
+            "group_size": self.group_size,
+            "product_shape": dims.as_json(self.product_shape),
+            "matmuls": [t.node.name for t in self.terms],
+            "blocks": "rows",
+            "reduce_op": self.reduce_op,
+            "then": "all_gather",
+        }
+
+
+class MmAr(SiteKind[MmArSite]):
+    name = "mm_ar"
+    direction = Direction.REDUCE  # the steps are the reduce-scatter half's
+    nests = False
+
+    def find(self, graph: Graph) -> list[MmArSite]:
+        nodes = graph.find_nodes(op="call_function", target=c10d.all_reduce.default)
+        return [_match(n, Taken()) for n in nodes]
+
+    def rematch(self, site: MmArSite, taken: Taken) -> MmArSite | None:
+        return _match(site.all_reduce, taken)
+
+    def without(self, site: MmArSite, disabled: frozenset[str]) -> MmArSite:
+        return site  # one product: nothing to leave out but the whole site
+
+    def work(self, site: MmArSite, n: int) -> Work:
+        out_bytes = numel(site.terms[0].node) * val(site.all_reduce).element_size()
+        return Work(
+            self.direction, n, flops(site) / n, out_bytes / n, len(site.terms), then_gather=True
+        )
+
+    def start(self, site: MmArSite, taken: Taken) -> tuple[MmArSite, Node]:
+        return site, site.all_reduce
+
+    def lower(
+        self, rw: Rewrite, site: MmArSite, group: Group, schedule: Schedule, slices: int
+    ) -> None:
+        _lower(rw, site, group, schedule, slices)
+
+
+KIND = MmAr()
+
+
+# ----------------------------------------------------------------------------------------
+# find
+
+
+def _match(ar: Node, taken: Taken) -> MmArSite:
+    inp, reduce_op, group_name = (node_arg(ar, i, "") for i in range(3))
+    n = len(ranks_of(str(group_name)))
+    wait = the_wait(ar)
+    chain: list[Node] = []
+    product = through_views(inp, chain, casts=True)
+    terms, between = sum_of_matmuls(product)
+    fields: dict[str, Any] = {}
+    declined = None
+    try:
+        fields = _checked(ar, wait, str(reduce_op), n, product, terms, taken.window(product))
+    except Declined as why:
+        declined = why.kept()
+    return MmArSite(
+        all_reduce=ar,
+        wait=wait or ar,
+        terms=tuple(terms),
+        group_name=str(group_name),
+        group_size=n,
+        scatter_dim=0,
+        reduce_op=str(reduce_op),
+        chain=tuple(chain + between),
+        declined=declined,
+        **fields,
+    )
+
+
+def _checked(
+    ar: Node,
+    wait: Node | None,
+    reduce_op: str,
+    n: int,
+    product: Node,
+    terms: list[Matmul],
+    window: tuple[int, int] | None,
+) -> dict[str, Any]:
+    """The product's shape, or the first reason the site cannot be rewritten (in the
+    order a user would fix them). ``window``: the rewrite window that emitted the
+    product, if another site's rewrite did."""
+    if not terms:
+        (source,) = view_sources(ar)
+        if is_matmul(source):  # behind a view or cast that something else reads too
+            raise decline("ar.product_shared", node=source.name)
+        raise decline("ar.not_matmul", node=source.name, op=op_name(source))
+    if wait is None or wait.target is not c10d.wait_tensor.default:
+        raise decline("site.wait", node=ar.name)
+    if not wait.users:
+        raise decline("site.unread", node=ar.name)
+    if window is not None:
+        raise decline("rs.taken", site=window[0])
+    if reduce_op not in REDUCE_OPS:
+        raise decline("ar.not_sum", op=reduce_op)
+    if n == 0:
+        raise decline("site.group", error=f"process group {ar.args[2]!r} is unknown here")
+    if n < 2:
+        raise decline("site.group_of_one")
+    check_terms(terms, shared="ar.product_shared")
+    rows, cols = terms[0].out_shape
+    if not dims.divisible(rows, n):
+        symbolic = dims.is_symbolic([rows])
+        code = "ar.not_provably_divisible" if symbolic else "ar.indivisible"
+        raise decline(code, size=rows, n=n)
+    return {"product_shape": (rows, cols)}
+
+
+# ----------------------------------------------------------------------------------------
+# lower
+
+
+def _lower(rw: Rewrite, site: MmArSite, group: Group, schedule: Schedule, slices: int) -> None:
+    """The reduce-scatter half on the ring; then one all-gather of this rank's reduced
+    rows, the all-reduce's second half as it was."""
+    em = rw.emit
+    block, last = reduced_block(rw, site, group, schedule, slices)
+    block = contiguous(em, block, last)
+    gather = c10d.all_gather_into_tensor.default
+    gathering = em(gather, (block, group.size, group.name), step=last, lane="comm")
+    gathered = em(c10d.wait_tensor.default, (gathering,), step=last, lane="comm")
+    result = viewed(em, gathered, val(site.wait).shape, last)
+    replace_collective(rw, [site.all_reduce], [site.wait], result)
