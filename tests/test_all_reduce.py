@@ -171,6 +171,26 @@ def test_declined_all_reduce_is_recorded_and_kept(fake_world, fn, shapes, code, 
     assert gm.code == before
 
 
+def in_place_spelling(x, w):
+    """``dist.all_reduce(y)`` as AOTAutograd writes it: the result copied over y."""
+    y = x @ w
+    return aten.copy.default(y, reduced(y))
+
+
+def test_in_place_all_reduce_is_read_as_the_functional_one(fake_world):
+    gm = fx(in_place_spelling, (8, 6), (6, 5))
+    (record,) = rewrite_graph(gm, "forward", RING)
+    assert record.decision == "rewritten", record.reason
+    assert calls(gm, aten.copy.default) == calls(gm, ALL_REDUCE) == []
+
+
+def test_in_place_all_reduce_of_a_graph_input_keeps_its_copy(fake_world):
+    gm = fx(lambda y: aten.copy.default(y, reduced(y)), (8, 5))
+    (record,) = rewrite_graph(gm, "forward", RING)
+    assert record.decline_code == "ar.not_matmul"
+    assert len(calls(gm, aten.copy.default)) == 1
+
+
 def test_rows_not_provably_divisible_under_dynamic_shapes(fake_world):
     gm = fx(row_parallel, (8, 6), (6, 5), tracing_mode="symbolic")
     (record,) = rewrite_graph(gm, "forward", RING)
@@ -205,3 +225,166 @@ def test_cost_of_an_all_reduce_site_adds_one_all_gather_to_every_schedule():
     for schedule, timeline in gathered.items():
         assert timeline.end_s > alone[schedule].end_s
         assert timeline.end_s == pytest.approx(alone[schedule].end_s + gather, rel=1e-6), schedule
+
+
+# ----------------------------------------------------------------------------------------
+# numbers on gloo ranks: a two-linear MLP, column- then row-parallel, no sequence
+# parallelism (the row-parallel output all-reduced; the column-parallel input's
+# gradient all-reduced in the backward)
+
+HIDDEN, FFN, TOKENS = 8, 12, (2, 6)  # 12 tokens: divisible by 3 and 4 ranks
+
+
+class ReduceFunctional(torch.autograd.Function):
+    """The row-parallel output summed with the functional all-reduce."""
+
+    @staticmethod
+    def forward(ctx, y):
+        from torch.distributed._functional_collectives import all_reduce
+
+        return all_reduce(y, "sum", dist.group.WORLD)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class CopyFunctional(torch.autograd.Function):
+    """The column-parallel input: whole on every rank, its gradient summed."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed._functional_collectives import all_reduce
+
+        return all_reduce(grad, "sum", dist.group.WORLD)
+
+
+class ReduceInPlace(torch.autograd.Function):
+    """Megatron's reduce-from-tensor-parallel region: ``dist.all_reduce`` in place."""
+
+    @staticmethod
+    def forward(ctx, y):
+        dist.all_reduce(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class CopyInPlace(torch.autograd.Function):
+    """Megatron's copy-to-tensor-parallel region: the gradient all-reduced in place."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.all_reduce(grad)
+        return grad
+
+
+def hand_written_mlp(copy, reduce):
+    def mlp(x, w1, b1, w2):
+        h = torch.nn.functional.gelu(torch.nn.functional.linear(copy.apply(x), w1, b1))
+        return reduce.apply(torch.nn.functional.linear(h, w2))
+
+    return mlp
+
+
+def shards(rank: int, n: int) -> list[torch.Tensor]:
+    """This rank's rows of w1 and b1 (column-parallel), columns of w2 (row-parallel)."""
+    torch.manual_seed(0)
+    w1, b1, w2 = torch.randn(FFN * n, HIDDEN), torch.randn(FFN * n), torch.randn(HIDDEN, FFN * n)
+    rows = slice(rank * FFN, (rank + 1) * FFN)
+    return [w1[rows], b1[rows], w2[:, rows]]
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(HIDDEN, FFN * n)
+        self.down = torch.nn.Linear(FFN * n, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def dtensor_mlp(n: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (n,))
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    return parallelize_module(Mlp(n), mesh, plan)
+
+
+HAND_WRITTEN = {
+    "functional": hand_written_mlp(CopyFunctional, ReduceFunctional),
+    "megatron": hand_written_mlp(CopyInPlace, ReduceInPlace),
+}
+
+
+def mlp_step(rank: int, n: int, program: str, inner: str, schedule: str = "ring") -> dict:
+    """One forward and backward of ``program``, uncompiled and compiled: the relative
+    errors of the output and every gradient, and the sites."""
+    import torch._inductor.config
+    from models import relative_error
+
+    torch.set_num_threads(1)
+    torch._inductor.config.compile_threads = 1
+    torch._dynamo.reset()
+    report.reset()
+    options = {"schedule": schedule, "inner": inner}
+    torch.manual_seed(1)
+    x = torch.randn(*TOKENS, HIDDEN)  # replicated: the same on every rank
+    results = []
+    for compiled in (False, True):
+        leaf = x.clone().requires_grad_()
+        if program == "dtensor":
+            model = dtensor_mlp(n)
+            run = torch.compile(model, backend="commfuse", options=options) if compiled else model
+            params = list(model.parameters())
+            out = run(leaf)
+        else:
+            fn = HAND_WRITTEN[program]
+            params = [p.requires_grad_() for p in shards(rank, n)]
+            run = (
+                torch.compile(fn, backend="commfuse", options=options, fullgraph=True)
+                if compiled
+                else fn
+            )
+            out = run(leaf, *params)
+        (out * out).sum().backward()
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params]
+        results.append([out.detach(), leaf.grad, *grads])
+    expected, actual = results
+    return {
+        "errors": [relative_error(a, e) for a, e in zip(actual, expected, strict=True)],
+        "sites": [(r.graph, r.kind, r.decision, r.decline_code) for r in report.REPORT.sites],
+        "p2p_ops": [r.p2p_ops for r in report.REPORT.sites],
+    }
+
+
+REWRITTEN = [("forward", "mm_ar", "rewritten", ""), ("backward", "mm_ar", "rewritten", "")]
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("program", ["functional", "megatron", "dtensor"])
+@pytest.mark.parametrize("n", [3, 4])
+def test_tensor_parallel_mlp_matches_on_gloo_ranks(ranks, n, program, inner):
+    for r in ranks(n).run(mlp_step, program, inner):
+        print(n, program, inner, "relative errors (out, dx, grads...):", r["errors"])
+        assert max(r["errors"]) < 1e-5, r["errors"]  # summation order only
+        assert r["sites"] == REWRITTEN, r["sites"]
+        assert r["p2p_ops"] == [n - 1, n - 1]  # the reduce-scatter half's ring steps

@@ -10,6 +10,9 @@ its value into the fresh buffer:
     copy(empty([...]), wait_tensor(all_gather_into_tensor(x, n, group)))
     cat([copy(empty_like(x), slice(w, 0, 0, s)), copy(empty_like(x), slice(w, 0, s, 2s)), ...])
 
+An in-place ``dist.all_reduce(y)`` traces as ``copy(y, wait_tensor(all_reduce(y, ...)))``:
+the result written back over its own operand.
+
 Such a copy preserves the value (same sizes, strides, dtype and device; the buffer read by
 nothing else), so it *is* the collective's value: here it is replaced by that value, a
 ``cat`` of consecutive slices that cover a gathered tensor by the tensor, and the buffers
@@ -43,6 +46,8 @@ from .sequence import WAIT_TENSOR
 
 aten = torch.ops.aten
 COPIES = frozenset({aten.copy.default, aten.copy_.default})
+# collectives whose in-place c10d spelling writes the result over the operand
+IN_PLACE = frozenset({torch.ops._c10d_functional.all_reduce.default})
 # a fresh buffer: allocated, never read before it is written whole
 FRESH = frozenset(
     {
@@ -75,7 +80,7 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
                 changed = True
             continue
         before_change()
-        buffers = [node.args[0]] if node.target in COPIES else []
+        buffers = [node.args[0]] if node.target in COPIES else []  # dropped if unread
         node.replace_all_uses_with(value)
         graph.erase_node(node)
         for buffer in buffers:
@@ -86,9 +91,19 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
 
 
 def _into_fresh(copy: Node) -> bool:
-    """Is ``copy``'s buffer a new one that only this copy reads (dropped with it)?"""
-    buffer = copy.args[0]
-    return isinstance(buffer, Node) and buffer.target in FRESH and list(buffer.users) == [copy]
+    """Is ``copy``'s buffer a new one that only this copy reads (dropped with it), or the
+    operand of an in-place collective that nothing else reads (``dist.all_reduce(y)``
+    traces as ``copy(y, wait_tensor(all_reduce(y)))``: y's old value is gone)?"""
+    buffer, src = copy.args[:2]
+    if not isinstance(buffer, Node):
+        return False
+    if buffer.target in FRESH:
+        return list(buffer.users) == [copy]
+    if copy.target is not aten.copy.default or buffer.op != "call_function":
+        return False  # a write into a graph input (or through a view) is the program's
+    collective = src.args[0] if isinstance(src, Node) and src.target is WAIT_TENSOR else None
+    in_place = isinstance(collective, Node) and collective.target in IN_PLACE
+    return in_place and set(buffer.users) == {copy, collective} and collective.args[0] is buffer
 
 
 def _copied_value(copy: Node) -> Node | None:
