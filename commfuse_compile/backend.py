@@ -16,8 +16,13 @@ import torch
 from torch._dynamo.exc import ShortenTraceback
 from torch.fx import GraphModule
 
+from . import async_collectives
 from .options import CommfuseOptionError, Options
 from .passes import rewrite_and_compile, rewrite_graph
+
+# hand-overlapped collectives (async_op=True, .wait() later) traced into the graph: Dynamo
+# traces the model before it calls a backend, so this is done when the backend is imported
+async_collectives.install()
 
 
 class BackendOptionError(ShortenTraceback, CommfuseOptionError):
@@ -84,4 +89,5 @@ def _eager(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> Any
         fw_compiler=functools.partial(compiler, kind="forward"),
         bw_compiler=functools.partial(compiler, kind="backward"),
         inference_compiler=functools.partial(compiler, kind="inference"),
+        keep_inference_input_mutations=True,
     )(gm, example_inputs)
