@@ -4,7 +4,7 @@ backend="commfuse".
     torchrun --nproc-per-node 2 examples/train_megatron_style.py --steps 3 --compare
     torchrun --nproc-per-node 4 examples/train_megatron_style.py --steps 3 --compare \
         --inner inductor
-        [--schedule ring|auto|off] [--blocks N] [--float8]
+        [--schedule ring|auto|off] [--blocks N] [--float8 | --core [--rank0-warning]]
 
 Activations are sequence-first ``[s, b, h]`` and sharded on the sequence. Each block's
 column-parallel linears (fused q/k/v, fused gate/up) gather their input along the
@@ -17,7 +17,11 @@ what the pass did with every site; ``--compare`` also trains without the pass (p
 eager, the same initialization and data) and prints the largest relative loss difference.
 ``--float8``: the linears compute in float8 (``commfuse_compile/tools/float8.py``: a
 scaled matmul of inputs and weights cast with amax scaling; the column-parallel input
-quantized before it is gathered, as its uint8 bytes).
+quantized before it is gathered, as its uint8 bytes). ``--core``: Megatron-Core's linears
+(the column-parallel gather into the persistent global memory buffer inside the linear's
+own function, whose backward overlaps its gather and reduce-scatter by hand with
+``async_op=True``); ``--rank0-warning`` adds a warning on rank 0 only on the row-parallel
+path (the ranks' graphs then differ and fall back together).
 """
 
 from __future__ import annotations
@@ -33,12 +37,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     training_examples.add_arguments(parser)
     parser.add_argument("--float8", action="store_true", help="the linears in float8")
+    parser.add_argument("--core", action="store_true", help="Megatron-Core's linears")
+    parser.add_argument(
+        "--rank0-warning", action="store_true", help="--core: a warning on rank 0 only"
+    )
     args = parser.parse_args()
     device = training_examples.init_torchrun()
     world_size = dist.get_world_size()
     # the whole batch on every rank; 32 tokens per rank (the sequence is sharded)
-    front = "float8" if args.float8 else "megatron"
-    cfg = training_examples.example_config(args, front, 1, 4, 32 * world_size, device, bias=True)
+    front = "float8" if args.float8 else "megatron_core" if args.core else "megatron"
+    extra = {"rank0_warning": True} if args.rank0_warning else {}
+    cfg = training_examples.example_config(
+        args, front, 1, 4, 32 * world_size, device, bias=True, **extra
+    )
     training_examples.run_and_print(cfg, args)
     training_examples.leave_torchrun()
 

@@ -1,8 +1,10 @@
 """The training front ends: one rank's model, loss and inputs per front end (:func:`build`).
 
-Three front ends put collectives next to matmuls, and two more write two of them as
-Megatron-LM and DeepSpeed do (``"megatron"``, ``"deepspeed"``: :mod:`.styles`; with
-``"float8"``, Megatron's block with float8 linears: :mod:`.float8`):
+Three front ends put collectives next to matmuls, and more write them as Megatron-LM,
+DeepSpeed and torchtitan do (``"megatron"``, ``"deepspeed"``, ``"megatron_core"``: the
+block with Megatron-Core's linears and their hand-overlapped backward, ``"simple_fsdp"``:
+torchtitan's SimpleFSDP with bfloat16 parameters and float32 gradient reduction;
+:mod:`.styles`; with ``"float8"``, Megatron's block with float8 linears: :mod:`.float8`):
 
 * ``"tp"``: a stack of :class:`~commfuse_compile.tools.models.Block` sharded with DTensor's
   ``parallelize_module`` (tensor + sequence parallel over the whole world): activations
@@ -38,12 +40,21 @@ from torch.utils.checkpoint import checkpoint
 from .checkpointing import Checkpointed, checkpoint_context
 from .float8 import Float8MegatronBlock
 from .models import Block, UlyssesBlock, block_plan
-from .styles import DeepSpeedUlyssesBlock, MegatronBlock
+from .styles import DeepSpeedUlyssesBlock, MegatronBlock, MegatronCoreBlock, simple_fsdp
 
-FRONT_ENDS = ("tp", "fsdp", "ulysses", "megatron", "deepspeed", "float8")
+FRONT_ENDS = (
+    "tp",
+    "fsdp",
+    "ulysses",
+    "megatron",
+    "deepspeed",
+    "float8",
+    "megatron_core",
+    "simple_fsdp",
+)
 # fronts whose activations are sharded on the sequence over the whole world, and whose
 # replicated parameters' gradients are summed over it after the backward
-SEQUENCE_SHARDED = ("ulysses", "megatron", "deepspeed", "float8")
+SEQUENCE_SHARDED = ("ulysses", "megatron", "deepspeed", "float8", "megatron_core")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +98,8 @@ class TrainConfig:
     # "logits"); the MSE is computed on the shards and averaged over the ranks (one scalar
     # all-reduce), as torchtitan's loss_parallel does for the cross-entropy
     loss_parallel: bool = False
+    # "megatron_core": a warnings.warn on rank 0 only in every row-parallel linear's forward
+    rank0_warning: bool = False
 
 
 class Transformer(nn.Module):
@@ -121,6 +134,8 @@ def _block(cfg: TrainConfig, group: Any) -> nn.Module:
         return Float8MegatronBlock(cfg.dim, cfg.heads, cfg.hidden, group, cfg.bias)
     if cfg.front == "megatron":
         return MegatronBlock(cfg.dim, cfg.heads, cfg.hidden, group, cfg.bias)
+    if cfg.front == "megatron_core":
+        return MegatronCoreBlock(cfg.dim, cfg.heads, cfg.hidden, group, cfg.bias, cfg.rank0_warning)
     if cfg.front == "deepspeed":
         return DeepSpeedUlyssesBlock(
             cfg.dim, cfg.heads, cfg.hidden, group, cfg.gqa_kv_heads, cfg.fused_qkv
@@ -286,7 +301,28 @@ def build(cfg: TrainConfig, rank: int, world_size: int) -> Setup:
         tp_mesh, dp_group = None, dist.group.WORLD if dp > 1 else None
     if cfg.front == "fsdp" and dp_group is not None:
         shard_parameters(model, dp_group)
-    return Setup(MSELoss(model), _mesh_inputs(cfg, rank, tp, dp, tp_mesh), dp, dp_group)
+    inputs = _mesh_inputs(cfg, rank, tp, dp, tp_mesh)
+    if cfg.front == "simple_fsdp":
+        if tp > 1:
+            raise ValueError("front 'simple_fsdp' is data parallel only (tp=1)")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        simple_fsdp(model, init_device_mesh(cfg.device, (dp,), mesh_dim_names=("dp",)))
+        inputs = _in_param_dtype(inputs)
+    return Setup(MSELoss(model), inputs, dp, dp_group)
+
+
+def _in_param_dtype(
+    inputs: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+    """SimpleFSDP's inputs: activations in bfloat16 (as a bfloat16 embedding gives them),
+    the target as it is (the MSE promotes to float32)."""
+
+    def cast(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, target = inputs(step)
+        return x.to(torch.bfloat16), target
+
+    return cast
 
 
 def _mesh_sizes(cfg: TrainConfig, world_size: int) -> tuple[int, int]:

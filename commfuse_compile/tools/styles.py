@@ -17,10 +17,23 @@ preallocated buffers inside ``autograd.Function``s:
   the sequence: ``dist.all_to_all_single(out, x)`` into ``torch.empty_like``), local
   attention sees ``[s, b, heads/n, d]``, and the output goes back the other way. Grouped
   query attention (``kv_heads``) and one fused q/k/v linear (``fused_qkv``) as options.
+* :class:`MegatronCoreBlock`: the same block with Megatron-Core's linears
+  (``megatron/core/tensor_parallel/layers.py``): the column-parallel linear gathers its
+  input inside its own ``autograd.Function`` into the persistent global memory buffer
+  (:func:`get_global_memory_buffer`), and its backward gathers the input again and
+  reduce-scatters the input gradient with ``async_op=True``, waiting only after the next
+  matmul (overlap by hand); linears return ``(output, bias)``. Optionally, a warning on
+  rank 0 only on the row-parallel path (``rank0_warning``).
+* :func:`simple_fsdp`: torchtitan's SimpleFSDP: every parameter a DTensor sharded on dim 0
+  over the data-parallel mesh, read through a parametrization whose forward redistributes
+  it to replicated (the all-gather, in ``param_dtype``) with gradients reduced to
+  ``Partial("avg")`` in ``reduce_dtype`` (the reduce-scatter): all in the graph.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 from typing import Any
 
 import torch
@@ -210,3 +223,243 @@ class DeepSpeedUlyssesBlock(UlyssesBlock):
         o = SeqAllToAll.apply(self.group, o.permute(2, 0, 1, 3), 0, 2)  # [s/n, b, heads, d]
         x = x + self.wo(o.reshape(s, b, dim))
         return x + self.mlp(self.ffn_norm(x))
+
+
+# ----------------------------------------------------------------------------------------
+# Megatron-Core's linears (megatron/core/tensor_parallel/layers.py)
+
+
+class GlobalMemoryBuffer:
+    """Megatron-Core's global memory buffer: one flat tensor per (name, dtype), kept across
+    calls and grown when a larger view is asked for; callers get views of it."""
+
+    def __init__(self) -> None:
+        self.buffer: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get_tensor(
+        self, shape: list[int], dtype: torch.dtype, name: str, device: torch.device
+    ) -> torch.Tensor:
+        numel = math.prod(shape)
+        key = (name, dtype)
+        if key not in self.buffer or self.buffer[key].numel() < numel:
+            self.buffer[key] = torch.empty(numel, dtype=dtype, device=device)
+        return self.buffer[key][0:numel].view(shape)
+
+
+_GLOBAL_MEMORY_BUFFER: GlobalMemoryBuffer | None = None
+
+
+def get_global_memory_buffer() -> GlobalMemoryBuffer:
+    """The process's buffer (``parallel_state.get_global_memory_buffer``), made on first use."""
+    global _GLOBAL_MEMORY_BUFFER
+    if _GLOBAL_MEMORY_BUFFER is None:
+        _GLOBAL_MEMORY_BUFFER = GlobalMemoryBuffer()
+    return _GLOBAL_MEMORY_BUFFER
+
+
+class LinearWithAsyncCommunication(torch.autograd.Function):
+    """Megatron-Core's ``LinearWithGradAccumulationAndAsyncCommunication`` with sequence
+    parallelism: the forward gathers the input into the global buffer and multiplies; the
+    backward starts the same gather (``async_op=True``), computes the input gradient,
+    waits, starts the reduce-scatter of the input gradient (``async_op=True``), computes
+    the weight gradient and only then waits. Without sequence parallelism it is a plain
+    linear (the row-parallel linear's matmul)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        sequence_parallel: bool,
+        group: Any,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(input, weight)
+        ctx.use_bias = bias is not None
+        ctx.sequence_parallel, ctx.group = sequence_parallel, group
+        total_input = input
+        if sequence_parallel:
+            shape = list(input.size())
+            shape[0] *= dist.get_world_size(group)
+            total_input = get_global_memory_buffer().get_tensor(
+                shape, input.dtype, "mpu", input.device
+            )
+            dist.all_gather_into_tensor(total_input, input, group=group)
+        output = torch.matmul(total_input, weight.t())
+        return output if bias is None else output + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
+        input, weight = ctx.saved_tensors
+        group = ctx.group
+        total_input, handle = input, None
+        if ctx.sequence_parallel:
+            shape = list(input.size())
+            shape[0] *= dist.get_world_size(group)
+            total_input = get_global_memory_buffer().get_tensor(
+                shape, input.dtype, "mpu", input.device
+            )
+            handle = dist.all_gather_into_tensor(total_input, input, group=group, async_op=True)
+        grad_input = grad_output.matmul(weight)
+        if handle is not None:
+            handle.wait()
+        # Megatron's prepare_input_tensors_for_wgrad_compute: 2-D operands
+        grad_output_2d = grad_output.reshape(-1, grad_output.shape[-1])
+        total_input_2d = total_input.reshape(-1, total_input.shape[-1])
+        if ctx.sequence_parallel:
+            sub_grad_input = torch.empty(input.size(), dtype=input.dtype, device=input.device)
+            handle = dist.reduce_scatter_tensor(
+                sub_grad_input, grad_input, group=group, async_op=True
+            )
+        grad_weight = grad_output_2d.t().matmul(total_input_2d)
+        grad_bias = grad_output_2d.sum(dim=0) if ctx.use_bias else None
+        if ctx.sequence_parallel:
+            assert handle is not None
+            handle.wait()
+            return sub_grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+class CoreColumnParallelLinear(nn.Module):
+    """Megatron-Core's ``ColumnParallelLinear`` with sequence parallelism: the gather is
+    inside the linear's own function; returns ``(output, None)`` (the bias is added)."""
+
+    def __init__(self, inputs: int, outputs: int, group: Any, bias: bool) -> None:
+        super().__init__()
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        self.weight = _shard(nn.Linear(inputs, outputs).weight.detach(), n, rank, 0)
+        self.bias = _shard(torch.zeros(outputs), n, rank, 0) if bias else None
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
+        output = LinearWithAsyncCommunication.apply(
+            input_, self.weight, self.bias, True, self.group
+        )
+        return output, None
+
+
+class CoreRowParallelLinear(nn.Module):
+    """Megatron-Core's ``RowParallelLinear`` with sequence parallelism: the matmul through
+    the same function (no communication), then ``reduce_scatter_to_sequence_parallel_region``
+    and the bias; returns ``(output, None)``. ``rank0_warning``: a ``warnings.warn`` on rank
+    0 only in its forward (a rank-0-only warning on this path: rank 0's graph breaks
+    there and the others' do not)."""
+
+    def __init__(
+        self, inputs: int, outputs: int, group: Any, bias: bool, rank0_warning: bool = False
+    ) -> None:
+        super().__init__()
+        n, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group = group
+        self.weight = _shard(nn.Linear(inputs, outputs).weight.detach(), n, rank, 1)
+        self.bias = nn.Parameter(torch.zeros(outputs)) if bias else None
+        self.rank0_warning = rank0_warning
+
+    def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if self.rank0_warning and dist.get_rank() == 0:
+            warnings.warn("RowParallelLinear: sequence parallelism is on", stacklevel=2)
+        output_parallel = LinearWithAsyncCommunication.apply(
+            input_, self.weight, None, False, self.group
+        )
+        output = ReduceScatterToSequenceParallelRegion.apply(output_parallel, self.group)
+        return (output if self.bias is None else output + self.bias), None
+
+
+class MegatronCoreBlock(nn.Module):
+    """:class:`MegatronBlock`'s GPT block with Megatron-Core's linears
+    (:class:`CoreColumnParallelLinear`, :class:`CoreRowParallelLinear`)."""
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        hidden: int,
+        group: Any,
+        bias: bool = True,
+        rank0_warning: bool = False,
+    ) -> None:
+        super().__init__()
+        n = dist.get_world_size(group)
+        if heads % n or hidden % n:
+            raise ValueError(f"{n} ranks must divide heads={heads} and hidden={hidden}")
+        self.local_heads, self.head_dim = heads // n, dim // heads
+        self.input_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv = CoreColumnParallelLinear(dim, 3 * dim, group, bias)
+        self.proj = CoreRowParallelLinear(dim, dim, group, bias, rank0_warning)
+        self.fc1 = CoreColumnParallelLinear(dim, 2 * hidden, group, bias)
+        self.fc2 = CoreRowParallelLinear(hidden, dim, group, bias, rank0_warning)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv(self.input_norm(x))  # [s, b, 3 * heads/n * d]
+        s, b, _ = qkv.shape
+        q, k, v = qkv.view(s, b, self.local_heads, 3 * self.head_dim).chunk(3, dim=-1)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/n, s, d]
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out, _ = self.proj(a.permute(2, 0, 1, 3).reshape(s, b, -1))
+        x = x + out
+        fc1, _ = self.fc1(self.mlp_norm(x))
+        gate, up = fc1.chunk(2, dim=-1)
+        out, _ = self.fc2(F.silu(gate) * up)
+        return x + out
+
+
+# ----------------------------------------------------------------------------------------
+# torchtitan's SimpleFSDP (torchtitan/experiments/simple_fsdp)
+
+
+class ReplicateComputation(nn.Module):
+    """SimpleFSDP's parametrization: the stored dim-0 shard (a DTensor) redistributed to
+    replicated in ``param_dtype`` (the all-gather), its local tensor returned with
+    gradients ``Partial("avg")`` cast to ``reduce_dtype`` (the reduce-scatter)."""
+
+    def __init__(self, mesh: Any, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        super().__init__()
+        from torch.distributed.tensor import Partial, Replicate
+
+        self.mesh = mesh
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.compute_placements = [Replicate()]
+        self.grad_placements = [Partial(reduce_op="avg")]
+
+    def forward(self, x: Any) -> torch.Tensor:
+        replicated = x.redistribute(
+            placements=self.compute_placements,
+            forward_dtype=self.param_dtype,
+            backward_dtype=self.reduce_dtype,
+        )
+        return replicated.to_local(grad_placements=self.grad_placements)
+
+
+def _parametrize(module: nn.Module, names: list[str], parametrization: nn.Module) -> None:
+    """SimpleFSDP's own parametrization: a subclass of the module's class whose properties
+    read each parameter through ``parametrization`` (the state dict keeps the shards)."""
+
+    def read(name: str) -> property:
+        return property(lambda self: parametrization(self._parameters[name]))
+
+    properties = {name: read(name) for name in names}
+    module.__class__ = type(f"SimpleFSDP{type(module).__name__}", (type(module),), properties)
+
+
+def simple_fsdp(
+    model: nn.Module,
+    mesh: Any,
+    param_dtype: torch.dtype = torch.bfloat16,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """torchtitan's ``data_parallel(model, mesh, mode="fully_shard", mp_policy=...)``:
+    every parameter distributed ``Shard(0)`` over ``mesh`` and read through
+    :class:`ReplicateComputation`."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    for module in list(model.modules()):
+        params = dict(module.named_parameters(recurse=False))
+        for name, param in params.items():
+            module.register_parameter(
+                name, nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)]))
+            )
+        if params:
+            _parametrize(
+                module, list(params), ReplicateComputation(mesh, param_dtype, reduce_dtype)
+            )
+    return model
