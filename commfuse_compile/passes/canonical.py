@@ -101,9 +101,15 @@ def _into_fresh(copy: Node) -> bool:
         return list(buffer.users) == [copy]
     if copy.target is not aten.copy.default or buffer.op != "call_function":
         return False  # a write into a graph input (or through a view) is the program's
-    collective = src.args[0] if isinstance(src, Node) and src.target is WAIT_TENSOR else None
-    in_place = isinstance(collective, Node) and collective.target in IN_PLACE
-    return in_place and set(buffer.users) == {copy, collective} and collective.args[0] is buffer
+    if not isinstance(src, Node) or src.target is not WAIT_TENSOR:
+        return False
+    collective = src.args[0]
+    return (
+        isinstance(collective, Node)
+        and collective.target in IN_PLACE
+        and collective.args[0] is buffer
+        and set(buffer.users) == {copy, collective}
+    )
 
 
 def _copied_value(copy: Node) -> Node | None:
