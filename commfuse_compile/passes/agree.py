@@ -15,9 +15,9 @@ would without the pass, on every rank alike:
   wait); the first rank to give up sets the verdict in the store and every rank that
   reads that exchange, then or later, takes it;
 * on a diverged group, sites keep their collectives without any exchange
-  (``site.ranks_diverged``); and a graph this rank compiled before, with the same
-  digest, decisions and transfers (a recompile that changed only a constant), runs as
-  the group agreed then, without waiting for peers that never compile it.
+  (``site.ranks_diverged``); and a recompiled graph (another digest) with the
+  decisions and transfers of a graph the group agreed on (a float that became an
+  input) runs as the group agreed then, without waiting for peers that never compile it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ..runtime import groups
 from . import sequence
 from .declines import Declined, decline
 
-_known: dict[str, Declined | None] = {}  # a graph agreed on -> its verdict
+_known: dict[str, tuple[int, Declined | None]] = {}  # transfers agreed on -> (digest, verdict)
 WARNED = frozenset({"compiler.rank_graphs", "compiler.rank_absent"})  # warned here
 HINT = (
     "a graph break or recompile that depends on the rank (rank-0-only logging or "
@@ -94,11 +94,13 @@ def agree(
         "decisions": [[r.kind, r.decision, r.schedule] for r in records],
         "sequence": None if events is None else [e.as_json() for e in events],
     }
-    # the same transfers as a graph the group agreed on: its peers run that one
+    # a recompiled graph (another digest) with the transfers of one the group agreed on:
+    # peers that did not recompile run that one. The same graph compiled again is
+    # compared again: every rank that compiles it exchanges, whatever its program.
     key = json.dumps([sorted(member_of), _renumbered(mine)], sort_keys=True)
-    if key in _known:
-        log.info("commfuse: the transfers of a graph agreed on before: its verdict stands")
-        return _known[key]
+    if key in _known and _known[key][0] != digest:
+        log.info("commfuse: a recompile with the transfers agreed on before: its verdict stands")
+        return _known[key][1]
     wait_s = options.exchange_timeout or min(map(groups.group_timeout_s, member_of)) / 2
     read = time.perf_counter()
     exchanged = groups.exchange({**mine, "digest": digest, "ops": ops}, member_of, wait_s)
@@ -109,7 +111,7 @@ def agree(
     if why is None:
         groups.check_inputs(exchanged.seen)
         why = _verdict(exchanged.seen)
-        _known[key] = why
+        _known[key] = (digest, why)
     log.info(
         "commfuse: ranks %s: %d transfer events read in %.1f ms, exchanged in %.1f ms "
         "(waiting for the slowest rank's compile), compared in %.1f ms: %s",
