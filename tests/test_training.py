@@ -232,6 +232,8 @@ def test_tp_sp_with_embedding_what_stays(ranks, tmp_path, loss_parallel):
         ("forward", "mm_rs", "rewritten", RING): 4,
         ("backward", "ag_mm", "rewritten", RING): 4,
         ("backward", "mm_rs", "rewritten", RING): 11,
+        # loss parallelism: the loss's scalar all-reduce, recorded (no matmul under it)
+        **({("forward", "mm_ar", "declined", "ar.not_matmul"): 1} if loss_parallel else {}),
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
     # what stays after the rewrite: the embedding's reduce-scatter (its partial sums
@@ -313,6 +315,8 @@ def test_fsdp_times_tp_on_a_2x2_mesh_trains_like_eager(ranks, tmp_path, inner):
         # 15 dp weight-gradient reduce-scatters, as in 1-D (4 of them over t(dY) @ AG_tp(X):
         # that TP gather's ring runs in their first window), and 11 TP input gradients
         ("backward", "mm_rs", "rewritten", RING): 26,
+        # the replicated parameters' gradients summed over TP (bias-like sums, no matmul)
+        ("backward", "mm_ar", "declined", "ar.not_matmul"): 5,
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
 
