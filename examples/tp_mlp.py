@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import commfuse_compile
 from commfuse_compile.tools.models import MLP, mlp_plan
+from commfuse_compile.tools.training_examples import leave_torchrun
 
 
 def main() -> None:
@@ -48,7 +49,7 @@ def main() -> None:
                 f"{site.graph:<9} {site.kind:<6} {site.decision:<10} {site.schedule:<5} "
                 f"{site.reason}"
             )
-    dist.destroy_process_group()
+    leave_torchrun()  # barrier, destroy_process_group, then exit without finalizing
 
 
 if __name__ == "__main__":
