@@ -235,58 +235,43 @@ def test_cost_of_an_all_reduce_site_adds_one_all_gather_to_every_schedule():
 HIDDEN, FFN, TOKENS = 8, 12, (2, 6)  # 12 tokens: divisible by 3 and 4 ranks
 
 
-class ReduceFunctional(torch.autograd.Function):
-    """The row-parallel output summed with the functional all-reduce."""
+def functional_sum(t: torch.Tensor) -> torch.Tensor:
+    """The functional all-reduce, as DTensor and hand-written functional code sum."""
+    from torch.distributed._functional_collectives import all_reduce
 
-    @staticmethod
-    def forward(ctx, y):
-        from torch.distributed._functional_collectives import all_reduce
-
-        return all_reduce(y, "sum", dist.group.WORLD)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
+    return all_reduce(t, "sum", dist.group.WORLD)
 
 
-class CopyFunctional(torch.autograd.Function):
-    """The column-parallel input: whole on every rank, its gradient summed."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        from torch.distributed._functional_collectives import all_reduce
-
-        return all_reduce(grad, "sum", dist.group.WORLD)
+def in_place_sum(t: torch.Tensor) -> torch.Tensor:
+    """Megatron's spelling: ``dist.all_reduce`` in place."""
+    dist.all_reduce(t)
+    return t
 
 
-class ReduceInPlace(torch.autograd.Function):
-    """Megatron's reduce-from-tensor-parallel region: ``dist.all_reduce`` in place."""
+def tensor_parallel_regions(summed):
+    """Megatron's copy-to and reduce-from tensor-parallel regions, summing with
+    ``summed``: the column-parallel input (whole on every rank, its gradient summed) and
+    the row-parallel output (summed, its gradient passed through)."""
 
-    @staticmethod
-    def forward(ctx, y):
-        dist.all_reduce(y)
-        return y
+    class Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
+        @staticmethod
+        def backward(ctx, grad):
+            return summed(grad)
 
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return summed(y)
 
-class CopyInPlace(torch.autograd.Function):
-    """Megatron's copy-to-tensor-parallel region: the gradient all-reduced in place."""
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
 
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        dist.all_reduce(grad)
-        return grad
+    return Copy, Reduce
 
 
 def hand_written_mlp(copy, reduce):
@@ -330,8 +315,8 @@ def dtensor_mlp(n: int):
 
 
 HAND_WRITTEN = {
-    "functional": hand_written_mlp(CopyFunctional, ReduceFunctional),
-    "megatron": hand_written_mlp(CopyInPlace, ReduceInPlace),
+    "functional": hand_written_mlp(*tensor_parallel_regions(functional_sum)),
+    "megatron": hand_written_mlp(*tensor_parallel_regions(in_place_sum)),
 }
 
 

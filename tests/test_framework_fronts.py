@@ -11,11 +11,8 @@ in float32. 3 ranks, eager and Inductor; 2 and 4 ranks in ``-m matrix``.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-
-from commfuse_compile.tools import fronts, training
+from trained import counts, loss_difference, small_config, train
 
 # (forward, backward) sites of each kind found in a 2-step run of one block, every one
 # rewritten under "ring". Megatron-Core under the eager inner compiler (compiled twice: the
@@ -32,37 +29,6 @@ EXPECTED = {
 }
 
 
-@functools.cache
-def front_config(front: str, n: int) -> fronts.TrainConfig:
-    return fronts.TrainConfig(
-        front=front,
-        blocks=1,
-        dim=8 * 2 * n,
-        heads=2 * n,
-        hidden=16 * n,
-        batch=n if front == "simple_fsdp" else 2,
-        seq=4 * n,
-        steps=2,
-        bias=front == "megatron_core",
-    )
-
-
-def train_front(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> dict:
-    import torch._inductor.config
-
-    torch._inductor.config.compile_threads = 1
-    fused, eager = training.compare(rank, n, cfg, options)
-    return {
-        "losses": (fused.losses, eager.losses),
-        "sites": [(s["graph"], s["kind"], s["decision"], s["decline_code"]) for s in fused.sites],
-    }
-
-
-def loss_difference(result: dict) -> float:
-    fused, eager = result["losses"]
-    return training.max_relative_diff(fused, eager)
-
-
 def cells():
     for front in ("megatron_core", "simple_fsdp"):
         for n in (2, 3, 4):
@@ -73,16 +39,13 @@ def cells():
 
 @pytest.mark.parametrize(("front", "n", "inner"), list(cells()))
 def test_framework_fronts_rewrite_every_site_and_match(ranks, front, n, inner):
-    results = ranks(n).run(
-        train_front, front_config(front, n), {"schedule": "ring", "inner": inner}
-    )
+    cfg = small_config(front, n, **({"batch": n} if front == "simple_fsdp" else {}))
+    results = ranks(n).run(train, cfg, {"schedule": "ring", "inner": inner})
     for result in results:
         print(front, n, inner, "loss difference", loss_difference(result), result["sites"])
         # float32 (Megatron-Core); SimpleFSDP computes in bfloat16
         assert loss_difference(result) < (1e-5 if front == "megatron_core" else 2e-2)
         assert result["sites"], "no site found"
         assert all(s[2] == "rewritten" for s in result["sites"]), result["sites"]
-        for kind, (forward, backward) in EXPECTED[front, inner].items():
-            found = [s[0] for s in result["sites"] if s[1] == kind]
-            counts = (found.count("forward"), found.count("backward"))
-            assert counts == (forward, backward), (kind, result["sites"])
+        for kind, expected in EXPECTED[front, inner].items():
+            assert counts(result, kind) == expected, (kind, result["sites"])

@@ -13,16 +13,15 @@ rewritten and the losses equal (2 and 4 ranks and the GQA / fused q/k/v variants
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from trained import counts, loss_difference, small_config, train
 
 from commfuse_compile import Options, report
 from commfuse_compile.passes import rewrite_graph
-from commfuse_compile.tools import fronts, training
+from commfuse_compile.tools import fronts
 
 N, RANK = 4, 1
 aten = torch.ops.aten
@@ -180,41 +179,9 @@ def test_a_copy_that_converts_or_broadcasts_is_not_the_value(fake_world):
 # gloo ranks: the framework-style front ends
 
 
-@functools.cache
 def style_config(front: str, n: int, variant: str) -> fronts.TrainConfig:
     extra = {"gqa_kv_heads": n, "fused_qkv": True} if variant == "gqa-fused" else {}
-    return fronts.TrainConfig(
-        front=front,
-        blocks=1,
-        dim=8 * 2 * n,
-        heads=2 * n,
-        hidden=16 * n,
-        batch=2,
-        seq=4 * n,
-        steps=2,
-        bias=front == "megatron",
-        **extra,
-    )
-
-
-def train_style(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> dict:
-    import torch._inductor.config
-
-    torch._inductor.config.compile_threads = 1
-    fused, eager = training.compare(rank, n, cfg, options)
-    return {
-        "losses": (fused.losses, eager.losses),
-        "sites": [
-            (s["graph"], s["kind"], s["decision"], s["reason"], s["decline_code"])
-            for s in fused.sites
-        ],
-    }
-
-
-def assert_losses_equal(result: dict) -> None:
-    fused, eager = result["losses"]
-    difference = max(abs(a - b) / abs(b) for a, b in zip(fused, eager, strict=True))
-    assert difference < 1e-5, (fused, eager)
+    return small_config(front, n, **extra)
 
 
 # per block: (forward, backward) sites of each kind
@@ -239,13 +206,12 @@ def style_cells():
 @pytest.mark.parametrize(("front", "n", "inner", "variant"), list(style_cells()))
 def test_framework_style_models_rewrite_every_site_and_match(ranks, front, n, inner, variant):
     options = {"schedule": "ring", "inner": inner}
-    results = ranks(n).run(train_style, style_config(front, n, variant), options)
+    results = ranks(n).run(train, style_config(front, n, variant), options)
     for result in results:
-        assert_losses_equal(result)
+        assert loss_difference(result) < 1e-5, result["losses"]
         assert all(s[2] == "rewritten" for s in result["sites"]), result["sites"]
-        for kind, (forward, backward) in EXPECTED[front].items():
-            found = [s[0] for s in result["sites"] if s[1] == kind]
-            assert (found.count("forward"), found.count("backward")) == (forward, backward)
+        for kind, expected in EXPECTED[front].items():
+            assert counts(result, kind) == expected, (kind, result["sites"])
 
 
 @pytest.mark.parametrize("n", [3, pytest.param(4, marks=pytest.mark.matrix)], ids=lambda n: f"n{n}")
@@ -253,12 +219,11 @@ def test_framework_style_models_rewrite_every_site_and_match(ranks, front, n, in
 def test_framework_style_models_with_default_options(ranks, front, n):
     """``backend="commfuse"`` and nothing else (Inductor, ``auto``): every site of the
     in-place spelling is found and decided, alike on every rank, and the losses match."""
-    results = ranks(n).run(train_style, style_config(front, n, "plain"), {})
+    results = ranks(n).run(train, style_config(front, n, "plain"), {})
     for result in results:
-        assert_losses_equal(result)
+        assert loss_difference(result) < 1e-5, result["losses"]
         assert result["sites"] == results[0]["sites"]
-        for kind, (forward, backward) in EXPECTED[front].items():
-            found = [s[0] for s in result["sites"] if s[1] == kind]
-            assert (found.count("forward"), found.count("backward")) == (forward, backward)
+        for kind, expected in EXPECTED[front].items():
+            assert counts(result, kind) == expected, (kind, result["sites"])
         declined = {s[4] for s in result["sites"] if s[2] == "declined"}
         assert declined <= {"plan.not_profitable"}, result["sites"]

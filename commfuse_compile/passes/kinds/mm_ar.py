@@ -25,7 +25,7 @@ from ...schedules import Direction, Schedule
 from .. import dims
 from ..blocks import contiguous, viewed
 from ..declines import Declined, decline
-from ..graph import Matmul, is_matmul, node_arg, numel, op_name, the_wait, val, view_sources
+from ..graph import Matmul, is_matmul, node_arg, op_name, the_wait, val, view_sources
 from ..rewrite import Rewrite, Taken
 from ..ring import replace_collective
 from ..site_kind import SiteKind
@@ -48,27 +48,9 @@ class MmArSite(ReducedProductSite):
     gathered."""
 
     kind: ClassVar[str] = "mm_ar"
-    all_reduce: Node
-    wait: Node
-
-    @property
-    def collectives(self) -> tuple[Node, ...]:
-        return (self.all_reduce,)
-
-    def replaced(self) -> list[Node]:
-        return [self.all_reduce, self.wait, *self.chain, *(t.node for t in self.terms)]
 
     def describe(self) -> dict[str, object]:
-        return {
-            "collectives": [self.all_reduce.name],
-            "group": self.group_name,
-            "group_size": self.group_size,
-            "product_shape": dims.as_json(self.product_shape),
-            "matmuls": [t.node.name for t in self.terms],
-            "blocks": "rows",
-            "reduce_op": self.reduce_op,
-            "then": "all_gather",
-        }
+        return {**super().describe(), "then": "all_gather"}
 
 
 class MmAr(SiteKind[MmArSite]):
@@ -81,19 +63,19 @@ class MmAr(SiteKind[MmArSite]):
         return [_match(n, Taken()) for n in nodes]
 
     def rematch(self, site: MmArSite, taken: Taken) -> MmArSite | None:
-        return _match(site.all_reduce, taken)
+        return _match(site.collective, taken)
 
     def without(self, site: MmArSite, disabled: frozenset[str]) -> MmArSite:
         return site  # one product: nothing to leave out but the whole site
 
     def work(self, site: MmArSite, n: int) -> Work:
-        out_bytes = numel(site.terms[0].node) * val(site.all_reduce).element_size()
+        bytes_per_block = site.product_bytes() / n
         return Work(
-            self.direction, n, flops(site) / n, out_bytes / n, len(site.terms), then_gather=True
+            self.direction, n, flops(site) / n, bytes_per_block, len(site.terms), then_gather=True
         )
 
     def start(self, site: MmArSite, taken: Taken) -> tuple[MmArSite, Node]:
-        return site, site.all_reduce
+        return site, site.collective
 
     def lower(
         self, rw: Rewrite, site: MmArSite, group: Group, schedule: Schedule, slices: int
@@ -122,7 +104,7 @@ def _match(ar: Node, taken: Taken) -> MmArSite:
     except Declined as why:
         declined = why.kept()
     return MmArSite(
-        all_reduce=ar,
+        collective=ar,
         wait=wait or ar,
         terms=tuple(terms),
         group_name=str(group_name),
@@ -187,4 +169,4 @@ def _lower(rw: Rewrite, site: MmArSite, group: Group, schedule: Schedule, slices
     gathering = em(gather, (block, group.size, group.name), step=last, lane="comm")
     gathered = em(c10d.wait_tensor.default, (gathering,), step=last, lane="comm")
     result = viewed(em, gathered, val(site.wait).shape, last)
-    replace_collective(rw, [site.all_reduce], [site.wait], result)
+    replace_collective(rw, [site.collective], [site.wait], result)

@@ -30,7 +30,6 @@ from ..graph import (
     is_matmul,
     node_arg,
     normalized_dim,
-    numel,
     op_name,
     ordered_getitems,
     the_wait,
@@ -60,27 +59,9 @@ class MmRsSite(ReducedProductSite):
     """reduce_scatter(sum of ``terms``), scattered along ``scatter_dim``."""
 
     kind: ClassVar[str] = "mm_rs"
-    reduce_scatter: Node
-    wait: Node
-
-    @property
-    def collectives(self) -> tuple[Node, ...]:
-        return (self.reduce_scatter,)
-
-    def replaced(self) -> list[Node]:
-        return [self.reduce_scatter, self.wait, *self.chain, *(t.node for t in self.terms)]
 
     def describe(self) -> dict[str, object]:
-        return {
-            "collectives": [self.reduce_scatter.name],
-            "group": self.group_name,
-            "group_size": self.group_size,
-            "scatter_dim": self.scatter_dim,
-            "product_shape": dims.as_json(self.product_shape),
-            "matmuls": [t.node.name for t in self.terms],
-            "blocks": "columns" if self.columns else "rows",
-            "reduce_op": self.reduce_op,
-        }
+        return {**super().describe(), "scatter_dim": self.scatter_dim}
 
 
 class MmRs(SiteKind[MmRsSite]):
@@ -95,17 +76,16 @@ class MmRs(SiteKind[MmRsSite]):
         return [site for site in found if site is not None]
 
     def rematch(self, site: MmRsSite, taken: Taken) -> MmRsSite | None:
-        return _match(site.reduce_scatter, taken)
+        return _match(site.collective, taken)
 
     def without(self, site: MmRsSite, disabled: frozenset[str]) -> MmRsSite:
         return site  # one product: nothing to leave out but the whole site
 
     def work(self, site: MmRsSite, n: int) -> Work:
-        out_bytes = numel(site.terms[0].node) * val(site.reduce_scatter).element_size()
-        return Work(self.direction, n, flops(site) / n, out_bytes / n, len(site.terms))
+        return Work(self.direction, n, flops(site) / n, site.product_bytes() / n, len(site.terms))
 
     def start(self, site: MmRsSite, taken: Taken) -> tuple[MmRsSite, Node]:
-        return site, site.reduce_scatter
+        return site, site.collective
 
     def lower(
         self, rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, slices: int
@@ -139,7 +119,7 @@ def _match(rs: Node, taken: Taken) -> MmRsSite | None:
     except Declined as why:
         declined = why.kept()
     return MmRsSite(
-        reduce_scatter=rs,
+        collective=rs,
         wait=wait or rs,
         terms=tuple(terms),
         group_name=str(group_name),
@@ -217,4 +197,4 @@ def _lower(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, slices
     """This rank's reduced block, as the reduce-scatter returns it."""
     block, last = reduced_block(rw, site, group, schedule, slices)
     result = viewed(rw.emit, block, val(site.wait).shape, last)
-    replace_collective(rw, [site.reduce_scatter], [site.wait], result)
+    replace_collective(rw, [site.collective], [site.wait], result)

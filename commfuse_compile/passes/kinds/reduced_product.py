@@ -54,17 +54,41 @@ REDUCE_OPS = ("sum", "avg")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReducedProductSite(Site):
-    """A collective that sums ``terms`` (one matmul, or several with one shape: the
-    backward of an input shared by several linears, e.g. gate and up) over the group;
-    its first collective (``anchor``) has the dtype the partial sums are added in."""
+    """A ``collective`` that sums ``terms`` (one matmul, or several with one shape: the
+    backward of an input shared by several linears, e.g. gate and up) over the group,
+    read through ``wait``; the collective has the dtype the partial sums are added in."""
 
     kind: ClassVar[str]
+    collective: Node
+    wait: Node
     terms: tuple[Matmul, ...]
     scatter_dim: int  # dim of the product's (viewed) shape cut into blocks
     product_shape: tuple[dims.Size, ...] = ()  # the product as the collective sees it
     columns: bool = False  # the blocks are the product's last (N) dim
     reduce_op: str = "sum"  # or "avg": the sum, scaled by 1/n once, on this rank's block
     chain: tuple[Node, ...] = ()
+
+    @property
+    def collectives(self) -> tuple[Node, ...]:
+        return (self.collective,)
+
+    def replaced(self) -> list[Node]:
+        return [self.collective, self.wait, *self.chain, *(t.node for t in self.terms)]
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "collectives": [self.collective.name],
+            "group": self.group_name,
+            "group_size": self.group_size,
+            "product_shape": dims.as_json(self.product_shape),
+            "matmuls": [t.node.name for t in self.terms],
+            "blocks": "columns" if self.columns else "rows",
+            "reduce_op": self.reduce_op,
+        }
+
+    def product_bytes(self) -> int:
+        """The bytes of the whole product in the collective's dtype."""
+        return numel(self.terms[0].node) * val(self.collective).element_size()
 
 
 def flops(site: ReducedProductSite) -> float:
