@@ -140,13 +140,7 @@ def exit_without_finalizing(code: int = 0) -> NoReturn:
     shutdown (its exit hooks, such as idle executors' workers told to stop, then the
     non-daemon threads joined), the ``atexit`` handlers, the standard streams flushed;
     then ``os._exit(code)`` instead of the finalization (see :func:`leave_torchrun`)."""
-    shutdown = getattr(threading, "_shutdown", None)  # what Py_FinalizeEx calls first
-    if shutdown is not None:
-        shutdown()
-    else:
-        for thread in threading.enumerate():
-            if thread is not threading.current_thread() and not thread.daemon:
-                thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, OSError, ValueError):  # none, or closed
