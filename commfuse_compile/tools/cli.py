@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         return _sim(args)
 
     if args.command == "bench":
-        from .bench import main as bench_main
+        from .bench.run import main as bench_main
 
         return bench_main(args.quick, args.out, args.world_size, args.network, args.block_2d)
 

@@ -30,9 +30,9 @@ import torch
 
 from .. import report
 from ..cost.profiles import BUILTIN
-from .bench_report import slowest
+from .bench.figures import slowest
+from .bench.netns import throttled_ranks
 from .models import Block, block_plan
-from .netns import throttled_ranks
 from .sim import ModelShape, simulate_layer
 
 LINK_RATE = 400e6  # bit/s of each rank's link: the baseline's communication about its compute
