@@ -1,7 +1,7 @@
 """Compile time of the pass against the depth of the model (not a test: it times things).
 
-Traces the TP+SP transformer of ``commfuse_compile.tools.fronts`` (front "tp") at several
-depths on torch's fake process group (one process, rank 0 of 2: collectives and P2P
+Traces the TP+SP transformer of ``commfuse_compile.tools.training.fronts`` (front "tp") at
+several depths on torch's fake process group (one process, rank 0 of 2: collectives and P2P
 complete at once without moving data), compiles one forward and backward with
 ``backend="commfuse"`` and Inductor, once with ``schedule="ring"`` and once with
 ``schedule="off"``, and prints per depth: the sites, the time spent inside the pass
@@ -28,7 +28,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse_compile.passes as passes
 from commfuse_compile import report
-from commfuse_compile.tools import fronts
+from commfuse_compile.tools.training import fronts
 
 
 class Timers:

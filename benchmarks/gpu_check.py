@@ -19,7 +19,7 @@ tested on CPU and collects, on one CUDA GPU in a few minutes:
    collective fields stay the built-in profile's (one device has no link to measure).
    It is printed beside the built-in profile, with ``commfuse sim``'s layer on both.
 2. **The program check on Inductor's wrapper code.** A TP+SP transformer block
-   (``tools/fronts.py``, one block, final norm and head), traced on torch's fake
+   (``tools/training/fronts.py``, one block, final norm and head), traced on torch's fake
    process group at world size 4, compiled with ``backend="commfuse"`` and Inductor for
    every schedule; each generated program (Triton kernels and streams on CUDA) is
    checked with ``passes/program.check``: it must parse, keep every transfer's buffer,
@@ -67,9 +67,9 @@ from commfuse_compile.cost.profiles import Profile, for_device, load, save
 from commfuse_compile.options import SCHEDULES, Options
 from commfuse_compile.passes import program
 from commfuse_compile.runtime import groups
-from commfuse_compile.tools import fronts
 from commfuse_compile.tools.calibrate import fit_line
 from commfuse_compile.tools.sim import PRESETS, ModelShape, simulate_layer
+from commfuse_compile.tools.training import fronts
 
 WORLD_SIZE, RANK = 4, 1  # the fake group, and this process's rank in it (neighbours 0, 2)
 GROUP_SIZES = (2, 4, 8)
@@ -110,7 +110,7 @@ class Mode:
 
 def gpu_mode() -> Mode:
     """Llama 3 8B's block at full size (its hidden size, heads, FFN and sequence; every
-    head with its own k/v, as ``tools/models.Block`` has them)."""
+    head with its own k/v, as ``tools/training/models.Block`` has them)."""
     model = PRESETS["llama3-8b"]
     block = fronts.TrainConfig(
         blocks=1,

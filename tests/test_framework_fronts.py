@@ -1,5 +1,5 @@
 """Megatron-Core's linears and torchtitan's SimpleFSDP, written as those frameworks write
-them (``tools/styles.py``), trained on gloo ranks with and without the pass.
+them (``tools/training/styles.py``), trained on gloo ranks with and without the pass.
 
 Megatron-Core (``"megatron_core"``): the column-parallel linear gathers into the
 persistent global memory buffer and its backward overlaps by hand (``async_op=True``
@@ -15,7 +15,7 @@ import functools
 
 import pytest
 
-from commfuse_compile.tools import fronts, training
+from commfuse_compile.tools.training import fronts, loop
 
 # (forward, backward) sites of each kind found in a 2-step run of one block, every one
 # rewritten under "ring". Megatron-Core under the eager inner compiler (compiled twice: the
@@ -51,7 +51,7 @@ def train_front(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> di
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1
-    fused, eager = training.compare(rank, n, cfg, options)
+    fused, eager = loop.compare(rank, n, cfg, options)
     return {
         "losses": (fused.losses, eager.losses),
         "sites": [(s["graph"], s["kind"], s["decision"], s["decline_code"]) for s in fused.sites],
@@ -60,7 +60,7 @@ def train_front(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> di
 
 def loss_difference(result: dict) -> float:
     fused, eager = result["losses"]
-    return training.max_relative_diff(fused, eager)
+    return loop.max_relative_diff(fused, eager)
 
 
 def cells():

@@ -6,7 +6,7 @@ in-place API into a functional collective and a copy into the preallocated buffe
 spelling torch 2.13 produces is rewritten as its functional twin is (``async_op=True``:
 ``tests/test_async_collectives.py``); a graph whose sites are all declined is restored
 byte-identical. Numbers on gloo ranks: the Megatron- and DeepSpeed-style front ends
-(``tools/styles.py``), forward and backward, 2-4 ranks, eager and Inductor, every site
+(``tools/training/styles.py``), forward and backward, 2-4 ranks, eager and Inductor, every site
 rewritten and the losses equal (2 and 4 ranks and the GQA / fused q/k/v variants:
 ``pytest -m matrix``).
 """
@@ -22,7 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commfuse_compile import Options, report
 from commfuse_compile.passes import rewrite_graph
-from commfuse_compile.tools import fronts, training
+from commfuse_compile.tools.training import fronts, loop
 
 N, RANK = 4, 1
 aten = torch.ops.aten
@@ -201,7 +201,7 @@ def train_style(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> di
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1
-    fused, eager = training.compare(rank, n, cfg, options)
+    fused, eager = loop.compare(rank, n, cfg, options)
     return {
         "losses": (fused.losses, eager.losses),
         "sites": [

@@ -49,8 +49,8 @@ class BlockJob:
 def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]:
     """Job: build the block once per row, compile it (eager inner compiler) and run one
     step (which compiles forward and backward); returns the pass's sites per row."""
-    from ..fronts import TrainConfig, build
-    from ..training import summarize
+    from ..training.fronts import TrainConfig, build
+    from ..training.loop import summarize
 
     torch._dynamo.config.recompile_limit = 64  # one entry per row, same code objects
     cfg = TrainConfig(
