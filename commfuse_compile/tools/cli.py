@@ -301,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.command == "inspect":
-        from .debug_dump import NotADumpError
-        from .inspect import inspect_dump
+        from .inspect.dump import NotADumpError
+        from .inspect.run import inspect_dump
 
         try:
             written = inspect_dump(args.dir)
