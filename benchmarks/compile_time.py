@@ -1,7 +1,7 @@
 """Compile time of the pass against the depth of the model (not a test: it times things).
 
-Traces the TP+SP transformer of ``commfuse_compile.tools.fronts`` (front "tp") at several
-depths on torch's fake process group (one process, rank 0 of 2: collectives and P2P
+Traces the TP+SP transformer of ``commfuse_compile.tools.training.fronts`` (front "tp") at
+several depths on torch's fake process group (one process, rank 0 of 2: collectives and P2P
 complete at once without moving data), compiles one forward and backward with
 ``backend="commfuse"`` and Inductor, once with ``schedule="ring"`` and once with
 ``schedule="off"``, and prints per depth: the sites, the time spent inside the pass
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import commfuse_compile.passes as passes
+import commfuse_compile.passes.pipeline as pipeline
 from commfuse_compile import report
-from commfuse_compile.tools import fronts
+from commfuse_compile.tools.training import fronts
 
 
 class Timers:
@@ -41,7 +41,7 @@ class Timers:
     def install(self) -> Callable[[], None]:
         import torch._inductor.compile_fx as compile_fx
 
-        rewrite, inner = passes._rewrite, compile_fx.compile_fx_inner
+        rewrite, inner = pipeline._rewrite, compile_fx.compile_fx_inner
 
         def timed_rewrite(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
@@ -61,10 +61,10 @@ class Timers:
             finally:
                 self.inner_s += time.perf_counter() - start
 
-        passes._rewrite, compile_fx.compile_fx_inner = timed_rewrite, timed_inner
+        pipeline._rewrite, compile_fx.compile_fx_inner = timed_rewrite, timed_inner
 
         def restore() -> None:
-            passes._rewrite, compile_fx.compile_fx_inner = rewrite, inner
+            pipeline._rewrite, compile_fx.compile_fx_inner = rewrite, inner
 
         return restore
 

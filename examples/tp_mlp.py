@@ -18,8 +18,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import commfuse_compile
-from commfuse_compile.tools.models import MLP, mlp_plan
-from commfuse_compile.tools.training_examples import leave_torchrun
+from commfuse_compile.tools.training.examples import leave_torchrun
+from commfuse_compile.tools.training.models import MLP, mlp_plan
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import argparse
 
 import torch.distributed as dist
 
-from commfuse_compile.tools import training_examples
+from commfuse_compile.tools.training import examples as training_examples
 
 
 def main() -> None:

@@ -12,10 +12,10 @@ sequence and its row-parallel linears (the attention's output projection, the ML
 down projection) reduce-scatter their output, through ``autograd.Function``s that call
 the in-place c10d API into preallocated buffers (``dist.all_gather_into_tensor(out, x)``,
 ``dist.reduce_scatter_tensor(out, y)``), as Megatron-LM's ``tensor_parallel/mappings.py``
-does (``commfuse_compile/tools/styles.py``). Rank 0 prints each step's loss and time and
+does (``commfuse_compile/tools/training/styles.py``). Rank 0 prints each step's loss and time and
 what the pass did with every site; ``--compare`` also trains without the pass (plain
 eager, the same initialization and data) and prints the largest relative loss difference.
-``--float8``: the linears compute in float8 (``commfuse_compile/tools/float8.py``: a
+``--float8``: the linears compute in float8 (``commfuse_compile/tools/training/float8.py``: a
 scaled matmul of inputs and weights cast with amax scaling; the column-parallel input
 quantized before it is gathered, as its uint8 bytes). ``--core``: Megatron-Core's linears
 (the column-parallel gather into the persistent global memory buffer inside the linear's
@@ -30,7 +30,7 @@ import argparse
 
 import torch.distributed as dist
 
-from commfuse_compile.tools import training_examples
+from commfuse_compile.tools.training import examples as training_examples
 
 
 def main() -> None:

@@ -4,19 +4,20 @@
         [--inner eager|inductor] [--schedule ring|auto|off] [--activation-checkpointing [block|op]]
         [--vocab N] [--compile-per-block] [--loss-parallel]
 
-Each block (RMSNorm, attention, SwiGLU) is sharded with ``commfuse_compile.tools.models.block_plan``
-over all ranks; the final norm and the linear head are sequence / column parallel; the
-loss is the MSE to a fixed random target; AdamW. Rank 0 prints the loss and time of each
-step, then, per graph and kind, how many all-gather/reduce-scatter sites the pass found,
-rewrote and declined (and why). ``--compare`` also trains an identical copy without the
-pass (plain eager DTensor, same initialization and data) and prints the largest relative
-loss difference. ``--vocab N`` puts a token embedding first (row-parallel, as torchtitan
-shards it; the blocks then take and return local tensors), ``--compile-per-block``
-compiles each block by itself (``fullgraph=True``) as torchtitan does, the rest eager;
-``--loss-parallel`` keeps the head's output sharded on its last dim (the MSE on the
-shards, averaged over the ranks; no all-gather of the output).
-The model lives in ``commfuse_compile.tools.fronts``, the step and the summary in
-``commfuse_compile.tools.training``, the options and the run in ``training_examples``.
+Each block (RMSNorm, attention, SwiGLU) is sharded with
+``commfuse_compile.tools.training.models.block_plan`` over all ranks; the final norm and
+the linear head are sequence / column parallel; the loss is the MSE to a fixed random
+target; AdamW. Rank 0 prints the loss and time of each step, then, per graph and kind, how
+many all-gather/reduce-scatter sites the pass found, rewrote and declined (and why).
+``--compare`` also trains an identical copy without the pass (plain eager DTensor, same
+initialization and data) and prints the largest relative loss difference. ``--vocab N``
+puts a token embedding first (row-parallel, as torchtitan shards it; the blocks then take
+and return local tensors), ``--compile-per-block`` compiles each block by itself
+(``fullgraph=True``) as torchtitan does, the rest eager; ``--loss-parallel`` keeps the
+head's output sharded on its last dim (the MSE on the shards, averaged over the ranks; no
+all-gather of the output). The model lives in ``commfuse_compile.tools.training.fronts``,
+the step and the summary in ``commfuse_compile.tools.training.loop``, the options and the
+run in ``commfuse_compile.tools.training.examples``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import argparse
 
 import torch.distributed as dist
 
-from commfuse_compile.tools import training_examples
+from commfuse_compile.tools.training import examples as training_examples
 
 
 def main() -> None:

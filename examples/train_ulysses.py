@@ -19,7 +19,7 @@ the largest relative loss difference.
 
 from __future__ import annotations
 
-from commfuse_compile.tools import training_examples
+from commfuse_compile.tools.training import examples as training_examples
 
 if __name__ == "__main__":
     training_examples.ulysses_example("ulysses", __doc__.splitlines()[0])

@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import commfuse_compile
-from commfuse_compile.tools.models import MLP, mlp_plan
+from commfuse_compile.tools.training.models import MLP, mlp_plan
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from commfuse_compile.tools import bench
-from commfuse_compile.tools.bench import QUICK, kind_rows, variants
-from commfuse_compile.tools.bench_block import BlockJob, block_compile, block_times
-from commfuse_compile.tools.bench_markdown import markdown
-from commfuse_compile.tools.bench_plot import plot_speedup
-from commfuse_compile.tools.bench_report import KIND_TITLES, block_result, format_block, slowest
+from commfuse_compile.tools.bench.block import BlockJob, block_compile, block_times
+from commfuse_compile.tools.bench.figures import KIND_TITLES, block_result, format_block, slowest
+from commfuse_compile.tools.bench.markdown import markdown
+from commfuse_compile.tools.bench.netns import PREFIX, can_throttle, remove_stale_namespaces
+from commfuse_compile.tools.bench.plot import plot_speedup
+from commfuse_compile.tools.bench.run import FULL, QUICK, kind_rows, variants
 from commfuse_compile.tools.cli import _parser
-from commfuse_compile.tools.netns import PREFIX, can_throttle, remove_stale_namespaces
 
 ROOT_ONLY = pytest.mark.skipif(can_throttle() is not None, reason=str(can_throttle()))
 ULYSSES = ("mm_a2a", "a2a_mm")
@@ -127,7 +126,7 @@ def test_2d_block_row_is_built_and_reported(ranks):
     assert _parser().parse_args(["bench", "--quick", "--block-2d"]).block_2d
     assert not _parser().parse_args(["bench", "--quick"]).block_2d
     spec = QUICK.block_2d
-    assert spec is not None and spec is bench.FULL.block_2d and spec.world_size == 4
+    assert spec is not None and spec is FULL.block_2d and spec.world_size == 4
     assert spec.schedules == ("baseline", "ring", "auto")
     rows = tuple(v for v in variants() if v.label in ("baseline", "ring"))
     pool = ranks(spec.world_size)
@@ -194,7 +193,7 @@ def test_plot_of_synthetic_results(tmp_path: Path):
 HOLD_NETWORK = textwrap.dedent(
     """
     import sys
-    from commfuse_compile.tools.netns import ThrottledNetwork
+    from commfuse_compile.tools.bench.netns import ThrottledNetwork
     with ThrottledNetwork(2, "veth") as net:
         net.set_rate(1e8)
         print("ready", flush=True)

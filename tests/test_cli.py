@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from commfuse_compile.tools import netns
+from commfuse_compile.tools.bench import netns
+from commfuse_compile.tools.bench.netns import can_throttle
 from commfuse_compile.tools.demo import LINK_RATE, DemoConfig, predicted_on_link
-from commfuse_compile.tools.netns import can_throttle
 
 _MODEL_FIGURE = re.compile(
     r"no throttled link here \(see link: above\); behind a \d+ Mbit/s link per rank the cost "

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import commfuse_compile
-from commfuse_compile.tools.models import MLP, mlp_plan
+from commfuse_compile.tools.training.models import MLP, mlp_plan
 
 OPTIONS = {"schedule": "ring", "inner": "eager"}
 SHAPES = {"a": (16, 24), "b": (12, 18)}  # (dim, hidden) of the two models

@@ -27,7 +27,7 @@ import itertools
 
 import pytest
 
-from commfuse_compile.tools import fronts, training
+from commfuse_compile.tools.training import fronts, loop
 
 SCHEDULES = [("ring", 2), ("bidir", 2), ("push", 2), ("slicing", 2), ("slicing", 3)]
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
@@ -54,7 +54,7 @@ def config(front: str, n: int, dtype: str) -> fronts.TrainConfig:
 
 @functools.cache
 def _reference(rank: int, n: int, cfg: fronts.TrainConfig):  # noqa: ANN202 - per rank
-    return training.gradients(rank, n, cfg, None)
+    return loop.gradients(rank, n, cfg, None)
 
 
 def compare(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> dict:
@@ -62,7 +62,7 @@ def compare(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> dict:
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1  # ranks share 2 cores: no compile workers
-    loss, grads, sites = training.gradients(rank, n, cfg, options)
+    loss, grads, sites = loop.gradients(rank, n, cfg, options)
     ref_loss, ref_grads, _ = _reference(rank, n, cfg)
 
     def relative(a, b) -> float:  # noqa: ANN001

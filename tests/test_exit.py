@@ -103,7 +103,7 @@ import atexit, os, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 import torch.distributed as dist
-from commfuse_compile.tools.training_examples import leave_torchrun
+from commfuse_compile.tools.training.examples import leave_torchrun
 
 out = sys.argv[1]
 

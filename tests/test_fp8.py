@@ -412,7 +412,7 @@ def test_a_port_with_bias_and_avg_is_exact_for_two_ranks(ranks):
 
 
 # ----------------------------------------------------------------------------------------
-# a training front end: Megatron-style TP+SP with float8 linears (tools/float8.py)
+# a training front end: Megatron-style TP+SP with float8 linears (tools/training/float8.py)
 
 
 @pytest.mark.parametrize(
@@ -428,15 +428,15 @@ def test_float8_megatron_front_end_trains_with_every_site_rewritten(ranks, n, in
     follow the uncompiled model's. Float8 quantizes each linear's input anew: a value a
     float32 summation order moves by one unit can round to another float8 value, so the
     losses agree to ~1e-5, not bit for bit, as soon as the order differs (n > 2)."""
-    from commfuse_compile.tools import fronts, training
+    from commfuse_compile.tools.training import fronts, loop
 
     cfg = fronts.TrainConfig(front="float8", blocks=2, steps=3, seq=8 * n, bias=True)
-    fused, eager = ranks(n).run(training.compare, cfg, {"schedule": "ring", "inner": inner})[0]
-    rows = training.summarize(fused.sites)
+    fused, eager = ranks(n).run(loop.compare, cfg, {"schedule": "ring", "inner": inner})[0]
+    rows = loop.summarize(fused.sites)
     table = {(r.graph, r.kind): (r.found, r.rewritten) for r in rows if r.kind != "mm_ar"}
     assert table == {
         (graph, kind): (4, 4) for graph in ("forward", "backward") for kind in ("ag_mm", "mm_rs")
     }
     # the amax all-reduces (max of |x|) are recorded, declined: no matmul behind them
     assert all(set(r.reasons) == {"ar.not_matmul"} for r in rows if r.kind == "mm_ar")
-    assert training.max_relative_diff(fused.losses, eager.losses) < 1e-4
+    assert loop.max_relative_diff(fused.losses, eager.losses) < 1e-4

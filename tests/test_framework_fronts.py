@@ -1,5 +1,5 @@
 """Megatron-Core's linears and torchtitan's SimpleFSDP, written as those frameworks write
-them (``tools/styles.py``), trained on gloo ranks with and without the pass.
+them (``tools/training/styles.py``), trained on gloo ranks with and without the pass.
 
 Megatron-Core (``"megatron_core"``): the column-parallel linear gathers into the
 persistent global memory buffer and its backward overlaps by hand (``async_op=True``

@@ -4,32 +4,23 @@ GPU comes. Nothing here asserts a timing (the dry mode's numbers measure nothing
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import gpu_check  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 import pytest
 import torch
+from gpu_check_parts.mode import GROUP_SIZES, MODELS, SLICES, WORLD_SIZE, cpu_mode, gpu_mode
+from gpu_check_parts.split_gemm import DIRECTIONS, Split, run_blocks
 
 from commfuse_compile.cost import profiles
 from commfuse_compile.tools import cli
+from commfuse_compile.tools.sim import PRESETS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _script()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +40,7 @@ def dry_run(tmp_path_factory) -> tuple[Path, str]:
 def test_dry_mode_times_every_split(dry_run):
     out, _ = dry_run
     cells = json.loads((out / "summary.json").read_text())["split_gemm"]
-    expected = itertools.product(gpu_check.MODELS, gpu_check.GROUP_SIZES, gpu_check.DIRECTIONS)
+    expected = itertools.product(MODELS, GROUP_SIZES, DIRECTIONS)
     assert [(c["model"], c["n"], c["direction"]) for c in cells] == list(expected)
     for cell in cells:
         assert cell["whole_us"] > 0 and cell["blocks_us"] > 0 and cell["with_copies_us"] > 0
@@ -77,7 +68,7 @@ def test_dry_mode_profile_feeds_the_simulator(dry_run, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["profile"] == json.loads(json.dumps(profile.as_json()))
     assert {(r["profile"], r["model"], r["n"]) for r in summary["sim"]} == set(
-        itertools.product((profile.name, base.name), gpu_check.MODELS, gpu_check.GROUP_SIZES)
+        itertools.product((profile.name, base.name), MODELS, GROUP_SIZES)
     )
 
 
@@ -106,13 +97,13 @@ def test_dry_mode_writes_a_chrome_trace_of_the_ring(dry_run):
     assert "commfuse::p2p" in (out / "profile_ring.txt").read_text()
 
 
-@pytest.mark.parametrize("direction", gpu_check.DIRECTIONS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("n", [2, 4])
 def test_blocks_compute_the_whole_matmul(direction, n):
     """What is timed as the n blocks is the whole matmul, cut the way the pass cuts it."""
-    split = gpu_check.Split("tiny", n, direction, (8, 12, 16))
+    split = Split("tiny", n, direction, (8, 12, 16))
     a, b, blocks = split.operands(torch.float64, "cpu")
-    outputs = gpu_check.run_blocks(direction, blocks)
+    outputs = run_blocks(direction, blocks)
     joined = {"rows": 0, "columns": 1}
     if direction in joined:
         assert len(outputs) == n
@@ -131,16 +122,16 @@ def test_without_a_gpu_it_points_to_the_dry_mode(tmp_path, capsys):
     assert exit_.value.code == 2 and "--cpu runs the dry mode" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("mode", [gpu_check.gpu_mode(), gpu_check.cpu_mode()], ids=["gpu", "cpu"])
+@pytest.mark.parametrize("mode", [gpu_mode(), cpu_mode()], ids=["gpu", "cpu"])
 def test_every_shape_splits_evenly(mode):
     """The GPU mode's sizes cannot be run here: at least they divide as the run needs
     (even blocks for every n and direction; the block's heads, sequence and slicing
     chunks over the fake group's ranks)."""
-    for name in gpu_check.MODELS:
-        preset = gpu_check.PRESETS[name]
-        for n in gpu_check.GROUP_SIZES:
+    for name in MODELS:
+        preset = PRESETS[name]
+        for n in GROUP_SIZES:
             assert preset.ffn // mode.shrink % (n * n) == 0
             assert preset.tokens // mode.shrink % n == 0
-    block, ranks = mode.block, gpu_check.WORLD_SIZE
+    block, ranks = mode.block, WORLD_SIZE
     assert block.dim % block.heads == 0 and block.heads % ranks == 0
-    assert block.hidden % ranks == 0 and block.seq % (ranks * gpu_check.SLICES) == 0
+    assert block.hidden % ranks == 0 and block.seq % (ranks * SLICES) == 0

@@ -691,7 +691,7 @@ def _boom(*args, **kwargs):
 def test_internal_error_declines_and_restores_the_graph(
     monkeypatch, module, function, inner, warning
 ):
-    # importlib: the attribute ``passes.lower`` is the function, not the module
+    # importlib: the module by its dotted name (``kinds.ag_mm.lower``)
     target = importlib.import_module(f"commfuse_compile.passes.{module}")
     monkeypatch.setattr(target, function, _boom)
     gm = build(AgMm())

@@ -6,7 +6,7 @@ in-place API into a functional collective and a copy into the preallocated buffe
 spelling torch 2.13 produces is rewritten as its functional twin is (``async_op=True``:
 ``tests/test_async_collectives.py``); a graph whose sites are all declined is restored
 byte-identical. Numbers on gloo ranks: the Megatron- and DeepSpeed-style front ends
-(``tools/styles.py``), forward and backward, 2-4 ranks, eager and Inductor, every site
+(``tools/training/styles.py``), forward and backward, 2-4 ranks, eager and Inductor, every site
 rewritten and the losses equal (2 and 4 ranks and the GQA / fused q/k/v variants:
 ``pytest -m matrix``).
 """
@@ -21,7 +21,7 @@ from trained import counts, loss_difference, small_config, train
 
 from commfuse_compile import Options, report
 from commfuse_compile.passes import rewrite_graph
-from commfuse_compile.tools import fronts
+from commfuse_compile.tools.training import fronts
 
 N, RANK = 4, 1
 aten = torch.ops.aten

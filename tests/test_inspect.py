@@ -25,9 +25,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from commfuse_compile import Options, report
 from commfuse_compile.passes import rewrite_graph
 from commfuse_compile.tools.cli import main
-from commfuse_compile.tools.debug_dump import load, timeline
-from commfuse_compile.tools.inspect import inspect_dump, rank_processes
-from commfuse_compile.tools.inspect_page import render_html
+from commfuse_compile.tools.inspect.dump import load, timeline
+from commfuse_compile.tools.inspect.page import render_html
+from commfuse_compile.tools.inspect.run import inspect_dump, rank_processes
 from commfuse_compile.tools.trace import chrome_trace
 
 BEFORE = """

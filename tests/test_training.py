@@ -1,7 +1,7 @@
 """Training end to end: AdamW steps with and without the pass, from the same init and data.
 
-Front ends (``commfuse_compile.tools.fronts``, trained by ``tools.training``, shared with
-``examples/train_*.py``): a TP+SP transformer (DTensor ``parallelize_module``), the same
+Front ends (``commfuse_compile.tools.training.fronts``, trained by ``tools.training.loop``,
+shared with ``examples/train_*.py``): a TP+SP transformer (DTensor ``parallelize_module``), the same
 with activation checkpointing (per block, and torchtitan's op-level policy), with a token
 embedding (with and without loss parallelism) and compiled per block as torchtitan does,
 FSDP-style in-graph sharding on 2 ranks, FSDP x TP on a 2x2 mesh, and Ulysses sequence
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from commfuse_compile.tools import fronts, training
+from commfuse_compile.tools.training import fronts, loop
 
 CFG = fronts.TrainConfig(blocks=2, dim=32, heads=4, hidden=64, batch=2, seq=16, steps=3)
 OPTIONS = {"schedule": "ring", "inner": "eager"}
@@ -35,11 +35,11 @@ RING = "ring"  # the schedule of a rewritten site; a declined one's is its decli
 def run(ranks, n: int, cfg: fronts.TrainConfig, dump: Path, inner: str = "eager") -> list[dict]:
     """Train with and without the pass on n ranks; per rank the results and site table."""
     options = {**OPTIONS, "inner": inner, "debug_dir": str(dump)}
-    results = ranks(n).run(training.compare, cfg, options)
+    results = ranks(n).run(loop.compare, cfg, options)
     out = []
     for rank, (fused, eager) in enumerate(results):
         assert len(fused.losses) == cfg.steps
-        assert training.max_relative_diff(fused.losses, eager.losses) <= RTOL, (
+        assert loop.max_relative_diff(fused.losses, eager.losses) <= RTOL, (
             rank,
             fused.losses,
             eager.losses,
@@ -277,7 +277,7 @@ def test_per_block_compile_without_the_clone_is_torchs_fault(ranks):
     # embedding, and the backward fails in DTensor's redistribute with any AOT backend
     # (aot_eager: no commfuse at all); the plain "eager" backend runs. When torch fixes
     # it, this fails: drop the workaround (fronts.clone_output) and this test.
-    job = training.per_block_backward
+    job = loop.per_block_backward
     (fault, _) = ranks(2).run(job, PER_BLOCK, "aot_eager", False)
     assert fault == "AttributeError: 'Tensor' object has no attribute '_local_tensor'"
     assert ranks(2).run(job, PER_BLOCK, "aot_eager", True) == [None, None]
@@ -341,16 +341,16 @@ def test_ulysses_trains_like_eager_and_like_one_process(ranks, tmp_path):
             }
         )
         dump = tmp_path / f"gqa{gqa}_fused{fused}_ac{ac}"
-        results = ranks(2).run(training.compare, cfg, {**OPTIONS, "debug_dir": str(dump)})
-        one_process = training.train(cfg, 0, 1, None).losses  # no communication at all
+        results = ranks(2).run(loop.compare, cfg, {**OPTIONS, "debug_dir": str(dump)})
+        one_process = loop.train(cfg, 0, 1, None).losses  # no communication at all
         for rank, (fused_run, eager) in enumerate(results):
             assert len(fused_run.losses) == cfg.steps
-            assert training.max_relative_diff(fused_run.losses, eager.losses) <= RTOL, (
+            assert loop.max_relative_diff(fused_run.losses, eager.losses) <= RTOL, (
                 rank,
                 fused_run.losses,
                 eager.losses,
             )
-            assert training.max_relative_diff(eager.losses, one_process) <= RTOL, (
+            assert loop.max_relative_diff(eager.losses, one_process) <= RTOL, (
                 rank,
                 eager.losses,
                 one_process,
@@ -392,7 +392,7 @@ def test_the_examples_baseline_dumps_beside_the_pass_never_over_it(monkeypatch, 
     """The examples' second run (``schedule="off"``) once took COMMFUSE_DEBUG_DIR too and
     wrote its graphs and report over the pass's own."""
     from commfuse_compile.options import DEBUG_DIR_ENV
-    from commfuse_compile.tools.training_examples import _baseline
+    from commfuse_compile.tools.training.examples import _baseline
 
     options = {"schedule": "ring", "inner": "eager", "debug_dir": None}
     monkeypatch.delenv(DEBUG_DIR_ENV, raising=False)

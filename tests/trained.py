@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from commfuse_compile.tools import fronts, training
+from commfuse_compile.tools.training import fronts, loop
 
 
 @functools.cache
@@ -32,7 +32,7 @@ def train(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> dict:
     import torch._inductor.config
 
     torch._inductor.config.compile_threads = 1
-    fused, eager = training.compare(rank, n, cfg, options)
+    fused, eager = loop.compare(rank, n, cfg, options)
     return {
         "losses": (fused.losses, eager.losses),
         "sites": [
@@ -45,7 +45,7 @@ def train(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> dict:
 def loss_difference(result: dict) -> float:
     """The largest relative difference of the losses with the pass from those without."""
     fused, eager = result["losses"]
-    return training.max_relative_diff(fused, eager)
+    return loop.max_relative_diff(fused, eager)
 
 
 def counts(result: dict, kind: str) -> tuple[int, int]:

@@ -12,7 +12,7 @@ matmul of its own, which the all-to-all's site rewrites:
 
 Each output element is the same dot product (a contracted one summed by parts); the FLOPs
 are the same. Nothing here runs unless every part meets an all-to-all, and a graph where
-no site is then rewritten is restored as it came (``passes._rewrite``).
+no site is then rewritten is restored as it came (``pipeline._rewrite``).
 """
 
 from __future__ import annotations

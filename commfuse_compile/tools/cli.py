@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         return _sim(args)
 
     if args.command == "bench":
-        from .bench import main as bench_main
+        from .bench.run import main as bench_main
 
         return bench_main(args.quick, args.out, args.world_size, args.network, args.block_2d)
 
@@ -301,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
     if args.command == "inspect":
-        from .debug_dump import NotADumpError
-        from .inspect import inspect_dump
+        from .inspect.dump import NotADumpError
+        from .inspect.run import inspect_dump
 
         try:
             written = inspect_dump(args.dir)

@@ -30,10 +30,10 @@ import torch
 
 from .. import report
 from ..cost.profiles import BUILTIN
-from .bench_report import slowest
-from .models import Block, block_plan
-from .netns import throttled_ranks
+from .bench.figures import slowest
+from .bench.netns import throttled_ranks
 from .sim import ModelShape, simulate_layer
+from .training.models import Block, block_plan
 
 LINK_RATE = 400e6  # bit/s of each rank's link: the baseline's communication about its compute
 CALIBRATED = "gloo-loopback"  # the cost model's profile calibrated on this machine kind

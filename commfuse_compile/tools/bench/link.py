@@ -14,10 +14,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..cost.profiles import Curve
-from . import bench_report
-from .bench_cells import site_alone
-from .bench_config import Progress, SiteShape
+from ...cost.profiles import Curve
+from . import figures
+from .cells import site_alone
+from .config import Progress, SiteShape
 
 REFERENCE_RATE = 1e9  # bit/s of the link while calibrating the profile ``auto`` uses
 RATE_TOLERANCE = 0.08  # accept a link rate whose comm-alone time is this close to target
@@ -26,7 +26,7 @@ MAX_RATE_TRIES = 5  # the first one measures the matmul unthrottled
 
 def calibrate_link(rank: int, n: int, reps: int) -> Any:
     """Job: ``commfuse calibrate``'s measurement, on this (throttled) link."""
-    from .calibrate import measure
+    from ..calibrate import measure
 
     return measure(rank, n, reps)
 
@@ -70,7 +70,7 @@ class LinkProfiles:
         )
 
     def file(self, rate: float, path: Path) -> str:
-        from ..cost.profiles import save
+        from ...cost.profiles import save
 
         path.parent.mkdir(parents=True, exist_ok=True)
         save(self.at(rate), path)
@@ -87,7 +87,7 @@ def choose_rate(
     for _ in range(MAX_RATE_TRIES):
         network.set_rate(rate)
         per_rank = ranks.run(site_alone, kind, shape, reps)
-        times = bench_report.slowest([r["times"] for r in per_rank])
+        times = figures.slowest([r["times"] for r in per_rank])
         matmul, comm = statistics.median(times["matmul"]), statistics.median(times["comm"])
         tries.append({"rate_bits_per_s": rate or math.inf, "matmul_s": matmul, "comm_s": comm})
         target = ratio * matmul
@@ -107,7 +107,7 @@ def calibrated(
 ) -> LinkProfiles:
     """``commfuse calibrate``'s measurement on these ranks, at the reference rate and
     unthrottled."""
-    from .calibrate import profile_from
+    from ..calibrate import profile_from
 
     progress.stage(
         f"calibrating the cost model's profile on {ranks.world_size} ranks at "

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from .. import report
-from . import bench_report
-from .bench_cells import interleaved
-from .bench_config import BlockShape, Progress, Variant
-from .bench_link import MAX_RATE_TRIES, RATE_TOLERANCE, REFERENCE_RATE, LinkProfiles
+from ... import report
+from . import figures
+from .cells import interleaved
+from .config import BlockShape, Progress, Variant
+from .link import MAX_RATE_TRIES, RATE_TOLERANCE, REFERENCE_RATE, LinkProfiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +49,8 @@ class BlockJob:
 def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]:
     """Job: build the block once per row, compile it (eager inner compiler) and run one
     step (which compiles forward and backward); returns the pass's sites per row."""
-    from .fronts import TrainConfig, build
-    from .training import summarize
+    from ..training.fronts import TrainConfig, build
+    from ..training.loop import summarize
 
     torch._dynamo.config.recompile_limit = 64  # one entry per row, same code objects
     cfg = TrainConfig(
@@ -120,7 +120,7 @@ def run_block(
 
     def step_s(rate: float | None) -> float:
         network.set_rate(rate)
-        return bench_report.slowest(ranks.run(block_times, [label], 0, 1))[label][0]
+        return figures.slowest(ranks.run(block_times, [label], 0, 1))[label][0]
 
     rate = math.inf
     compute_s = statistics.median(step_s(None) for _ in range(3))
@@ -143,9 +143,9 @@ def run_block(
     sites.update(ranks.run(block_compile, BlockJob(shape, tuple(others), profile))[0])
     progress.stage(f"{spec.key}: {len(block_rows)} rows x 1+{spec.reps} at {rate / 1e6:.0f} Mbit/s")
     labels = [v.label for v in block_rows]
-    times = bench_report.slowest(ranks.run(block_times, labels, 1, spec.reps))
-    block = bench_report.block_result(
+    times = figures.slowest(ranks.run(block_times, labels, 1, spec.reps))
+    block = figures.block_result(
         shape, rate, compute_s, times, sites, spec.ratio, ranks.world_size, os.cpu_count()
     )
-    progress.echo(bench_report.format_block(block))
+    progress.echo(figures.format_block(block))
     return block

@@ -1,7 +1,7 @@
 """``commfuse inspect DIR``: a debug dump as one self-contained HTML page and a Chrome trace.
 
-The dump (``debug_dump``) is what every rank writes with ``debug_dir``. The page
-(``inspect_page``) shows each graph's code before and after the pass, every site of every
+The dump (``dump``) is what every rank writes with ``debug_dir``. The page
+(``page``) shows each graph's code before and after the pass, every site of every
 rank and each rank's predicted timeline; ``trace.json`` holds the same timeline as Chrome
 trace events (Perfetto).
 """
@@ -12,9 +12,9 @@ import json
 import sys
 from pathlib import Path
 
-from .debug_dump import Dump, DumpedSite, PlacedEvent, load, timeline
-from .inspect_page import render_html
-from .trace import Process, Span, chrome_trace
+from ..trace import Process, Span, chrome_trace
+from .dump import Dump, DumpedSite, PlacedEvent, load, timeline
+from .page import render_html
 
 
 def inspect_dump(debug_dir: str | Path) -> list[Path]:

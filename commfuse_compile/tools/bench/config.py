@@ -1,5 +1,5 @@
 """What ``commfuse bench`` measures, shared by the modules that run the measurements
-(``bench``, ``bench_cells``, ``bench_block``) and ``bench_report`` (which turns them into
+(``run``, ``cells``, ``block``) and ``figures`` (which turns them into
 figures): its rows, the shapes of its sites and of its block, the label of the row
 that probes the machine's own overlap, and the progress lines of a run."""
 
@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-OVERLAP_PROBE = "both at once"  # comm alone with the matmul run meanwhile (bench_cells._comm)
+OVERLAP_PROBE = "both at once"  # comm alone with the matmul run meanwhile (cells._comm)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,17 +5,17 @@ site (a TP+SP linear's all-gather -> matmul and matmul -> reduce-scatter, at sev
 sizes; a Ulysses projection's matmul -> all-to-all and all-to-all -> matmul) and each
 communication/computation ratio (``Preset.cells``), the link rate is chosen from the
 measured matmul time so that the collective alone takes ``ratio`` times the matmul
-alone (``bench_link``); then the baseline (collective then matmul), every schedule of
+alone (``link``); then the baseline (collective then matmul), every schedule of
 the pass that has steps for the site's direction and the two parts alone are measured
 in one run, interleaved (A B C ... A B C ...) after a warm-up, each call started
-together on all ranks by a barrier and timed as the slowest rank's (``bench_cells``).
+together on all ranks by a barrier and timed as the slowest rank's (``cells``).
 The whole-layer figure is a transformer block's forward + backward, compiled with the
-pass and without it (the same compile with ``schedule="off"``; ``bench_block``).
+pass and without it (the same compile with ``schedule="off"``; ``block``).
 
 ``auto`` gets the profile a user would calibrate on this link: ``commfuse calibrate``'s
 measurement run inside the namespaces at a reference rate, its bandwidth scaled to each
-cell's rate. ``bench_report`` turns the results into figures and tables,
-``bench_targets`` judges them, ``bench_markdown`` and ``bench_plot`` write results.md
+cell's rate. ``figures`` turns the results into figures and tables,
+``targets`` judges them, ``markdown`` and ``plot`` write results.md
 and the plot. This module holds the presets and runs them.
 """
 
@@ -36,16 +36,16 @@ from typing import Any
 
 import torch
 
-from ..options import SCHEDULES
-from ..passes.kinds import KINDS as SITE_KINDS
-from ..schedules import by_name
-from . import bench_report, bench_targets
-from .bench_block import BlockBench, run_block
-from .bench_cells import SiteJob, measure_site
-from .bench_config import BlockShape, Progress, SiteShape, Variant
-from .bench_link import LinkProfiles, calibrated, choose_rate
-from .bench_markdown import markdown
-from .bench_plot import plot_speedup
+from ...options import SCHEDULES
+from ...passes.kinds import KINDS as SITE_KINDS
+from ...schedules import by_name
+from . import figures, targets
+from .block import BlockBench, run_block
+from .cells import SiteJob, measure_site
+from .config import BlockShape, Progress, SiteShape, Variant
+from .link import LinkProfiles, calibrated, choose_rate
+from .markdown import markdown
+from .plot import plot_speedup
 
 SLICES = (2, 4)  # chunks of the data-slicing rows
 ROW_ORDER = ("off", "slicing", "push", "ring", "bidir", "auto")  # schedules not named go last
@@ -221,11 +221,11 @@ def run(
     if extra is not None:
         results[extra.key] = _block_apart(extra, preset, world_size, topology, rows, out, progress)
     results["meta"]["machine_after"] = machine()
-    results["noise"] = bench_targets.run_noise(results["sites"])
-    results["targets"] = bench_targets.check_targets(results)
+    results["noise"] = targets.run_noise(results["sites"])
+    results["targets"] = targets.check_targets(results)
     write(results, out)
     progress.stage(f"done: {out / 'results.md'}")
-    echo(bench_report.format_targets(results["targets"]))
+    echo(figures.format_targets(results["targets"]))
     return results
 
 
@@ -286,12 +286,12 @@ def _measure_cells(
         )
         job = SiteJob(kind, shape, tuple(cell_rows), profile, preset.warmup, preset.reps)
         per_rank = ranks.run(measure_site, job)
-        cell = bench_report.site_cell(
+        cell = figures.site_cell(
             kind, shape, ratio, rate, tries, per_rank, cell_rows, ranks.world_size
         )
         sites.append(cell)
         progress.advance()
-        progress.echo(bench_report.format_cell(cell))
+        progress.echo(figures.format_cell(cell))
     return sites
 
 

@@ -32,8 +32,10 @@ preallocated buffers inside ``autograd.Function``s:
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -135,27 +137,40 @@ class MegatronBlock(nn.Module):
     output projection (row-parallel); LayerNorm -> fused gate/up SwiGLU (column-parallel)
     -> down (row-parallel); both residual."""
 
-    def __init__(self, dim: int, heads: int, hidden: int, group: Any, bias: bool = True) -> None:
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        hidden: int,
+        group: Any,
+        bias: bool = True,
+        column: Callable[..., nn.Module] = ColumnParallelLinear,
+        row: Callable[..., nn.Module] = RowParallelLinear,
+    ) -> None:
         super().__init__()
         n = dist.get_world_size(group)
         if heads % n or hidden % n:
             raise ValueError(f"{n} ranks must divide heads={heads} and hidden={hidden}")
         self.local_heads, self.head_dim = heads // n, dim // heads
         self.input_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv = ColumnParallelLinear(dim, 3 * dim, group, bias)
-        self.proj = RowParallelLinear(dim, dim, group, bias)
-        self.fc1 = ColumnParallelLinear(dim, 2 * hidden, group, bias)
-        self.fc2 = RowParallelLinear(hidden, dim, group, bias)
+        self.qkv = column(dim, 3 * dim, group, bias)
+        self.proj = row(dim, dim, group, bias)
+        self.fc1 = column(dim, 2 * hidden, group, bias)
+        self.fc2 = row(hidden, dim, group, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(self.input_norm(x))  # [s, b, 3 * heads/n * d]
+        x = x + self.proj(self._attention(self.qkv(self.input_norm(x))))
+        gate, up = self.fc1(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.fc2(F.silu(gate) * up)
+
+    def _attention(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's heads: ``[s, b, 3 * heads/n * d]`` (fused q/k/v)
+        to ``[s, b, heads/n * d]``."""
         s, b, _ = qkv.shape
         q, k, v = qkv.view(s, b, self.local_heads, 3 * self.head_dim).chunk(3, dim=-1)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/n, s, d]
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.permute(2, 0, 1, 3).reshape(s, b, -1))
-        gate, up = self.fc1(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.fc2(F.silu(gate) * up)
+        return a.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
 # ----------------------------------------------------------------------------------------
@@ -365,7 +380,7 @@ class CoreRowParallelLinear(nn.Module):
         return (output if self.bias is None else output + self.bias), None
 
 
-class MegatronCoreBlock(nn.Module):
+class MegatronCoreBlock(MegatronBlock):
     """:class:`MegatronBlock`'s GPT block with Megatron-Core's linears
     (:class:`CoreColumnParallelLinear`, :class:`CoreRowParallelLinear`)."""
 
@@ -378,24 +393,12 @@ class MegatronCoreBlock(nn.Module):
         bias: bool = True,
         rank0_warning: bool = False,
     ) -> None:
-        super().__init__()
-        n = dist.get_world_size(group)
-        if heads % n or hidden % n:
-            raise ValueError(f"{n} ranks must divide heads={heads} and hidden={hidden}")
-        self.local_heads, self.head_dim = heads // n, dim // heads
-        self.input_norm, self.mlp_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv = CoreColumnParallelLinear(dim, 3 * dim, group, bias)
-        self.proj = CoreRowParallelLinear(dim, dim, group, bias, rank0_warning)
-        self.fc1 = CoreColumnParallelLinear(dim, 2 * hidden, group, bias)
-        self.fc2 = CoreRowParallelLinear(hidden, dim, group, bias, rank0_warning)
+        row = functools.partial(CoreRowParallelLinear, rank0_warning=rank0_warning)
+        super().__init__(dim, heads, hidden, group, bias, CoreColumnParallelLinear, row)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv(self.input_norm(x))  # [s, b, 3 * heads/n * d]
-        s, b, _ = qkv.shape
-        q, k, v = qkv.view(s, b, self.local_heads, 3 * self.head_dim).chunk(3, dim=-1)
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads/n, s, d]
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out, _ = self.proj(a.permute(2, 0, 1, 3).reshape(s, b, -1))
+        out, _ = self.proj(self._attention(qkv))
         x = x + out
         fc1, _ = self.fc1(self.mlp_norm(x))
         gate, up = fc1.chunk(2, dim=-1)

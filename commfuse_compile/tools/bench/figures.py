@@ -2,8 +2,8 @@
 
 Every row gets its median time (min and max kept), its speedup over the baseline
 (collective then matmul), its time over ``max(matmul alone, comm alone)`` (1.00 =
-perfect overlap) and the cost model's predicted time. ``bench_targets`` judges the
-figures; ``bench_markdown`` and ``bench_plot`` write results.md and the plot.
+perfect overlap) and the cost model's predicted time. ``targets`` judges the
+figures; ``markdown`` and ``plot`` write results.md and the plot.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 import statistics
 from typing import Any
 
-from .bench_config import OVERLAP_PROBE, BlockShape, SiteShape, Variant
+from .config import OVERLAP_PROBE, BlockShape, SiteShape, Variant
 
 KIND_TITLES = {
     "ag_mm": "all-gather -> matmul",

@@ -17,7 +17,8 @@ from typing import Any
 
 import jinja2
 
-from .debug_dump import (
+from ..trace import LANES
+from .dump import (
     DEFINED,
     Dump,
     DumpedSite,
@@ -28,11 +29,10 @@ from .debug_dump import (
     number,
     timeline,
 )
-from .trace import LANES
 
 _IDENTIFIER = re.compile(r"(?<![\w.])[A-Za-z_]\w*")  # not an attribute: torch.ops.aten.addmm
 _TEMPLATES = jinja2.Environment(
-    loader=jinja2.PackageLoader("commfuse_compile.tools", "templates"),
+    loader=jinja2.PackageLoader("commfuse_compile.tools.inspect", "templates"),
     autoescape=True,  # every value is text: code, reasons, names from the dump
     undefined=jinja2.StrictUndefined,
     trim_blocks=True,

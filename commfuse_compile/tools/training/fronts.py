@@ -6,7 +6,7 @@ block with Megatron-Core's linears and their hand-overlapped backward, ``"simple
 torchtitan's SimpleFSDP with bfloat16 parameters and float32 gradient reduction;
 :mod:`.styles`; with ``"float8"``, Megatron's block with float8 linears: :mod:`.float8`):
 
-* ``"tp"``: a stack of :class:`~commfuse_compile.tools.models.Block` sharded with DTensor's
+* ``"tp"``: a stack of :class:`~commfuse_compile.tools.training.models.Block` sharded with DTensor's
   ``parallelize_module`` (tensor + sequence parallel over the whole world): activations
   are all-gathered into the column-parallel projections and reduce-scattered out of the
   row-parallel ones. ``vocab`` adds a token embedding as torchtitan shards it, and
@@ -16,7 +16,7 @@ torchtitan's SimpleFSDP with bfloat16 parameters and float32 gradient reduction;
   reduce-scatters its gradient; ``tp > 1`` adds TP+SP on the second dim of a
   ``(dp, tp)`` mesh, with the gather over the ``"dp"`` group.
 * ``"ulysses"``: DeepSpeed-Ulysses sequence parallelism over the whole world
-  (:class:`~commfuse_compile.tools.models.UlyssesBlock`): activations sharded on the
+  (:class:`~commfuse_compile.tools.training.models.UlyssesBlock`): activations sharded on the
   sequence, weights whole on every rank; q, k and v are all-to-all'd from sequence shards
   to head shards before attention and the attention output back before ``wo``
   (``all_to_all_single_autograd``). The gradients of the replicated weights are summed

@@ -12,7 +12,7 @@ from typing import Any
 import matplotlib
 from matplotlib.figure import Figure
 
-from .bench_report import KIND_TITLES
+from .figures import KIND_TITLES
 
 
 def _reference(cell: dict[str, Any], what: str) -> float:

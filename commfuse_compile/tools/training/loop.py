@@ -1,7 +1,7 @@
 """Small training runs that feed the pass real forward and backward graphs.
 
 Shared by the training examples (``examples/train_*.py``, through
-:mod:`.training_examples`) and the tests. The front ends (the model, how it is
+:mod:`.examples`) and the tests. The front ends (the model, how it is
 parallelized, the inputs) are :mod:`.fronts`. :func:`train` runs the same steps with the
 pass (``torch.compile(backend="commfuse")``) or without it (plain eager), from the same
 initialization and data; :func:`summarize` groups the sites the pass recorded.
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import report
-from ..passes.declines import REASONS
+from ... import report
+from ...passes.declines import REASONS
 from .fronts import TrainConfig, build, compile_blocks
 
 

@@ -1,7 +1,7 @@
 """``commfuse bench``'s targets: each reached or not, with the figures that decide it.
 
-A target is judged on the run's cells (``bench_report.site_cell``) and its block
-(``bench_report.block_result``); on an unthrottled link none is judged. The run's own
+A target is judged on the run's cells (``figures.site_cell``) and its block
+(``figures.block_result``); on an unthrottled link none is judged. The run's own
 noise (``run_noise``) is the largest gap between two rows of a cell that ran the same
 program.
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .bench_report import KIND_TITLES, ms, ranks_text, row_name, site_counts
+from .figures import KIND_TITLES, ms, ranks_text, row_name, site_counts
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .trace import LANES
+from ..trace import LANES
 
 _RANK_DIR = re.compile(r"rank(\d+)")
 _GRAPH_FILE = re.compile(r"graph(\d+)_(\w+)_(before|after)\.py")

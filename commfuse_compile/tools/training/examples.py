@@ -16,15 +16,15 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ..options import Options
+from ...options import Options
 from .checkpointing import CHECKPOINT_MODES
 from .fronts import TrainConfig
-from .training import TrainResult, format_summary, max_relative_diff, summarize, train
+from .loop import TrainResult, format_summary, max_relative_diff, summarize, train
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every training example takes."""
-    from ..options import SCHEDULES
+    from ...options import SCHEDULES
 
     parser.add_argument("--steps", type=int, default=5, help="AdamW steps (default 5)")
     parser.add_argument(

@@ -14,8 +14,8 @@ for a matmul to hide. Behind a token-bucket filter (``tc qdisc ... tbf``) a mess
 Everything created is named ``cfbench<pid>-...`` and removed on exit, on failure and on
 Ctrl-C / SIGTERM / SIGHUP (a context manager plus signal handlers); namespaces left by a
 process that no longer exists (SIGKILL) are removed when the next network is created.
-Ranks run as ``ip netns exec NAME python -m commfuse_compile.tools.netns ...``
-(:class:`NamespaceRanks`), fed jobs over a socket pair like :class:`~.ranks.RankPool`.
+Ranks run as ``ip netns exec NAME python -m commfuse_compile.tools.bench.netns ...``
+(:class:`NamespaceRanks`), fed jobs over a socket pair like :class:`~..ranks.RankPool`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from .ranks import Ranks, free_port, join_gloo, serve
+from ..ranks import Ranks, free_port, join_gloo, serve
 
 PREFIX = "cfbench"
 TOPOLOGIES = ("veth", "lo", "none")
@@ -271,7 +271,7 @@ class NamespaceRanks(Ranks):
         try:
             for rank in range(self.world_size):
                 parent, child = socket.socketpair()
-                argv = [sys.executable, "-m", "commfuse_compile.tools.netns"]
+                argv = [sys.executable, "-m", "commfuse_compile.tools.bench.netns"]
                 argv += ["--fd", str(child.fileno()), "--rank", str(rank)]
                 argv += ["--world-size", str(self.world_size), "--timeout", str(timeout_s)]
                 argv += ["--master", f"{network.address(0)}:{network.master_port}"]

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import report
-from .bench_config import OVERLAP_PROBE, SiteShape, Variant
+from ... import report
+from .config import OVERLAP_PROBE, SiteShape, Variant
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -249,7 +249,7 @@ class _NodeClock(torch.fx.Interpreter):
 def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
     """Job: every row of one cell, plus the matmul and the collective alone, interleaved;
     then, per row, where a call's time goes (node by node, median of a few calls)."""
-    from ..api import apply
+    from ...api import apply
 
     site = _site(job.kind, job.shape, n, rank)
     fns: dict[str, Callable[[], object]] = {

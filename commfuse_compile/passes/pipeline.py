@@ -1,0 +1,348 @@
+"""The CommFuse pass: canonical form -> match -> plan -> lower -> verify, over one
+aten-level FX graph.
+
+Every site is found before any is rewritten. A site the pass cannot prove correct or
+profitable is declined with a reason and left untouched; an unexpected error inside
+the pass declines the site (or, if the graph was already touched, restores the whole
+graph) and warns: the user's compile never breaks because of this pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch.fx import Graph, GraphModule
+
+from ..cost.profiles import Profile
+from ..cost.simulator import Timeline, collective_model, predict
+from ..options import Options
+from ..report import REPORT, SiteRecord, dump_code
+from ..runtime import groups
+from ..schedules import by_name
+from . import agree, match, order, program, sequence, unfuse, verify
+from .canonical import canonicalize
+from .declines import Declined, decline
+from .kinds import of
+from .lower import lower, start
+from .plan import Plan, check_applies, plan, plan_options, profile_for, site_work
+from .rewrite import Rewrite, Taken, graph_digest, tag_of, transfers_digest
+from .site import Site
+
+T = TypeVar("T")
+
+
+def rewrite_graph(gm: GraphModule, graph_role: str, options: Options) -> list[SiteRecord]:
+    """Rewrite ``gm`` in place; returns one record per site found (also in the report).
+    The graph runs node by node (eager FX), so its order of transfers is the graph's."""
+    result = _rewrite(gm, graph_role, options)
+    try:
+        why = _agree(result, gm, options)
+        if why is not None and _rewritten(result):
+            _fall_back(result, why)  # the restored graph recompiles
+    finally:
+        _finish(result, options)
+    return result.records
+
+
+def rewrite_and_compile(
+    gm: GraphModule,
+    graph_role: str,
+    options: Options,
+    compile_fn: Callable[[GraphModule], T],
+    program_of: Callable[[T], str | None] | None = None,
+) -> T:
+    """Rewrite ``gm``, then compile it. ``program_of`` gives the code the compiler
+    generated, which is checked for buffers reused or written while a transfer uses them
+    (``program.check``) and compared across the ranks: they must start their transfers
+    in one order, and run together they must complete (``_agree``). Should the compiler
+    reject the rewritten graph, or its program fail either check, warn, record every
+    site as declined and compile the original graph (on every rank, for the second)."""
+    result = _rewrite(gm, graph_role, options)
+    try:
+        return _compile_checked(gm, result, options, compile_fn, program_of)
+    finally:
+        _finish(result, options)
+
+
+def _compile_checked(
+    gm: GraphModule,
+    result: _Result,
+    options: Options,
+    compile_fn: Callable[[GraphModule], T],
+    program_of: Callable[[T], str | None] | None,
+) -> T:
+    checked: program.Result | None = None
+    try:
+        compiled = compile_fn(gm)
+        if _rewritten(result) and program_of is not None:
+            checked = _check_program(program_of(compiled), options, result)
+    except Exception as err:
+        if not _rewritten(result):
+            raise
+        failed = err if isinstance(err, Declined) else decline("compiler.failed", error=_brief(err))
+        _fall_back(result, failed)
+        compiled = compile_fn(gm)
+    why = _agree(result, gm, options, checked.sequence if checked is not None else None)
+    if why is not None and _rewritten(result):
+        _fall_back(result, why)
+        compiled = compile_fn(gm)
+    return compiled
+
+
+@dataclasses.dataclass
+class _Result:
+    """One graph's pass: its records, how to restore it, and what every site's group
+    must agree on (``_agree``)."""
+
+    records: list[SiteRecord]
+    original: _Original
+    graph_index: int
+    graph_role: str
+    groups: dict[int, tuple[groups.Group, dict[str, Any]]]  # site id -> (group, inputs)
+    digest: int = 0  # the graph as it came (``rewrite.graph_digest``): equal on every rank
+    ops: list[str] = dataclasses.field(default_factory=list)  # its ops, to name a difference
+
+
+def _rewritten(result: _Result) -> list[SiteRecord]:
+    return [r for r in result.records if r.decision == "rewritten"]
+
+
+def _fall_back(result: _Result, why: Declined) -> None:
+    """Restore the graph as it came and record every rewritten site as declined."""
+    if why.code not in agree.WARNED:
+        warnings.warn(f"commfuse: {why.reason}; compiling the original graph", stacklevel=3)
+    result.original.restore()
+    for record in _rewritten(result):
+        record.decision, record.schedule = "declined", "off"
+        record.exposed_steps = []
+        record.declined(why)
+
+
+def _agree(
+    result: _Result, gm: GraphModule, options: Options, events: list[sequence.Event] | None = None
+) -> Declined | None:
+    """The ranks' verdict on this graph (``agree.agree``)."""
+    identity = (result.digest, result.ops)
+    return agree.agree(result.records, result.groups, gm.graph, identity, options, events)
+
+
+def _finish(result: _Result, options: Options) -> None:
+    """The graph's decisions are final: into the report."""
+    REPORT.finish_graph(result.records, result.graph_role, options.debug_dir, options.measure)
+
+
+class _Original:
+    """The graph as it came, copied only when a site is about to change it (a graph
+    whose sites are all declined costs no copy)."""
+
+    def __init__(self, gm: GraphModule) -> None:
+        self.gm = gm
+        self.graph: Graph | None = None
+
+    def keep(self) -> None:
+        if self.graph is None:
+            self.graph = copy.deepcopy(self.gm.graph)
+
+    def restore(self) -> None:
+        if self.graph is not None:
+            self.gm.graph = self.graph  # recompiles
+
+
+def _check_program(code: str | None, options: Options, result: _Result) -> program.Result:
+    """Decline the graph's rewrites unless the generated program keeps every transfer's
+    memory intact until its wait; record the steps whose overlap the compiler lost."""
+    if code is None:
+        raise decline("compiler.unreadable")
+    dump_code(options.debug_dir, result.graph_index, result.graph_role, "inductor", lambda: code)
+    try:
+        checked = program.check(code, groups.ranks_of)
+    except Exception as err:  # noqa: BLE001 - unreadable code, or a fault of the check
+        raise decline("compiler.unverifiable", error=_brief(err)) from None
+    if checked.violations:
+        shown = "; ".join(checked.violations[:3])
+        raise decline("compiler.breaks_buffer", violations=shown)
+    for record in _rewritten(result):
+        prefix = f"site {record.site} "
+        record.exposed_steps = [e for e in checked.exposed if e.startswith(prefix)]
+    return checked
+
+
+def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
+    graph_index = REPORT.new_graph(options.described())
+    dump_code(options.debug_dir, graph_index, graph_role, "before", lambda: gm.code)
+    result = _Result([], _Original(gm), graph_index, graph_role, {})
+    try:
+        keep = result.original.keep
+        result.digest = graph_digest(gm.graph)  # as it came: the same on every rank
+        result.ops = agree.graph_ops(gm.graph)
+        tags = transfers_digest(gm.graph)
+        canonical = canonicalize(gm.graph, before_change=keep)
+        split = unfuse.split_fused_projections(gm.graph, before_change=keep)
+        rewrites = _rewrite_sites(gm, options, result, tags)
+        if (canonical or split) and not rewrites:
+            result.original.restore()
+        if rewrites and options.inner == "inductor":
+            order.keep_order(gm.graph, (s for rw in rewrites for s in rw.steps))
+        if rewrites and options.inner != "inductor":  # Inductor lints and recompiles
+            gm.graph.lint()
+            gm.recompile()
+    except Exception as err:  # noqa: BLE001 - never break the user's compile
+        warnings.warn(
+            f"commfuse: internal error, graph left as it was: {_brief(err)}", stacklevel=2
+        )
+        result.original.restore()
+        result.groups.clear()
+        why = decline("internal.error", error=_brief(err))
+        result.records = [
+            SiteRecord(kind=s.kind, graph=graph_role).declined(why) for s in _sites_or_none(gm)
+        ]
+    dump_code(options.debug_dir, graph_index, graph_role, "after", lambda: _code(gm))
+    return result
+
+
+def _code(gm: GraphModule) -> str:
+    """The graph's code as it is now (Inductor's input is not recompiled by the pass)."""
+    return gm.graph.python_code("self").src
+
+
+def _rewrite_sites(gm: GraphModule, options: Options, result: _Result, tags: int) -> list[Rewrite]:
+    """Find every site once, then rewrite them in graph order. A rewrite changes only the
+    nodes around its own site, so a later site is matched again where it stands (its
+    collective's neighbourhood, not the graph) once anything was rewritten: a matmul an
+    earlier site took is declined with the site that took it. A site declined as found
+    keeps its reason."""
+    rewrites: list[Rewrite] = []
+    taken = Taken()
+    for ordinal, found in enumerate(match.find_sites(gm.graph)):
+        site = match.rematch(found, taken) if rewrites and not found.declined else found
+        record = SiteRecord(
+            kind=site.kind,
+            graph=result.graph_role,
+            site=REPORT.new_site_id(),
+            graph_index=result.graph_index,
+            match=site.describe(),
+        )
+        result.records.append(record)
+        rewrite = _rewrite_site(gm, site, options, result, record, tag_of(tags, ordinal), taken)
+        if rewrite is not None:
+            taken.add(rewrite)
+            for earlier in rewrites:
+                earlier.nest(rewrite)
+            rewrites.append(rewrite)
+    return rewrites
+
+
+def _rewrite_site(
+    gm: GraphModule,
+    site: Site,
+    options: Options,
+    result: _Result,
+    record: SiteRecord,
+    tag: int,
+    taken: Taken,
+) -> Rewrite | None:
+    """Plan, lower, verify and commit one site: its rewrite, or None (declined, with the
+    reason in ``record``)."""
+    rewrite = None
+    try:
+        if site.declined:
+            raise site.declined.error()
+        group = _group(site)
+        site, predicted, chosen = _planned(site, group, options, result, record)
+        result.original.keep()
+        rewrite = start(site, record.site, tag, gm.graph, taken, options.measure)
+        record.match = rewrite.site.describe()  # some matmuls may be left out
+        schedule = by_name(chosen.schedule)
+        lower(rewrite, group, schedule, options.slices)
+        verify.check_emitted(rewrite)
+        verify.check_exchange(rewrite, group, schedule, options.slices)
+        rewrite.commit(rewrite.site.replaced())
+        verify.check_committed(rewrite)
+    except Exception as err:  # noqa: BLE001 - declines and internal errors alike
+        if rewrite is not None and rewrite.committing:
+            raise  # the graph is half rewritten: rewrite_graph restores all of it
+        if rewrite is not None:
+            rewrite.discard()
+        _declined(record, err)
+        return None
+    record.decision, record.schedule, record.reason = "rewritten", chosen.schedule, chosen.why
+    record.timeline = predicted[chosen.schedule].as_json(group.rank)
+    record.nodes = [n.name for n in rewrite.created]
+    record.steps, record.p2p_ops = len(rewrite.steps), rewrite.p2p_ops
+    return rewrite
+
+
+def _planned(
+    site: Site, group: groups.Group, options: Options, result: _Result, record: SiteRecord
+) -> tuple[Site, dict[str, Timeline], Plan]:
+    """The site as the options leave it, every schedule's predicted timeline, and the
+    plan. What the cost model said goes into ``record``, its timeline the collective's
+    until the site is rewritten (what runs if it is declined)."""
+    profile = profile_for(site, options)
+    result.groups[record.site] = (group, _inputs(options, profile))
+    site = _without_disabled(site, options.disable)
+    plan_options(options)
+    work = site_work(site, group.size)
+    predicted = predict(work, profile, options.slices)
+    record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in predicted.items()}
+    record.profile = profile.name
+    record.collective_model = collective_model(work, profile)
+    record.timeline = predicted["collective"].as_json(group.rank)
+    check_applies(predicted, options, site.kind)
+    return site, predicted, plan(predicted, options)
+
+
+def _declined(record: SiteRecord, err: Exception) -> None:
+    """Record why the site is declined; an internal error warns too."""
+    if isinstance(err, Declined):
+        record.declined(err)
+        return
+    record.declined(decline("internal.error", error=_brief(err)))
+    warnings.warn(f"commfuse: site {record.site} declined, {record.reason}", stacklevel=3)
+
+
+def _group(site: Site) -> groups.Group:
+    try:
+        group = groups.resolve(site.group_name, site.group_size)
+    except groups.GroupError as err:
+        raise decline("site.group", error=err) from None
+    agree.check_group(group.name)
+    return group
+
+
+def _inputs(options: Options, profile: Profile) -> dict[str, Any]:
+    """What a rank's decisions depend on besides the graph: every rank must share it."""
+    return {
+        "torch": torch.__version__,
+        "inner": options.inner,
+        "measure": options.measure,
+        "schedule": options.schedule,
+        "slices": options.slices,
+        "disable": ",".join(sorted(options.disable)),
+        "profile": f"{profile.name} {profile.fingerprint()}",
+    }
+
+
+def _without_disabled(site: Site, disabled: frozenset[str]) -> Site:
+    """``disable``: decline a disabled kind; leave out the parts of a site it names."""
+    if site.kind in disabled:
+        raise decline("plan.kind_disabled", kind=site.kind)
+    return of(site).without(site, disabled)
+
+
+def _sites_or_none(gm: GraphModule) -> list[Site]:
+    """The sites of a restored graph, for the report; none if even matching fails."""
+    try:
+        return match.find_sites(gm.graph)
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def _brief(err: BaseException) -> str:
+    first = (str(err).splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first[:300]}"
