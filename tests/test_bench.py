@@ -61,18 +61,38 @@ def test_ulysses_cells_have_the_rows_of_their_direction():
     assert sorted(kind for kind, _, _ in cells if kind in ULYSSES) == sorted(ULYSSES)
 
 
+# ``commfuse bench --quick`` as the CLI runs it, its preset shrunk for the test: the same
+# cells (kinds, three ratios, the Ulysses ones), rows, block and targets, at a smaller
+# site and block and with fewer repetitions (the quick preset's sizes take minutes on 2
+# cores; a well-formed result needs none of them).
+SMALL_QUICK = textwrap.dedent(
+    """
+    import dataclasses, sys
+    from commfuse_compile.tools import cli
+    from commfuse_compile.tools.bench import run
+    from commfuse_compile.tools.bench.config import BlockShape, SiteShape
+
+    site, quick = SiteShape(512, 256, 512), run.QUICK
+    run.QUICK = dataclasses.replace(
+        quick,
+        cells=tuple(dataclasses.replace(c, sizes=(site,)) for c in quick.cells),
+        warmup=1,
+        reps=5,
+        calibrate_reps=2,
+        rate_reps=3,
+        block=dataclasses.replace(
+            quick.block, shape=BlockShape(seq=64, dim=64, heads=4, hidden=192, batch=2), reps=5
+        ),
+    )
+    sys.exit(cli.main(sys.argv[1:]))
+    """
+)
+
+
 @pytest.mark.slow
 def test_bench_quick_writes_well_formed_results(tmp_path):
     out = tmp_path / "bench"
-    cmd = [
-        sys.executable,
-        "-m",
-        "commfuse_compile.tools.cli",
-        "bench",
-        "--quick",
-        "--out",
-        str(out),
-    ]
+    cmd = [sys.executable, "-c", SMALL_QUICK, "bench", "--quick", "--out", str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stdout, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, stdout
