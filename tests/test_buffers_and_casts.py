@@ -7,6 +7,10 @@ persistent buffer (a graph input): the graph copies the gathered value into that
 matmul under the eager inner compiler). That copy only reads the gathered tensor: the
 site is rewritten and the buffer receives the tensor rebuilt from the ring's blocks. A
 write into the gathered tensor (``copy_`` into it, ``add_``) still declines.
+Megatron-Core gathers into a view of its flat global memory buffer: the eager inner
+compiler's graph writes the value into a region of the buffer and the matmul reads the
+region back (``slice(slice_scatter(buffer, gathered, R), R)``): rewritten the same way;
+a read of another region that overlaps the one written declines (``ag.buffer_region``).
 
 A dtype cast between the matmul and its collective joins the site (SimpleFSDP's mixed
 precision: bfloat16 parameters gathered, the bfloat16 weight gradient cast to float32 and
@@ -109,6 +113,91 @@ def test_a_write_into_the_gathered_tensor_still_declines(fake_world, program):
     before = gm.code
     records = rewrite_graph(gm, "forward", RING)
     assert [(r.decision, r.decline_code) for r in records] == [("declined", "site.mutated")]
+    assert gm.code == before
+
+
+def functional_fx(fn, *shapes) -> torch.fx.GraphModule:
+    """``fn``'s writes into views functionalized as AOTAutograd does (a write through a
+    view: a ``slice_scatter`` into the base; reads of the view: slices of its result)."""
+    return fx(torch.func.functionalize(fn, remove="mutations"), *shapes)
+
+
+def into_global_buffer(x, w, buffer):
+    """Megatron-Core's column-parallel linear: the gathered input copied into a view of
+    the global memory buffer (``buffer[0:numel].view(shape)``), the matmul reading the
+    view: ``slice(slice_scatter(buffer, gathered, 0, 0, 64), 0, 0, 64)``."""
+    total = buffer[0:64].view(8, 8)
+    total.copy_(gathered(x))
+    return total @ w
+
+
+def into_two_regions(x, w, buffer):
+    """Two gathers into disjoint regions of one buffer, the first read back after the
+    second's write (which a read of the first region reads past)."""
+    first, second = buffer[0:64].view(8, 8), buffer[64:128].view(8, 8)
+    first.copy_(gathered(x))
+    second.copy_(gathered(x + 1))
+    return first @ w, second @ w
+
+
+def test_a_gathered_value_written_into_a_view_of_a_buffer_is_read_back_and_rewritten(
+    fake_world,
+):
+    gm = functional_fx(into_global_buffer, (2, 8), (8, 6), (80,))
+    (scatter,) = calls(gm, aten.slice_scatter.default)
+    assert any(u.target is aten.slice.Tensor for u in scatter.users)  # the read-back
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
+        ("ag_mm", "rewritten", "")
+    ], [r.reason for r in records]
+    assert not calls(gm, c10d.all_gather_into_tensor.default)
+    assert len(calls(gm, P2P)) == N - 1
+    (scatter,) = calls(gm, aten.slice_scatter.default)  # the buffer still written ...
+    assert scatter.args[0].op == "placeholder" and scatter.args[2:] == (0, 0, 64)
+    rebuilt = scatter.args[1].args[0]  # ... with the gathered tensor rebuilt, flat
+    assert rebuilt.target is aten.cat.default and len(rebuilt.args[0]) == N
+    assert rebuilt.args[0][RANK].op == "placeholder"  # this rank's own shard
+    assert not any(u.target is aten.slice.Tensor for u in scatter.users)  # nothing reads back
+    (copy,) = calls(gm, aten.copy_.default)
+    assert copy.args == (scatter.args[0], scatter)
+    (out,) = (u for u in calls(gm, aten.cat.default) if u is not rebuilt)
+    assert all(p.target is aten.mm.default for p in out.args[0])
+
+
+def test_reads_back_past_a_write_into_another_region_of_the_buffer(fake_world):
+    gm = functional_fx(into_two_regions, (2, 8), (8, 6), (128,))
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision) for r in records] == [("ag_mm", "rewritten")] * 2, [
+        r.reason for r in records
+    ]
+    assert not calls(gm, c10d.all_gather_into_tensor.default)
+    assert len(calls(gm, aten.slice_scatter.default)) == 2
+
+
+@pytest.mark.parametrize(
+    ("read", "message"),
+    [
+        pytest.param(
+            lambda buffer: buffer[8:72].view(8, 8), "[8:72] of dim 0", id="shifted-region"
+        ),
+        pytest.param(lambda buffer: buffer[0:32].view(4, 8), "[0:32] of dim 0", id="a-part"),
+    ],
+)
+def test_a_read_of_another_region_of_the_buffer_declines(fake_world, read, message):
+    """The matmul reads rows of the buffer's old values with gathered ones: not the
+    gathered tensor, so the site is declined with its code, never skipped in silence."""
+
+    def program(x, w, buffer):
+        buffer[0:64].view(8, 8).copy_(gathered(x))
+        return read(buffer) @ w
+
+    gm = functional_fx(program, (2, 8), (8, 6), (80,))
+    before = gm.code
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
+        ("ag_mm", "declined", "ag.buffer_region")
+    ]
+    assert message in records[0].reason and "[0:64] of dim 0" in records[0].reason
     assert gm.code == before
 
 
@@ -253,7 +342,19 @@ def functional_linear(x, w, buffer):
     return g @ w.t()
 
 
-PROGRAMS = {"megatron": megatron_linear, "functional": functional_linear}
+def megatron_core_linear(x, w, buffer):
+    """Megatron-Core's: the input gathered into a view of the global memory buffer
+    (``buffer[0:numel].view(shape)`` of the flat buffer), which the matmul reads."""
+    rows = dist.get_world_size() * x.shape[0]
+    total = buffer.view(-1)[0 : rows * x.shape[1]].view(rows, x.shape[1])
+    return GatherIntoBufferLinear.apply(x, w, total)
+
+
+PROGRAMS = {
+    "megatron": megatron_linear,
+    "megatron_core": megatron_core_linear,
+    "functional": functional_linear,
+}
 
 
 def buffer_step(rank: int, n: int, program: str, inner: str) -> dict:

@@ -144,6 +144,23 @@ def test_a_warning_on_rank_0_falls_back_on_every_rank_at_once(ranks, n, inner):
         assert "site.ranks_diverged" in codes  # the backward, without any exchange
 
 
+def test_a_warning_on_rank_0_under_schedule_auto_finishes_alike_on_every_rank(ranks):
+    """``schedule="auto"`` decides per site from the cost model (here: no site pays on
+    these small tensors): the ranks still exchange, see their different graphs and keep
+    the collectives together, with the one warning, in bounded time."""
+    runs_per_rank = ranks(3).run(diverging_job, "rank0_warning", "eager", {"schedule": "auto"})
+    _check_numbers(runs_per_rank)
+    for runs in runs_per_rank:
+        got = runs["commfuse"]
+        assert got["seconds"] < runs["aot_eager"]["seconds"] + 60, got["seconds"]
+        (warned,) = got["warnings"]
+        assert "compiled different graphs" in warned, warned
+        assert got["sites"], "every collective gets a record"
+        assert all(decision == "declined" for _, _, decision, _ in got["sites"])
+        codes = {code for *_, code in got["sites"]}
+        assert codes <= {"plan.not_profitable", "compiler.rank_graphs", "site.ranks_diverged"}
+
+
 @pytest.mark.parametrize(("n", "inner"), [(3, "eager"), (3, "inductor")])
 def test_a_recompile_on_one_rank_runs_with_its_peers_graph(ranks, n, inner):
     """Rank 0 recompiles (a float it reads changed), its peers keep running their graph:

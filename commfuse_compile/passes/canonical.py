@@ -27,8 +27,23 @@ which the site rebuilds from the ring's blocks for it (as Inductor's graphs, whi
 the buffer with ``copy_(buffer, value)``, already read it). (``async_op=True`` with ``.wait()`` is
 a graph break in torch 2.13: that collective runs outside any compiled graph.)
 
-Only copies of a collective's result (or of slices of it) are touched; the pipeline
-restores the graph as it came when no site is then rewritten.
+A copy into a *view* of a buffer (Megatron-Core's global memory buffer hands out
+``buffer[0:numel].view(shape)``) is functionalized as a write of the value into a region
+of the buffer, and the matmul reads that region back:
+
+    slice_scatter(buffer, view(copy(view(slice(buffer, 0, 0, k)), w)), 0, 0, k)
+    mm(view(slice(slice_scatter(...), 0, 0, k)), weight)
+
+The copy is the value as above; the read-back of exactly the region written is the value
+written (``slice(slice_scatter(b, src, R), R) == src``, also past writes into regions
+disjoint from R), so the matmul reads the collective's value and the ``slice_scatter``
+stays, one more reader of it. Copies left unread are dropped with the views of the
+buffer they wrote into. A read of a region that only overlaps the one written is left
+as it is: the site kinds decline it (``ag.buffer_region``).
+
+Only copies of a collective's result (or of slices or views of it), and read-backs of
+one, are touched; the pipeline restores the graph as it came when no site is then
+rewritten.
 """
 
 from __future__ import annotations
@@ -38,10 +53,11 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .graph import SLICE_ARGS, node_arg, writes_into
+from .graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, node_arg, region, writes_into
 from .sequence import WAIT_TENSOR
 
 aten = torch.ops.aten
@@ -58,6 +74,8 @@ FRESH = frozenset(
         aten.new_empty_strided.default,
     }
 )
+# pure: dropped when nothing reads them any more
+UNREAD_DROPPED = FRESH | VIEWS | {aten.copy.default, aten.slice.Tensor}
 
 Change = Callable[[], None]
 
@@ -65,29 +83,101 @@ Change = Callable[[], None]
 def canonicalize(graph: Graph, before_change: Change) -> bool:
     """Replace every value-preserving copy of a collective's result, and every ``cat``
     that reassembles one from its slices, by the value itself (a copy into a buffer that
-    lives on: in its readers but the output); did anything change?"""
+    lives on: in its readers but the output); then every read-back of the region a
+    collective's value was written into (``_read_back``) by that value. Did anything
+    change?
+
+    Two passes: a copy left unread is dropped in the first, with the views of the buffer
+    it wrote into, so that the second rewrites reads, not the slices a later copy writes
+    through (``copy(slice(buffer), gathered_2)``)."""
     changed = False
     for node in list(graph.nodes):
         value = _copied_value(node) if node.target in COPIES else _reassembled(node)
         if value is None:
             continue
         if node.target in COPIES and not _into_fresh(node):
-            readers = [u for u in node.users if u.op != "output" and not writes_into(u, node)]
-            if readers:
-                before_change()
-                for reader in readers:
-                    reader.replace_input_with(node, value)
-                changed = True
+            changed |= _read_as(graph, node, value, before_change)
             continue
         before_change()
-        buffers = [node.args[0]] if node.target in COPIES else []  # dropped if unread
         node.replace_all_uses_with(value)
-        graph.erase_node(node)
-        for buffer in buffers:
-            if isinstance(buffer, Node) and not buffer.users:
-                graph.erase_node(buffer)
+        _drop_unread(graph, node)
         changed = True
+    for node in list(graph.nodes):
+        value = _read_back(node)
+        if value is not None:
+            changed |= _read_as(graph, node, value, before_change)
     return changed
+
+
+def _read_as(graph: Graph, node: Node, value: Node, before_change: Change) -> bool:
+    """Let ``node``'s readers (but the output and writes into it) read ``value``, which
+    equals it; drop ``node`` if nothing reads it then. Did anything change?"""
+    readers = [u for u in node.users if u.op != "output" and not writes_into(u, node)]
+    if not readers:
+        return False
+    before_change()
+    for reader in readers:
+        reader.replace_input_with(node, value)
+    _drop_unread(graph, node)
+    return True
+
+
+def _drop_unread(graph: Graph, node: Node) -> None:
+    """Erase ``node`` if nothing reads it, and so on up through the copies, views and
+    fresh buffers it was made from (never a graph input, never a write in place)."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if current.users or current.op != "call_function" or current.target not in UNREAD_DROPPED:
+            continue
+        stack += current.all_input_nodes
+        graph.erase_node(current)
+
+
+def _read_back(node: Node) -> Node | None:
+    """``src`` of ``slice(slice_scatter(buffer, src, R), R)``: the region just written,
+    read back, is ``src`` (a collective's value, as Megatron-LM's gather into its global
+    buffer reads under the eager inner compiler), also through views that give the
+    buffer its shape back and past writes into regions of the buffer disjoint from R
+    (``slice(slice_scatter(b, x, R2), R)`` reads ``b``). A value whose layout a view of
+    the slice might need is kept unless ``src`` is contiguous."""
+    if node.target is not aten.slice.Tensor:
+        return None
+    read, scatter = region(node), _unviewed(node.args[0])
+    while read is not None and scatter is not None and scatter.target is SLICE_SCATTER:
+        written = region(scatter)
+        if written is None or not (written.same(read) or written.disjoint(read)):
+            return None
+        if written.disjoint(read):
+            scatter = _unviewed(scatter.args[0])
+            continue
+        src = scatter.args[1]
+        out, value = node.meta.get("val"), getattr(src, "meta", {}).get("val")
+        if not isinstance(src, Node) or not _collective_value(src):
+            return None
+        if not isinstance(out, torch.Tensor) or not isinstance(value, torch.Tensor):
+            return None
+        same_layout = _equal(tuple(out.stride()), tuple(value.stride()))
+        return src if same_layout or is_contiguous_or_false(value) else None
+    return None
+
+
+def _unviewed(node: object) -> Node | None:
+    """``node``, or what a chain of views that ends in its shape started from (views keep
+    the elements' order: the round trip is the tensor itself)."""
+    if not isinstance(node, Node):
+        return None
+    source = node
+    while source.target in VIEWS and isinstance(source.args[0], Node):
+        source = source.args[0]
+    shape, start = node.meta.get("val"), source.meta.get("val")
+    round_trip = (
+        isinstance(shape, torch.Tensor)
+        and isinstance(start, torch.Tensor)
+        and shape.dtype == start.dtype
+        and _equal(tuple(shape.shape), tuple(start.shape))
+    )
+    return source if round_trip else node
 
 
 def _into_fresh(copy: Node) -> bool:
@@ -192,11 +282,16 @@ def _value(arg: object) -> object:
 
 
 def _collective_value(node: Node) -> bool:
-    """Is ``node`` a waited collective's result, or a part of one (slice, split)?"""
-    part = _part_of(node)
-    while part is not None:
-        node, part = part.whole, _part_of(part.whole)
-    return node.target is WAIT_TENSOR
+    """Is ``node`` a waited collective's result, or a part (slice, split) or a view of
+    one?"""
+    while True:
+        part = _part_of(node)
+        if part is not None:
+            node = part.whole
+        elif node.target in VIEWS and isinstance(node.args[0], Node):
+            node = node.args[0]
+        else:
+            return node.target is WAIT_TENSOR
 
 
 def _equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:

@@ -58,6 +58,12 @@ _REASONS = (
     ),
     Reason("site.mutated", "unsupported", "the collected tensor is mutated in place by {node}"),
     Reason("ag.no_matmul", "unsupported", "no matmul consumes the gathered rows"),
+    Reason(
+        "ag.buffer_region",
+        "unsupported",
+        "{node} reads {read} of the buffer the gathered tensor is written into at "
+        "{written}: not the region written",
+    ),
     Reason("ag.matmuls_left_out", "unsupported", "{unmatched}"),
     Reason("site.no_reader", "unsupported", "the collected tensor has no reader"),
     Reason("site.unread", "unsupported", "the result of {node} is never read"),

@@ -7,10 +7,11 @@ import dataclasses
 import math
 import operator
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import dims
 from .declines import decline
@@ -264,6 +265,92 @@ def is_full_slice(node: Node) -> bool:
 
 
 SLICE_ARGS = ((1, "dim", 0), (2, "start", None), (3, "end", None), (4, "step", 1))
+SLICE_SCATTER = aten.slice_scatter.default
+
+
+class Region(NamedTuple):
+    """Elements ``start:end:step`` of a dim of ``size``: what a slice reads or a
+    ``slice_scatter`` writes (bounds non-negative, clamped to the size; sizes may be
+    symbolic, and what cannot be proven counts as false)."""
+
+    dim: int
+    start: dims.Size
+    end: dims.Size
+    step: dims.Size
+    size: dims.Size
+
+    def same(self, other: Region) -> bool:
+        return self.dim == other.dim and all(
+            dims.equal(a, b) for a, b in zip(self[1:4], other[1:4], strict=True)
+        )
+
+    def disjoint(self, other: Region) -> bool:
+        """Provably no element in common (on one dim, both contiguous)."""
+        return (
+            self.dim == other.dim
+            and self._contiguous(other)
+            and (_known(self.end <= other.start) or _known(other.end <= self.start))
+        )
+
+    def covers(self, other: Region | None) -> bool:
+        """Provably every element of ``other`` (None: of the whole tensor)."""
+        if self.same(Region(self.dim, 0, self.size, 1, self.size)):
+            return True  # all of the tensor
+        return (
+            other is not None
+            and self.dim == other.dim
+            and self._contiguous(other)
+            and _known(self.start <= other.start)
+            and _known(other.end <= self.end)
+        )
+
+    def _contiguous(self, other: Region) -> bool:
+        return dims.equal(self.step, 1) and dims.equal(other.step, 1)
+
+    def __str__(self) -> str:
+        step = "" if dims.equal(self.step, 1) else f":{self.step}"
+        return f"[{self.start}:{self.end}{step}] of dim {self.dim}"
+
+
+def region(node: Node) -> Region | None:
+    """The region a ``slice`` reads of its input or a ``slice_scatter`` writes into its
+    buffer; None for other nodes or without metadata."""
+    if node.target is aten.slice.Tensor:
+        offset = 0
+    elif node.target is SLICE_SCATTER:
+        offset = 1  # (buffer, src, dim, start, end, step)
+    else:
+        return None
+    base = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    if not isinstance(base, torch.Tensor):
+        return None
+    dim, start, end, step = (
+        _number(node_arg(node, i + offset, name, d)) for i, name, d in SLICE_ARGS
+    )
+    if not isinstance(dim, int) or base.dim() == 0:
+        return None
+    dim %= base.dim()
+    size = dims.sizes(base.shape)[dim]
+    start = _bound(0 if start is None else start, size)
+    end = _bound(size if end is None else end, size)
+    return Region(dim, start, end, step, size)
+
+
+def _bound(bound: Any, size: dims.Size) -> dims.Size:
+    """A slice bound as the index it means: a negative one counted from the end, one past
+    the end clamped to it."""
+    if isinstance(bound, int) and bound < 0:
+        bound += size
+    return size if _known(bound >= size) else bound
+
+
+def _number(arg: object) -> Any:
+    """A slice argument as a number: a size node's value."""
+    return arg.meta.get("val") if isinstance(arg, Node) else arg
+
+
+def _known(fact: Any) -> bool:
+    return bool(statically_known_true(fact))
 
 
 def cast_to(node: Node) -> torch.dtype | None:
@@ -314,13 +401,54 @@ def ordered_getitems(split: Node, n: int) -> list[Node] | None:
 
 
 def reaches_matmul(node: Node) -> bool:
-    """Does the value flow into a matmul through layout, copy or reassembly ops only?
+    """Does the value flow into a matmul through layout, copy or reassembly ops only, and
+    through the buffers it is written into (``value_readers``)?
 
     With ``comes_from_matmul``, decides what counts as "next to a matmul", so that every
     such collective is reported (rewritten or declined with a reason), never silently
     skipped, however long the chain.
     """
-    return _matmul_through_pass_through(list(node.users), lambda n: list(n.users))
+    return _matmul_through_pass_through(value_readers(node), value_readers)
+
+
+def value_readers(node: Node) -> list[Node]:
+    """The nodes that read ``node``'s values: its users, except that a ``slice_scatter``
+    writing ``node`` into a buffer (or over a part of ``node``) passes it on to the
+    readers of the part of the buffer that holds it."""
+    return [reader for user in node.users for reader in _readers_through(user, node, None)]
+
+
+def part_readers(scatter: Node, part: Region | None) -> list[Node]:
+    """The readers of ``part`` of ``scatter``'s result (None: of any of it): its users
+    but the slices that miss the part, through further ``slice_scatter``s."""
+    readers: list[Node] = []
+    for user in scatter.users:
+        read = region(user) if user.target is aten.slice.Tensor else None
+        if read is None or part is None or not read.disjoint(part):
+            readers += _readers_through(user, scatter, part)
+    return readers
+
+
+def _readers_through(user: Node, node: Node, part: Region | None) -> list[Node]:
+    """``user``, or if it is a ``slice_scatter``, the readers of ``part`` of ``node``
+    (None: all of it) in its result: where the source went, or the elements of the
+    buffer it does not overwrite."""
+    if user.target is not SLICE_SCATTER:
+        return [user]
+    written = region(user)
+    if node_arg(user, 1, "src") is node:
+        return part_readers(user, written)
+    return [] if written is not None and written.covers(part) else part_readers(user, part)
+
+
+def read_back(scatter: Node) -> list[Node]:
+    """The readers of the region ``scatter`` writes its source into whose values flow
+    into a matmul (``reaches_matmul``'s rule)."""
+    return [
+        reader
+        for reader in part_readers(scatter, region(scatter))
+        if _matmul_through_pass_through([reader], value_readers)
+    ]
 
 
 def comes_from_matmul(node: Node) -> bool:

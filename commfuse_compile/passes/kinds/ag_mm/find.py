@@ -13,6 +13,7 @@ from torch.fx import Graph, Node
 from ... import dims
 from ...declines import Declined, decline
 from ...graph import (
+    SLICE_SCATTER,
     VIEWS,
     Matmul,
     between_note,
@@ -27,6 +28,8 @@ from ...graph import (
     normalized_dim,
     ordered_getitems,
     reaches_matmul,
+    read_back,
+    region,
     same_data,
     saved_unwaited,
     scales_problem,
@@ -216,6 +219,8 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
             elif cast_to(user) is not None and user.args[0] is node:
                 site.chain.append(user)
                 frontier.append((user, cast_to(user)))
+            elif user.target is SLICE_SCATTER and node_arg(user, 1, "src") is node:
+                _check_read_back(user)
             elif mm is not None and node not in (mm.a, mm.b):
                 what = mm.reads_as(node)
                 site.unmatched.append(f"{mm.node.name}: the gathered tensor is its {what}")
@@ -235,6 +240,21 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
                         site.unmatched.append(between_note(consumer))
             elif reaches_matmul(user):
                 site.unmatched.append(between_note(user))
+
+
+def _check_read_back(scatter: Node) -> None:
+    """The gathered tensor written into a buffer (``slice_scatter``) is one more reader,
+    rebuilt for it; a matmul reading back exactly the region written reads the gathered
+    tensor (``canonical.py``), but one reading another region that overlaps it reads
+    parts of the buffer's old values with the gathered ones: declined."""
+    for reader in read_back(scatter):
+        read = region(reader) if reader.target is aten.slice.Tensor else None
+        raise decline(
+            "ag.buffer_region",
+            node=reader.name,
+            read=read or "all",
+            written=region(scatter) or "a region",
+        )
 
 
 def _add_use(site: _Uses, g2d: Node, mm: Matmul, role: str, cast: torch.dtype | None) -> None:
