@@ -34,14 +34,17 @@ from .rewrite import Rewrite, Taken, graph_digest, tag_of, transfers_digest
 from .site import Site
 
 T = TypeVar("T")
+PASSED = "commfuse_graph"  # GraphModule.meta key: the pass ran on it (its graph's number)
 
 
 def rewrite_graph(gm: GraphModule, graph_role: str, options: Options) -> list[SiteRecord]:
     """Rewrite ``gm`` in place; returns one record per site found (also in the report).
-    The graph runs node by node (eager FX), so its order of transfers is the graph's."""
+    The ranks agree on the graph's order of transfers: the graph runs node by node (eager
+    FX), or Inductor compiles it afterwards with that order of starts pinned
+    (``inner="inductor"``: the Inductor pass, where no program is read back)."""
     result = _rewrite(gm, graph_role, options)
     try:
-        why = _agree(result, gm, options)
+        why = _agree(result, gm, options, result.graph_events)
         if why is not None and _rewritten(result):
             _fall_back(result, why)  # the restored graph recompiles
     finally:
@@ -106,6 +109,9 @@ class _Result:
     groups: dict[int, tuple[groups.Group, dict[str, Any]]]  # site id -> (group, inputs)
     digest: int = 0  # the graph as it came (``rewrite.graph_digest``): equal on every rank
     ops: list[str] = dataclasses.field(default_factory=list)  # its ops, to name a difference
+    # the rewritten graph's transfers in node order, read before ``order.keep_order`` wraps
+    # them in control_deps (the order it pins); None: read from the graph as it is
+    graph_events: list[sequence.Event] | None = None
 
 
 def _rewritten(result: _Result) -> list[SiteRecord]:
@@ -174,6 +180,7 @@ def _check_program(code: str | None, options: Options, result: _Result) -> progr
 
 def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
     graph_index = REPORT.new_graph(options.described())
+    gm.meta[PASSED] = graph_index
     dump_code(options.debug_dir, graph_index, graph_role, "before", lambda: gm.code)
     result = _Result([], _Original(gm), graph_index, graph_role, {})
     try:
@@ -187,6 +194,7 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
         if (canonical or split) and not rewrites:
             result.original.restore()
         if rewrites and options.inner == "inductor":
+            result.graph_events = sequence.from_graph(gm.graph, groups.ranks_of)
             order.keep_order(gm.graph, (s for rw in rewrites for s in rw.steps))
         if rewrites and options.inner != "inductor":  # Inductor lints and recompiles
             gm.graph.lint()
