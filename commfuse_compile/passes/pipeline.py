@@ -52,6 +52,17 @@ def rewrite_graph(gm: GraphModule, graph_role: str, options: Options) -> list[Si
     return result.records
 
 
+def decline_graph(
+    gm: GraphModule, graph_role: str, options: Options, why: Declined
+) -> list[SiteRecord]:
+    """Leave ``gm`` as it is; every site it has is recorded declined for ``why``."""
+    graph_index = REPORT.new_graph(options.described())
+    gm.meta[PASSED] = graph_index
+    records = _declined_records(gm, graph_role, why)
+    REPORT.finish_graph(records, graph_role, options.debug_dir, options.measure)
+    return records
+
+
 def rewrite_and_compile(
     gm: GraphModule,
     graph_role: str,
@@ -205,10 +216,9 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
         )
         result.original.restore()
         result.groups.clear()
-        why = decline("internal.error", error=_brief(err))
-        result.records = [
-            SiteRecord(kind=s.kind, graph=graph_role).declined(why) for s in _sites_or_none(gm)
-        ]
+        result.records = _declined_records(
+            gm, graph_role, decline("internal.error", error=_brief(err))
+        )
     dump_code(options.debug_dir, graph_index, graph_role, "after", lambda: _code(gm))
     return result
 
@@ -341,6 +351,11 @@ def _without_disabled(site: Site, disabled: frozenset[str]) -> Site:
     if site.kind in disabled:
         raise decline("plan.kind_disabled", kind=site.kind)
     return of(site).without(site, disabled)
+
+
+def _declined_records(gm: GraphModule, graph_role: str, why: Declined) -> list[SiteRecord]:
+    """A record per site of ``gm``, each declined for ``why``."""
+    return [SiteRecord(kind=s.kind, graph=graph_role).declined(why) for s in _sites_or_none(gm)]
 
 
 def _sites_or_none(gm: GraphModule) -> list[Site]:
