@@ -19,6 +19,7 @@ ranks' agreement while its peers wait for it, and run whatever the cached progra
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,7 +28,8 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 from torch.fx import Graph
 
 from .options import CommfuseOptionError, Options, given_options
-from .passes import PASSED, rewrite_graph
+from .passes import PASSED, decline_graph, rewrite_graph
+from .passes.declines import decline
 
 SLOT = "post_grad_custom_pre_pass"
 
@@ -43,7 +45,14 @@ class CommfuseInductorPass(CustomInferenceAwareGraphPass):
         gm = graph.owning_module
         if gm is None or PASSED in gm.meta:  # backend="commfuse" rewrote it already
             return
-        rewrite_graph(gm, graph_role(graph, is_inference), self.options)
+        role = graph_role(graph, is_inference)
+        later = comm_passes_after()
+        if later:
+            why = decline("compiler.comm_passes", passes=", ".join(later))
+            warnings.warn(f"commfuse: {why.reason}; the graph is left as it is", stacklevel=2)
+            decline_graph(gm, role, self.options, why)
+            return
+        rewrite_graph(gm, role, self.options)
 
     def uuid(self) -> None:
         """None: Inductor's caches are bypassed (see the module's docstring)."""
@@ -60,6 +69,31 @@ def graph_role(graph: Graph, is_inference: bool) -> str:
         return "inference"
     placeholders = graph.find_nodes(op="placeholder")
     return "backward" if any(p.name.startswith("tangents") for p in placeholders) else "forward"
+
+
+def comm_passes_after() -> list[str]:
+    """Inductor's post-grad passes switched on that merge, split, replace or reorder
+    collectives after the slot (all off by default): what the ranks agreed on would not
+    be what Inductor compiles."""
+    distributed = inductor_config.aten_distributed_optimizations
+    switched = {
+        "_micro_pipeline_tp": inductor_config._micro_pipeline_tp,
+        "_fuse_ddp_communication": inductor_config._fuse_ddp_communication,
+        "dedup_reduce_scatters": inductor_config.dedup_reduce_scatters,
+        "bucket_reduce_scatters_fx": inductor_config.bucket_reduce_scatters_fx != "none",
+        "bucket_all_reduces_fx": inductor_config.bucket_all_reduces_fx != "none",
+        "bucket_all_gathers_fx": inductor_config.bucket_all_gathers_fx != "none",
+        "aten_distributed_optimizations.enable_overlap_scheduling": (
+            distributed.enable_overlap_scheduling
+        ),
+        "aten_distributed_optimizations.allow_comms_decompositions": (
+            distributed.allow_comms_decompositions
+        ),
+        "aten_distributed_optimizations.enable_low_contention_collectives": (
+            distributed.enable_low_contention_collectives
+        ),
+    }
+    return [name for name, on in switched.items() if on]
 
 
 def install_inductor_pass(
@@ -119,6 +153,7 @@ def _set(passes: list[Any]) -> None:
 
 __all__ = [
     "CommfuseInductorPass",
+    "comm_passes_after",
     "install_inductor_pass",
     "installed_inductor_pass",
     "uninstall_inductor_pass",

@@ -166,6 +166,19 @@ def test_the_hook_is_the_pipeline_with_inductors_order(slot, fake_world):
     assert gm.graph.python_code("self").src == before
 
 
+def test_inductors_own_comm_passes_leave_the_graph_as_it_is(slot, fake_world, monkeypatch):
+    """Bucketing after the slot would change the transfers the ranks agreed on."""
+    monkeypatch.setattr(inductor_config, "bucket_all_reduces_fx", "all")
+    gm = make_fx(row_parallel, tracing_mode="fake")(torch.randn(8, 6), torch.randn(6, 5))
+    before = gm.graph.python_code("self").src
+    commfuse_compile.report.reset()
+    with pytest.warns(UserWarning, match="Inductor's bucket_all_reduces_fx would change"):
+        commfuse_compile.install_inductor_pass(schedule="ring")(gm.graph, is_inference=False)
+    assert gm.graph.python_code("self").src == before
+    (site,) = commfuse_compile.REPORT.sites
+    assert (site.kind, site.decline_code) == ("mm_ar", "compiler.comm_passes")
+
+
 def test_a_fall_back_inside_inductor_compiles_the_graph_as_it_came(slot, fake_world, monkeypatch):
     """The ranks' agreement says no: the restored graph goes on through Inductor."""
     monkeypatch.setattr(
