@@ -3,9 +3,9 @@
 Installing and uninstalling Inductor's ``post_grad_custom_pre_pass`` (twice, next to a
 user's own pass, options from the environment); the graphs Inductor hands it (forward,
 backward, inference), an internal error that keeps the graph, a graph that
-``backend="commfuse"`` rewrote already; then a DTensor TP+SP MLP on 3 gloo ranks under
-``torch.compile(model, backend="inductor")``: forward and backward equal to the
-uncompiled model, every site rewritten, Inductor's programs keep every transfer's memory
+``backend="commfuse"`` rewrote already; then a DTensor TP+SP MLP on 3 gloo ranks (4 with
+``-m matrix``) under ``torch.compile(model, backend="inductor")``: forward and backward
+equal to the uncompiled model, every site rewritten, Inductor's programs keep every transfer's memory
 and run together on the ranks; uninstalled, Inductor compiles the model as it is.
 """
 
@@ -213,8 +213,9 @@ def hooked_mlp_step(rank: int, n: int, options: dict | None, debug_dir: str) -> 
     return result
 
 
-def test_tp_sp_mlp_under_backend_inductor(ranks, tmp_path):
-    pool = ranks(3)
+@pytest.mark.parametrize("n", [3, pytest.param(4, marks=pytest.mark.matrix)])
+def test_tp_sp_mlp_under_backend_inductor(ranks, tmp_path, n):
+    pool = ranks(n)
     results = pool.run(hooked_mlp_step, {"schedule": "ring"}, str(tmp_path / "on"))
     for rank, res in enumerate(results):
         assert res["out_diff"] <= 1e-5, rank
@@ -228,7 +229,7 @@ def test_tp_sp_mlp_under_backend_inductor(ranks, tmp_path):
             ("backward", "ag_mm"),
             ("backward", "mm_rs"),
         }
-        assert all(s["steps"] == 3 and s["p2p_ops"] == 2 for s in sites)
+        assert all(s["steps"] == n and s["p2p_ops"] == n - 1 for s in sites)
         assert {"graph000_forward_after.py", "graph001_backward_after.py"} <= set(res["files"])
         assert all(any(e.tag is not None for e in s) for s in res["sequences"])  # P2P steps
     for graph in range(2):  # forward, backward: the ranks' programs run together
