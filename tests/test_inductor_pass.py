@@ -5,8 +5,9 @@ user's own pass, options from the environment); the graphs Inductor hands it (fo
 backward, inference), an internal error that keeps the graph, a graph that
 ``backend="commfuse"`` rewrote already; then a DTensor TP+SP MLP on 3 gloo ranks (4 with
 ``-m matrix``) under ``torch.compile(model, backend="inductor")``: forward and backward
-equal to the uncompiled model, every site rewritten, Inductor's programs keep every transfer's memory
-and run together on the ranks; uninstalled, Inductor compiles the model as it is.
+equal to the uncompiled model, every site rewritten, Inductor's programs keep every
+transfer's memory and run together on the ranks; uninstalled, Inductor compiles the
+model as it is.
 """
 
 from __future__ import annotations
