@@ -1,6 +1,7 @@
 """commfuse-compile: hide all-gather / reduce-scatter behind the matmuls next to them.
 
-``torch.compile(model, backend="commfuse")`` (registered as an entry point) or
+``torch.compile(model, backend="commfuse")`` (registered as an entry point),
+``commfuse_compile.install_inductor_pass()`` (the pass inside ``backend="inductor"``) or
 ``commfuse_compile.apply(graph_module_or_exported_program)``.
 """
 
@@ -10,6 +11,11 @@ require_supported_torch()  # before anything below reaches into Inductor
 
 from .api import apply  # noqa: E402
 from .backend import commfuse_backend  # noqa: E402
+from .inductor_pass import (  # noqa: E402
+    install_inductor_pass,
+    installed_inductor_pass,
+    uninstall_inductor_pass,
+)
 from .options import CommfuseOptionError, Options  # noqa: E402
 from .report import REPORT, SiteRecord  # noqa: E402
 
@@ -21,5 +27,8 @@ __all__ = [
     "UnsupportedTorchError",
     "apply",
     "commfuse_backend",
+    "install_inductor_pass",
+    "installed_inductor_pass",
+    "uninstall_inductor_pass",
 ]
 __version__ = "0.1.0"

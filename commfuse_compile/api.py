@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import torch
 from torch.fx import GraphModule
 
-from .options import CommfuseOptionError, Options
+from .options import CommfuseOptionError, Options, given_options
 from .passes import rewrite_graph
 
 G = TypeVar("G", GraphModule, torch.export.ExportedProgram)
@@ -22,11 +22,7 @@ def apply(obj: G, options: Mapping[str, Any] | None = None, **more: Any) -> G:
     (``schedule="ring"``), not both. ``apply`` compiles nothing: the result runs as it
     is, in its node order, which is ``inner="eager"``; ``inner="inductor"`` is refused.
     """
-    if options is not None and more:
-        raise CommfuseOptionError(
-            "commfuse_compile.apply: give the options as options={...} or as keywords, not both"
-        )
-    given = dict(options if options is not None else more)
+    given = given_options("commfuse_compile.apply", options, more)
     if given.get("inner", "eager") != "eager":
         raise CommfuseOptionError(
             f"commfuse_compile.apply: option 'inner' cannot be {given['inner']!r}: apply "

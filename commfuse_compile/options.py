@@ -91,6 +91,17 @@ class Options:
         }
 
 
+def given_options(
+    caller: str, options: Mapping[str, Any] | None, keywords: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Options given to a function as a mapping or as keywords, not both."""
+    if options is not None and keywords:
+        raise CommfuseOptionError(
+            f"{caller}: give the options as options={{...}} or as keywords, not both"
+        )
+    return dict(options if options is not None else keywords)
+
+
 class _Given(NamedTuple):
     """An option's raw value, where messages say it came from, and its origin."""
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch._C._distributed_c10d import _get_work_registry_size
+from torch._inductor.utils import run_and_get_code
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import (
@@ -28,12 +29,20 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def mlp_train_step(
-    rank: int, n: int, options: dict, debug_dir: str, seq: int = 6, residual: bool = False
+    rank: int,
+    n: int,
+    options: dict,
+    debug_dir: str,
+    seq: int = 6,
+    residual: bool = False,
+    backend: str = "commfuse",
 ) -> dict:
     """Compiled (commfuse) vs eager TP+SP MLP: outputs, the input's and every parameter's
     gradient (relative errors), plus the report. ``residual``: the SwiGLU block of a real
     model (gate and up with bias, a residual add, LayerNorm with random affine
-    parameters, loss sum(y^2))."""
+    parameters, loss sum(y^2)). ``backend="inductor"``: compiled by Inductor as it is
+    (the Inductor pass installed or not; ``options`` unused), with the programs it
+    generated and no report unless the pass wrote one."""
     commfuse_compile.report.reset()
     torch._dynamo.reset()
     mesh = init_device_mesh("cpu", (n,))
@@ -48,13 +57,15 @@ def mlp_train_step(
     plan = mlp_plan(local_output=not residual)
     parallelize_module(model, mesh, plan)
     parallelize_module(ref, mesh, plan)
-    compiled = torch.compile(
-        model, backend="commfuse", options={**options, "debug_dir": debug_dir}, fullgraph=True
-    )
+    if backend == "commfuse":
+        options = {**options, "debug_dir": debug_dir}
+        compiled = torch.compile(model, backend="commfuse", options=options, fullgraph=True)
+    else:
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
     x_local = x.chunk(n, dim=1)[rank].contiguous()
     registered = _get_work_registry_size()
-    outs = []
-    for module in (compiled, ref):
+
+    def step(module: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         leaf = x_local.clone().requires_grad_()
         out = module(DTensor.from_local(leaf, mesh, [Shard(1)]))
         (out * out if residual else out).sum().backward()
@@ -65,15 +76,19 @@ def mlp_train_step(
         grads["input"] = leaf.grad
         if isinstance(out, DTensor):
             out = out.to_local()
-        outs.append((out.detach(), grads))
-    (out_c, grads_c), (out_r, grads_r) = outs
-    report = json.loads((Path(debug_dir) / f"rank{rank}" / "report.json").read_text())
+        return out.detach(), grads
+
+    (out_c, grads_c), programs = run_and_get_code(step, compiled)
+    out_r, grads_r = step(ref)
+    dump = Path(debug_dir) / f"rank{rank}"
+    report = dump / "report.json"
     return {
         "leaked_works": _get_work_registry_size() - registered,
         "out_diff": relative_error(out_c, out_r),
         "grad_diff": {k: relative_error(grads_c[k], grads_r[k]) for k in grads_r},
-        "report": report,
-        "files": sorted(os.listdir(Path(debug_dir) / f"rank{rank}")),
+        "report": json.loads(report.read_text()) if report.exists() else None,
+        "files": sorted(os.listdir(dump)) if dump.exists() else [],
+        "programs": programs,
     }
 
 

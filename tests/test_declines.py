@@ -22,7 +22,7 @@ CHOSEN = re.compile(rf"""["']((?:{PREFIXES})\.[a-z_]+)["']""")
 
 def _codes_in_code() -> set[str]:
     codes = set()
-    for path in (PACKAGE / "passes").rglob("*.py"):
+    for path in PACKAGE.rglob("*.py"):
         if path.name == "declines.py":
             continue
         text = path.read_text()

@@ -2,6 +2,6 @@
 per stage beside it (canonical -> match -> plan -> lower -> verify; the ranks' agreement
 in ``agree``)."""
 
-from .pipeline import rewrite_and_compile, rewrite_graph
+from .pipeline import PASSED, decline_graph, rewrite_and_compile, rewrite_graph
 
-__all__ = ["rewrite_and_compile", "rewrite_graph"]
+__all__ = ["PASSED", "decline_graph", "rewrite_and_compile", "rewrite_graph"]

@@ -180,6 +180,13 @@ _REASONS = (
     # the compiler below the pass
     Reason("compiler.failed", "compiler", "inner compiler failed on the rewritten graph: {error}"),
     Reason(
+        "compiler.comm_passes",
+        "compiler",
+        "Inductor's {passes} would change the graph's collectives after the Inductor pass, "
+        "which cannot read the program back: the ranks would agree on transfers that are "
+        "not the ones compiled (switch them off, or use backend='commfuse')",
+    ),
+    Reason(
         "compiler.unreadable",
         "compiler",
         "the inner compiler's program cannot be read, so it cannot be verified",

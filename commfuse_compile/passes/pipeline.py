@@ -34,19 +34,33 @@ from .rewrite import Rewrite, Taken, graph_digest, tag_of, transfers_digest
 from .site import Site
 
 T = TypeVar("T")
+PASSED = "commfuse_graph"  # GraphModule.meta key: the pass ran on it (its graph's number)
 
 
 def rewrite_graph(gm: GraphModule, graph_role: str, options: Options) -> list[SiteRecord]:
     """Rewrite ``gm`` in place; returns one record per site found (also in the report).
-    The graph runs node by node (eager FX), so its order of transfers is the graph's."""
+    The ranks agree on the graph's order of transfers: the graph runs node by node (eager
+    FX), or Inductor compiles it afterwards with that order of starts pinned
+    (``inner="inductor"``: the Inductor pass, where no program is read back)."""
     result = _rewrite(gm, graph_role, options)
     try:
-        why = _agree(result, gm, options)
+        why = _agree(result, gm, options, result.graph_events)
         if why is not None and _rewritten(result):
             _fall_back(result, why)  # the restored graph recompiles
     finally:
         _finish(result, options)
     return result.records
+
+
+def decline_graph(
+    gm: GraphModule, graph_role: str, options: Options, why: Declined
+) -> list[SiteRecord]:
+    """Leave ``gm`` as it is; every site it has is recorded declined for ``why``."""
+    graph_index = REPORT.new_graph(options.described())
+    gm.meta[PASSED] = graph_index
+    records = _declined_records(gm, graph_role, why)
+    REPORT.finish_graph(records, graph_role, options.debug_dir, options.measure)
+    return records
 
 
 def rewrite_and_compile(
@@ -106,6 +120,9 @@ class _Result:
     groups: dict[int, tuple[groups.Group, dict[str, Any]]]  # site id -> (group, inputs)
     digest: int = 0  # the graph as it came (``rewrite.graph_digest``): equal on every rank
     ops: list[str] = dataclasses.field(default_factory=list)  # its ops, to name a difference
+    # the rewritten graph's transfers in node order, read before ``order.keep_order`` wraps
+    # them in control_deps (the order it pins); None: read from the graph as it is
+    graph_events: list[sequence.Event] | None = None
 
 
 def _rewritten(result: _Result) -> list[SiteRecord]:
@@ -174,6 +191,7 @@ def _check_program(code: str | None, options: Options, result: _Result) -> progr
 
 def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
     graph_index = REPORT.new_graph(options.described())
+    gm.meta[PASSED] = graph_index
     dump_code(options.debug_dir, graph_index, graph_role, "before", lambda: gm.code)
     result = _Result([], _Original(gm), graph_index, graph_role, {})
     try:
@@ -187,6 +205,7 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
         if (canonical or split) and not rewrites:
             result.original.restore()
         if rewrites and options.inner == "inductor":
+            result.graph_events = sequence.from_graph(gm.graph, groups.ranks_of)
             order.keep_order(gm.graph, (s for rw in rewrites for s in rw.steps))
         if rewrites and options.inner != "inductor":  # Inductor lints and recompiles
             gm.graph.lint()
@@ -197,10 +216,9 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
         )
         result.original.restore()
         result.groups.clear()
-        why = decline("internal.error", error=_brief(err))
-        result.records = [
-            SiteRecord(kind=s.kind, graph=graph_role).declined(why) for s in _sites_or_none(gm)
-        ]
+        result.records = _declined_records(
+            gm, graph_role, decline("internal.error", error=_brief(err))
+        )
     dump_code(options.debug_dir, graph_index, graph_role, "after", lambda: _code(gm))
     return result
 
@@ -333,6 +351,11 @@ def _without_disabled(site: Site, disabled: frozenset[str]) -> Site:
     if site.kind in disabled:
         raise decline("plan.kind_disabled", kind=site.kind)
     return of(site).without(site, disabled)
+
+
+def _declined_records(gm: GraphModule, graph_role: str, why: Declined) -> list[SiteRecord]:
+    """A record per site of ``gm``, each declined for ``why``."""
+    return [SiteRecord(kind=s.kind, graph=graph_role).declined(why) for s in _sites_or_none(gm)]
 
 
 def _sites_or_none(gm: GraphModule) -> list[Site]:
