@@ -228,6 +228,9 @@ HOLD_NETWORK = textwrap.dedent(
 def test_namespaces_removed_on_failure_and_signals(how):
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLD_NETWORK],
+        # Ctrl-C as at a terminal: a job started with ``&`` by a shell without job control
+        # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
