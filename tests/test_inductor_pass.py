@@ -235,7 +235,9 @@ def test_tp_sp_mlp_under_backend_inductor(ranks, tmp_path, n):
         assert all(any(e.tag is not None for e in s) for s in res["sequences"])  # P2P steps
     for graph in range(2):  # forward, backward: the ranks' programs run together
         programs = {rank: res["sequences"][graph] for rank, res in enumerate(results)}
-        assert len({tuple(sequence.digest(p)) for p in programs.values()}) == 1
+        # site ids counted from each graph's first: a pool's ranks compiled other graphs before
+        digests = {rank: sequence.digest(p) for rank, p in programs.items()}
+        assert sequence.first_divergence(digests) is None
         assert sequence.simulate(programs) is None
 
     off = pool.run(hooked_mlp_step, None, str(tmp_path / "off"))
