@@ -24,10 +24,10 @@ from ..options import Options
 from ..report import REPORT, SiteRecord, dump_code
 from ..runtime import groups
 from ..schedules import by_name
-from . import agree, match, order, program, sequence, unfuse, verify
+from . import agree, match, order, program, sequence, shard_tokens, unfuse, verify
 from .canonical import canonicalize
 from .declines import Declined, decline
-from .kinds import of
+from .kinds import KINDS, of
 from .lower import lower, start
 from .plan import Plan, check_applies, plan, plan_options, profile_for, site_work
 from .rewrite import Rewrite, Taken, graph_digest, tag_of, transfers_digest
@@ -201,8 +201,9 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
         tags = transfers_digest(gm.graph)
         canonical = canonicalize(gm.graph, before_change=keep)
         split = unfuse.split_fused_projections(gm.graph, before_change=keep)
+        sharded = _shard_tokens(gm.graph, options, keep)
         rewrites = _rewrite_sites(gm, options, result, tags)
-        if (canonical or split) and not rewrites:
+        if (canonical or split or sharded) and not rewrites:
             result.original.restore()
         if rewrites and options.inner == "inductor":
             result.graph_events = sequence.from_graph(gm.graph, groups.ranks_of)
@@ -228,6 +229,23 @@ def _code(gm: GraphModule) -> str:
     return gm.graph.python_code("self").src
 
 
+def _shard_tokens(graph: Graph, options: Options, before_change: Callable[[], None]) -> bool:
+    """Split plain tensor parallelism's all-reduces into sequence parallelism's
+    reduce-scatter and all-gathers (``shard_tokens``) where the all-reduce's own site
+    would be rewritten: ``auto`` keeps a few tokens' all-reduce as it is."""
+
+    def group_if_rewritten(site: Site) -> groups.Group | None:
+        try:
+            group = _group(site)
+            _predicted(site, group, options, profile_for(site, options))
+        except Declined:
+            return None
+        return group
+
+    sites = KINDS["mm_ar"].find(graph)
+    return shard_tokens.split_all_reduces(graph, sites, group_if_rewritten, before_change)
+
+
 def _rewrite_sites(gm: GraphModule, options: Options, result: _Result, tags: int) -> list[Rewrite]:
     """Find every site once, then rewrite them in graph order. A rewrite changes only the
     nodes around its own site, so a later site is matched again where it stands (its
@@ -243,7 +261,7 @@ def _rewrite_sites(gm: GraphModule, options: Options, result: _Result, tags: int
             graph=result.graph_role,
             site=REPORT.new_site_id(),
             graph_index=result.graph_index,
-            match=site.describe(),
+            match=_described(site),
         )
         result.records.append(record)
         rewrite = _rewrite_site(gm, site, options, result, record, tag_of(tags, ordinal), taken)
@@ -274,7 +292,7 @@ def _rewrite_site(
         site, predicted, chosen = _planned(site, group, options, result, record)
         result.original.keep()
         rewrite = start(site, record.site, tag, gm.graph, taken, options.measure)
-        record.match = rewrite.site.describe()  # some matmuls may be left out
+        record.match = _described(rewrite.site)  # some matmuls may be left out
         schedule = by_name(chosen.schedule)
         lower(rewrite, group, schedule, options.slices)
         verify.check_emitted(rewrite)
@@ -303,16 +321,39 @@ def _planned(
     until the site is rewritten (what runs if it is declined)."""
     profile = profile_for(site, options)
     result.groups[record.site] = (group, _inputs(options, profile))
+    site, predicted = _predicted(site, group, options, profile, record)
+    return site, predicted, plan(predicted, options)
+
+
+def _predicted(
+    site: Site,
+    group: groups.Group,
+    options: Options,
+    profile: Profile,
+    record: SiteRecord | None = None,
+) -> tuple[Site, dict[str, Timeline]]:
+    """The site as the options leave it, its work and every schedule's predicted
+    timeline; declined where the options or the prediction rule the site out (``plan``
+    then chooses; without ``record``, it is planned here). What the cost model said
+    goes into ``record``."""
     site = _without_disabled(site, options.disable)
     plan_options(options)
     work = site_work(site, group.size)
     predicted = predict(work, profile, options.slices)
-    record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in predicted.items()}
-    record.profile = profile.name
-    record.collective_model = collective_model(work, profile)
-    record.timeline = predicted["collective"].as_json(group.rank)
+    if record is not None:
+        record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in predicted.items()}
+        record.profile = profile.name
+        record.collective_model = collective_model(work, profile)
+        record.timeline = predicted["collective"].as_json(group.rank)
     check_applies(predicted, options, site.kind)
-    return site, predicted, plan(predicted, options)
+    if record is None:
+        plan(predicted, options)
+    return site, predicted
+
+
+def _described(site: Site) -> dict[str, Any]:
+    """What the report shows of a site: its match, and the split it came from."""
+    return {**site.describe(), **site.anchor.meta.get(shard_tokens.META, {})}
 
 
 def _declined(record: SiteRecord, err: Exception) -> None:

@@ -1,0 +1,284 @@
+"""Plain tensor parallelism, sequence parallelism done by the pass: the all-reduce after
+a row-parallel matmul is split into a reduce-scatter, the residual add and the norm on
+this rank's tokens, and an all-gather that the next column-parallel matmuls read
+(``passes/shard_tokens.py``); those become ``mm_rs`` and ``ag_mm`` sites.
+
+Graph level on torch's fake process group (rank 1 of 4) for what moves and what is
+gathered; numbers on 3 and 4 gloo ranks, forward, backward and optimizer steps, eager and
+Inductor, against the uncompiled model: a Llama-style decoder written as Hugging Face
+writes it (RMSNorm in float32, q/k/v and gate/up column-parallel, o and down
+row-parallel), sharded with DTensor's ``ColwiseParallel``/``RowwiseParallel`` and their
+default layouts, as transformers' ``tp_plan`` does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from commfuse_compile import Options, report
+from commfuse_compile.passes import rewrite_graph
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+RING = Options(schedule="ring", inner="eager")
+
+
+@pytest.fixture
+def fake_world():
+    dist.init_process_group("fake", rank=1, world_size=4, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def reduced(y: torch.Tensor) -> torch.Tensor:
+    return c10d.wait_tensor(c10d.all_reduce(y, "sum", dist.group.WORLD.group_name))
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: statistics in float32, the weight applied last."""
+    dtype = h.dtype
+    h = h.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def residual_norm_qk(x, h, w_o, norm_w, w_q, w_k):
+    out = reduced(x @ w_o)
+    h2 = h + out.view(h.shape)
+    normed = rms_norm(h2, norm_w).view(-1, h.shape[-1])
+    return h2, normed @ w_q, normed @ w_k
+
+
+SHAPES = [(16, 8), (2, 8, 16), (8, 16), (16,), (16, 4), (16, 4)]
+
+
+def traced(fn, shapes):
+    return make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes))
+
+
+def calls(gm, target):
+    return list(gm.graph.find_nodes(op="call_function", target=target))
+
+
+def test_all_reduce_split_into_reduce_scatter_norm_on_shard_and_gather(fake_world):
+    gm = traced(residual_norm_qk, SHAPES)
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision) for r in records] == [
+        ("mm_rs", "rewritten"),
+        ("ag_mm", "rewritten"),
+    ]
+    split = records[0].match
+    assert split["from"] == "all_reduce"
+    assert split["gathered_for"] == {"mm_1": "matmul", "mm_2": "matmul", "output": "graph output"}
+    assert split["token_sums"] == 0
+    assert records[1].match["matmuls"] == ["mm_1", "mm_2"]  # q and k share one gather
+    assert not calls(gm, c10d.all_reduce.default)
+    # the norm runs on this rank's 4 of 16 tokens
+    (mean,) = calls(gm, aten.mean.dim)
+    assert list(mean.meta["val"].shape) == [4, 1]
+    # the residual returned keeps its full value: one plain all-gather of it
+    (gather,) = calls(gm, c10d.all_gather_into_tensor.default)
+    assert list(gather.meta["val"].shape) == [16, 16]
+
+
+def test_graph_output_alone_is_left_to_the_all_reduce_site(fake_world):
+    def no_matmul_after(x, h, w_o, norm_w):
+        return rms_norm(h + reduced(x @ w_o).view(h.shape), norm_w)
+
+    gm = traced(no_matmul_after, SHAPES[:4])
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision) for r in records] == [("mm_ar", "rewritten")]
+
+
+def test_dropout_mask_is_drawn_whole_and_the_shard_takes_its_rows(fake_world):
+    """The mask is drawn over every token, as without the pass (the same draw on every
+    rank where the model's RNG makes it so); the shard multiplies its rows of it."""
+
+    def dropout_then_matmul(x, h, w_o, norm_w, w_q):
+        h2 = h + reduced(x @ w_o).view(h.shape)
+        return torch.nn.functional.dropout(h2, 0.1).view(-1, 16) @ w_q
+
+    gm = traced(dropout_then_matmul, SHAPES[:5])
+    records = rewrite_graph(gm, "forward", RING)
+    assert [r.kind for r in records] == ["mm_rs", "ag_mm"]
+    assert records[0].match["gathered_for"] == {
+        "empty_like": "empty_like.default is not token-wise",
+        "mm_1": "matmul",
+    }
+    (draw,) = calls(gm, aten.bernoulli_.float)
+    assert list(draw.meta["val"].shape) == [2, 8, 16]
+
+
+def test_random_op_reading_a_shard_keeps_the_all_reduce_whole(fake_world):
+    """A shard's draw would not be the rows of the whole draw: the random op reads the
+    value whole, so no matmul reads a gather and the all-reduce stays one site."""
+
+    def random_then_matmul(x, h, w_o, norm_w, w_q):
+        h2 = h + reduced(x @ w_o).view(h.shape)
+        return aten.native_dropout(h2, 0.1, True)[0].view(-1, 16) @ w_q
+
+    gm = traced(random_then_matmul, SHAPES[:5])
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision) for r in records] == [("mm_ar", "rewritten")]
+
+
+def test_norm_weight_gradient_is_summed_on_the_shard_then_all_reduced(fake_world):
+    def norm_backward_like(x, g, w_o, w_next):
+        grad = reduced(x @ w_o).view(2, 8, 16)
+        weight_grad = (grad * g).sum([0, 1])  # a norm weight's gradient: over the tokens
+        return weight_grad, (grad * 2.0).view(-1, 16) @ w_next
+
+    gm = traced(norm_backward_like, [(16, 8), (2, 8, 16), (8, 16), (16, 4)])
+    records = rewrite_graph(gm, "backward", RING)
+    assert records[0].match["token_sums"] == 1
+    (small,) = calls(gm, c10d.all_reduce.default)  # the width, not the tokens
+    assert list(small.meta["val"].shape) == [16]
+    assert [r.kind for r in records] == ["mm_rs", "mm_ar", "ag_mm"]
+    assert records[1].decline_code == "ar.not_matmul"  # recorded, kept
+
+
+def test_auto_keeps_a_few_tokens_all_reduce(fake_world):
+    gm = traced(residual_norm_qk, SHAPES)
+    records = rewrite_graph(gm, "forward", Options(schedule="auto", inner="eager"))
+    assert [(r.kind, r.decision) for r in records] == [("mm_ar", "declined")]
+    assert calls(gm, c10d.all_reduce.default)
+
+
+# ----------------------------------------------------------------------------------------
+# numbers on gloo ranks
+
+HIDDEN, HEADS, FFN, LAYERS, TOKENS = 24, 12, 48, 2, (2, 6)  # 12 heads, 12 tokens: 3 and 4
+
+
+class Attention(torch.nn.Module):
+    """Hugging Face's LlamaAttention, shape for shape: heads from the local projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = HIDDEN // HEADS
+        self.q_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.k_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.v_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.o_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        shape = (*h.shape[:-1], -1, self.head_dim)
+        q, k, v = (p(h).view(shape).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(*h.shape[:-1], -1).contiguous())
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(HIDDEN, FFN, bias=False)
+        self.up_proj = torch.nn.Linear(HIDDEN, FFN, bias=False)
+        self.down_proj = torch.nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Norm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.weight)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.self_attn = Norm(), Attention()
+        self.post_attention_layernorm, self.mlp = Norm(), Mlp()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.norm = Norm()
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            h = layer(h)
+        return self.norm(h)
+
+
+def tensor_parallel(model: Decoder, n: int) -> Decoder:
+    """transformers' Llama ``base_model_tp_plan``, default layouts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {}
+    for i in range(LAYERS):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        for name in ("mlp.gate_proj", "mlp.up_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
+    return parallelize_module(model, init_device_mesh("cpu", (n,)), plan)
+
+
+def train_steps(rank: int, n: int, inner: str, steps: int = 2) -> dict:
+    """``steps`` SGD steps of the decoder, uncompiled and compiled (``ring``): the losses
+    and the sites of the compiled run."""
+    import torch._inductor.config
+
+    torch.set_num_threads(1)
+    torch._inductor.config.compile_threads = 1
+    torch._dynamo.reset()
+    report.reset()
+    losses = []
+    for compiled in (False, True):
+        model = tensor_parallel(Decoder(), n)
+        options = {"schedule": "ring", "inner": inner}
+        run = torch.compile(model, backend="commfuse", options=options) if compiled else model
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        runs = []
+        for _ in range(steps):
+            x = torch.randn(*TOKENS, HIDDEN)
+            loss = run(x).pow(2).mean()
+            loss.backward()
+            sgd.step()
+            sgd.zero_grad()
+            runs.append(loss.item())
+        losses.append(runs)
+    return {
+        "losses": losses,
+        "sites": [
+            (r.graph, r.kind, r.decision, r.decline_code, r.match.get("from", ""))
+            for r in report.REPORT.sites
+        ],
+    }
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("n", [3, 4])
+def test_hugging_face_style_decoder_trains_equal_with_sequence_parallel_split(ranks, n, inner):
+    for r in ranks(n).run(train_steps, inner):
+        plain, compiled = r["losses"]
+        print(n, inner, "losses", plain, compiled)
+        for site in r["sites"]:
+            print(site)
+        assert compiled == pytest.approx(plain, rel=1e-5, abs=1e-6)
