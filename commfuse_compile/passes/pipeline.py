@@ -238,7 +238,7 @@ def _shard_tokens(graph: Graph, options: Options, before_change: Callable[[], No
         try:
             group = _group(site)
             _predicted(site, group, options, profile_for(site, options))
-        except Declined:
+        except Exception:  # noqa: BLE001 - declined, or its own planning fails
             return None
         return group
 

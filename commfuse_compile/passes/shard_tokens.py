@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -92,8 +93,10 @@ def split_all_reduces(
     together; did any change?"""
     joint: dict[tuple[str, Any], list[tuple[MmArSite, Group]]] = {}
     for site in sites:
+        if site.declined or saved_unwaited(site.collective):
+            continue
         group = group_of(site)
-        if group is None or site.declined or saved_unwaited(site.collective):
+        if group is None:
             continue
         key = (site.group_name, site.product_shape[0])
         joint.setdefault(key, []).append((site, group))
@@ -103,8 +106,7 @@ def split_all_reduces(
         if chain is None:
             continue
         before_change()
-        _emit(graph, chain, members[0][1])
-        changed = True
+        changed |= _emit(graph, chain, members[0][1])
     return changed
 
 
@@ -250,11 +252,52 @@ def _norm(chain: _Chain, node: Node) -> str:
 # emitting the split
 
 
-def _emit(graph: Graph, chain: _Chain, group: Group) -> None:
+def _emit(graph: Graph, chain: _Chain, group: Group) -> bool:
     """Each source's reduce-scatter, the moved nodes on the shard, the all-gathers and the
-    token sums' all-reduces; the replaced nodes erased."""
+    token sums' all-reduces; then the readers switched to them and the replaced nodes
+    erased. A failure while the new nodes are built takes them back (the graph as it
+    was, the all-reduces left to ``mm_ar``) and warns."""
     first_wait = next(iter(chain.sources))
     em = Emitter(graph, first_wait, detect_fake_mode([val(first_wait)]))
+    try:
+        scatters, replacements = _built(em, chain, group)
+    except Exception as err:  # noqa: BLE001 - never break the user's compile
+        em.discard()
+        first = (str(err).splitlines() or [""])[0][:300]
+        warnings.warn(
+            f"commfuse: all-reduces left whole (token-wise split failed: "
+            f"{type(err).__name__}: {first})",
+            stacklevel=4,
+        )
+        return False
+    for (reader, value), new in replacements.items():
+        if reader is None:
+            value.replace_all_uses_with(new)
+        else:
+            reader.replace_input_with(value, new)
+    for node in sorted([*chain.moved, *chain.summed, *chain.sources], key=_order, reverse=True):
+        graph.erase_node(node)
+        if node in chain.sources:
+            graph.erase_node(chain.sources[node].collective)
+    note = {
+        "from": "all_reduce",
+        "token_wise_ops": len(chain.moved),
+        "token_sums": len(chain.summed),
+        "gathered": sorted(v.name for v in chain.gathered),
+        "gathered_for": dict(sorted(chain.why_gathered.items())),
+        "all_reduce_bytes": sum(_nbytes(wait) for wait in chain.sources),
+        "gathered_bytes": sum(_nbytes(value) for value in chain.gathered),
+    }
+    for scatter in scatters:
+        scatter.meta[META] = note
+    return True
+
+
+def _built(
+    em: Emitter, chain: _Chain, group: Group
+) -> tuple[list[Node], dict[tuple[Node | None, Node], Node]]:
+    """The new nodes: the reduce-scatters, and per (reader or None for every reader,
+    replaced value) the node that replaces the value."""
     shard: dict[Node, Node] = {}
     rows = _Rows(em, chain.tokens, group)
     scatters = []
@@ -263,28 +306,18 @@ def _emit(graph: Graph, chain: _Chain, group: Group) -> None:
         scatters.append(scatter)
     for node, how in sorted(chain.moved.items(), key=lambda item: item[0]._sort_key):
         shard[node] = _moved(em, node, how, shard, chain, rows)
+    replacements: dict[tuple[Node | None, Node], Node] = {}
     for node in chain.summed:
-        node.replace_all_uses_with(_token_sum(em, node, shard, group))
+        replacements[None, node] = _token_sum(em, node, shard, group)
     for value, readers in chain.gathered.items():
         full = _gathered(em, shard[value], value, group, before=min(readers, key=_order))
-        for reader in readers:
-            reader.replace_input_with(value, full)
-    for node in sorted([*chain.moved, *chain.summed, *chain.sources], key=_order, reverse=True):
-        if node in chain.sources:
-            collective = chain.sources[node].collective
-            graph.erase_node(node)
-            graph.erase_node(collective)
-        elif not node.users:
-            graph.erase_node(node)
-    note = {
-        "from": "all_reduce",
-        "token_wise_ops": len(chain.moved),
-        "token_sums": len(chain.summed),
-        "gathered": sorted(v.name for v in chain.gathered),
-        "gathered_for": dict(sorted(chain.why_gathered.items())),
-    }
-    for scatter in scatters:
-        scatter.meta[META] = note
+        replacements.update(((reader, value), full) for reader in readers)
+    return scatters, replacements
+
+
+def _nbytes(node: Node) -> int:
+    value = val(node)
+    return dims.hint(value.numel()) * value.element_size()
 
 
 def _order(node: Node) -> Any:
