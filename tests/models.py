@@ -132,3 +132,35 @@ def sequence_parallel_blocks(n: int, blocks: int = 2) -> torch.nn.Module:
     for block in model:
         parallelize_module(block, mesh, {**plan, "gate": columns, "up": columns, "down": rows})
     return model
+
+
+def in_place_sum(t: torch.Tensor) -> torch.Tensor:
+    """Megatron's spelling: ``dist.all_reduce`` in place."""
+    torch.distributed.all_reduce(t)
+    return t
+
+
+def tensor_parallel_regions(summed):
+    """Megatron's copy-to and reduce-from tensor-parallel regions, summing with
+    ``summed``: the column-parallel input (whole on every rank, its gradient summed) and
+    the row-parallel output (summed, its gradient passed through)."""
+
+    class Copy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return summed(grad)
+
+    class Reduce(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, y):
+            return summed(y)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    return Copy, Reduce

@@ -17,6 +17,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from models import in_place_sum, tensor_parallel_regions
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -240,38 +241,6 @@ def functional_sum(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed._functional_collectives import all_reduce
 
     return all_reduce(t, "sum", dist.group.WORLD)
-
-
-def in_place_sum(t: torch.Tensor) -> torch.Tensor:
-    """Megatron's spelling: ``dist.all_reduce`` in place."""
-    dist.all_reduce(t)
-    return t
-
-
-def tensor_parallel_regions(summed):
-    """Megatron's copy-to and reduce-from tensor-parallel regions, summing with
-    ``summed``: the column-parallel input (whole on every rank, its gradient summed) and
-    the row-parallel output (summed, its gradient passed through)."""
-
-    class Copy(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x
-
-        @staticmethod
-        def backward(ctx, grad):
-            return summed(grad)
-
-    class Reduce(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, y):
-            return summed(y)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return grad
-
-    return Copy, Reduce
 
 
 def hand_written_mlp(copy, reduce):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from models import in_place_sum, tensor_parallel_regions
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -256,9 +257,57 @@ def tensor_parallel(model: Decoder, n: int) -> Decoder:
     return parallelize_module(model, init_device_mesh("cpu", (n,)), plan)
 
 
-def train_steps(rank: int, n: int, inner: str, steps: int = 2) -> dict:
-    """``steps`` SGD steps of the decoder, uncompiled and compiled (``ring``): the losses
-    and the sites of the compiled run."""
+class ColumnParallel(torch.nn.Module):
+    """Megatron-Core's ColumnParallelLinear without sequence parallelism: the input
+    copied into the tensor-parallel region (its gradient all-reduced in place), this
+    rank's rows of the weight."""
+
+    def __init__(self, linear: torch.nn.Linear, rank: int, n: int, copy) -> None:
+        super().__init__()
+        rows = linear.out_features // n
+        self.weight = torch.nn.Parameter(linear.weight[rank * rows : (rank + 1) * rows].detach())
+        self.copy = copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.copy.apply(x), self.weight)
+
+
+class RowParallel(torch.nn.Module):
+    """Megatron-Core's RowParallelLinear without sequence parallelism: this rank's
+    columns of the weight, the output reduced from the region (``dist.all_reduce``)."""
+
+    def __init__(self, linear: torch.nn.Linear, rank: int, n: int, reduce) -> None:
+        super().__init__()
+        cols = linear.in_features // n
+        self.weight = torch.nn.Parameter(linear.weight[:, rank * cols : (rank + 1) * cols].detach())
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce.apply(torch.nn.functional.linear(x, self.weight))
+
+
+def megatron_parallel(model: Decoder, n: int) -> Decoder:
+    """The decoder's linears as Megatron's tensor-parallel layers, in-place all-reduces."""
+    copy, reduce = tensor_parallel_regions(in_place_sum)
+    rank = dist.get_rank()
+    for layer in model.layers:
+        for parent, names, parallel, region in (
+            (layer.self_attn, ("q_proj", "k_proj", "v_proj"), ColumnParallel, copy),
+            (layer.self_attn, ("o_proj",), RowParallel, reduce),
+            (layer.mlp, ("gate_proj", "up_proj"), ColumnParallel, copy),
+            (layer.mlp, ("down_proj",), RowParallel, reduce),
+        ):
+            for name in names:
+                setattr(parent, name, parallel(getattr(parent, name), rank, n, region))
+    return model
+
+
+PROGRAMS = {"dtensor": tensor_parallel, "megatron": megatron_parallel}
+
+
+def train_steps(rank: int, n: int, program: str, inner: str, steps: int = 2) -> dict:
+    """``steps`` SGD steps of the decoder sharded by ``program``, uncompiled and compiled
+    (``ring``): the losses and the sites of the compiled run."""
     import torch._inductor.config
 
     torch.set_num_threads(1)
@@ -267,7 +316,7 @@ def train_steps(rank: int, n: int, inner: str, steps: int = 2) -> dict:
     report.reset()
     losses = []
     for compiled in (False, True):
-        model = tensor_parallel(Decoder(), n)
+        model = PROGRAMS[program](Decoder(), n)
         options = {"schedule": "ring", "inner": inner}
         run = torch.compile(model, backend="commfuse", options=options) if compiled else model
         sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -320,17 +369,19 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize(
-    "n, inner",
+    "program, n, inner",
     [
-        (3, "inductor"),
-        (4, "eager"),
-        pytest.param(3, "eager", marks=pytest.mark.matrix),
-        pytest.param(4, "inductor", marks=pytest.mark.matrix),
+        ("dtensor", 3, "inductor"),
+        ("dtensor", 4, "eager"),
+        ("megatron", 3, "eager"),
+        pytest.param("dtensor", 3, "eager", marks=pytest.mark.matrix),
+        pytest.param("dtensor", 4, "inductor", marks=pytest.mark.matrix),
+        pytest.param("megatron", 4, "inductor", marks=pytest.mark.matrix),
     ],
 )
-def test_hugging_face_style_decoder_trains_equal_with_sequence_parallel_split(ranks, n, inner):
-    for r in ranks(n).run(train_steps, inner):
+def test_decoder_trains_equal_with_sequence_parallel_split(ranks, program, n, inner):
+    for r in ranks(n).run(train_steps, program, inner):
         plain, compiled = r["losses"]
-        print(n, inner, "losses", plain, compiled, split_sites(r["sites"]))
+        print(program, n, inner, "losses", plain, compiled, split_sites(r["sites"]))
         assert compiled == pytest.approx(plain, rel=1e-5, abs=1e-6)
         assert split_sites(r["sites"]) == EXPECTED
