@@ -385,3 +385,33 @@ def test_decoder_trains_equal_with_sequence_parallel_split(ranks, program, n, in
         print(program, n, inner, "losses", plain, compiled, split_sites(r["sites"]))
         assert compiled == pytest.approx(plain, rel=1e-5, abs=1e-6)
         assert split_sites(r["sites"]) == EXPECTED
+
+
+def prefill(rank: int, n: int, inner: str) -> dict:
+    """An inference prefill under ``torch.no_grad``, uncompiled and compiled."""
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    report.reset()
+    model = tensor_parallel(Decoder(), n)
+    compiled = torch.compile(
+        model, backend="commfuse", options={"schedule": "ring", "inner": inner}
+    )
+    torch.manual_seed(1)
+    x = torch.randn(*TOKENS, HIDDEN)
+    with torch.no_grad():
+        expected, actual = model(x), compiled(x)
+    return {
+        "difference": (actual - expected).abs().max().item(),
+        "sites": [
+            (r.graph, r.kind, r.decision, r.decline_code, r.match.get("from", ""))
+            for r in report.REPORT.sites
+        ],
+    }
+
+
+def test_prefill_under_no_grad_splits_every_all_reduce(ranks):
+    for r in ranks(3).run(prefill, "eager"):
+        assert r["difference"] < 1e-5, r["difference"]
+        table = split_sites(r["sites"])
+        assert list(table) == ["inference"], table
+        assert table["inference"] == EXPECTED["forward"], table
