@@ -158,6 +158,36 @@ def test_norm_weight_gradient_is_summed_on_the_shard_then_all_reduced(fake_world
     assert records[1].decline_code == "ar.not_matmul"  # recorded, kept
 
 
+def prefill_sized(tokens: int) -> list[tuple[int, ...]]:
+    return [(tokens, 1024), (4, tokens // 4, 4096), (1024, 4096), (4096,), (4096, 1024)] + [
+        (4096, 1024)
+    ]
+
+
+def norm_qk(x, h, w_o, norm_w, w_q, w_k):
+    """The residual stays inside the graph (the next layer reads it)."""
+    return residual_norm_qk(x, h, w_o, norm_w, w_q, w_k)[1:]
+
+
+H100 = Options(schedule="auto", inner="eager", profile="h100-nvlink4")
+
+
+def test_auto_splits_a_prefill_sized_all_reduce(fake_world):
+    records = rewrite_graph(traced(norm_qk, prefill_sized(8192)), "forward", H100)
+    assert [(r.kind, r.decision, r.match.get("from")) for r in records] == [
+        ("mm_rs", "rewritten", "all_reduce"),
+        ("ag_mm", "rewritten", "all_reduce"),
+    ]
+
+
+def test_auto_counts_the_gather_of_a_returned_residual(fake_world):
+    """Returning the residual whole costs one more all-gather of every token, which the
+    all-reduce did not move: predicted to cost more than the split saves, the all-reduce
+    stays one site (its own reduce-scatter ring and all-gather)."""
+    records = rewrite_graph(traced(residual_norm_qk, prefill_sized(8192)), "forward", H100)
+    assert [(r.kind, r.decision) for r in records] == [("mm_ar", "rewritten")]
+
+
 def test_auto_keeps_a_few_tokens_all_reduce(fake_world):
     gm = traced(residual_norm_qk, SHAPES)
     records = rewrite_graph(gm, "forward", Options(schedule="auto", inner="eager"))

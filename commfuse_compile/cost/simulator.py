@@ -121,7 +121,7 @@ def collective_model(work: Work, p: Profile) -> str:
     return why
 
 
-def _collective_s(work: Work, p: Profile) -> float:
+def collective_s(work: Work, p: Profile) -> float:
     """One all-gather, reduce-scatter or all-to-all call. As the backend runs it where the
     profile has its measured curve (gloo's reduce-scatter, for one, moves far more than a
     ring's bytes; its ``all_to_all_single`` takes about twice a ring's time); else its
@@ -146,7 +146,7 @@ def _collective(work: Work, p: Profile) -> Timeline:
     then a reduce-scatter."""
     n, events = work.n, list[Event]()
     matmul = work.matmuls_per_block * p.matmul_s(work.block_flops * n / work.matmuls_per_block)
-    comm = _collective_s(work, p)
+    comm = collective_s(work, p)
     name = work.direction.collective
     for r in range(n):
         if work.direction.collects_first:
@@ -166,7 +166,7 @@ def _then_gathered(work: Work, timeline: Timeline, p: Profile) -> Timeline:
     """``timeline`` then one all-gather of the reduced blocks, started once every rank
     holds its block (a collective starts when the last rank joins it)."""
     gather = dataclasses.replace(work, direction=Direction.GATHER, then_gather=False)
-    start, took = timeline.end_s, _collective_s(gather, p)
+    start, took = timeline.end_s, collective_s(gather, p)
     step = 1 + max((e.step for e in timeline.events), default=-1)
     events = [Event(r, "comm", step, "all_gather", start, start + took) for r in range(work.n)]
     return Timeline(timeline.schedule, [*timeline.events, *events])
@@ -178,7 +178,7 @@ def _sliced(work: Work, p: Profile, k: int) -> Timeline:
     collective is in flight."""
     n, events = work.n, list[Event]()
     chunk_compute = n * _block_compute_s(work, p, 1 / k)
-    chunk_comm = _collective_s(dataclasses.replace(work, block_bytes=work.block_bytes / k), p)
+    chunk_comm = collective_s(dataclasses.replace(work, block_bytes=work.block_bytes / k), p)
     gather = work.direction == Direction.GATHER
     steps = slicing.gather_steps(k) if gather else slicing.reduce_steps(k)
     for r in range(n):

@@ -19,14 +19,15 @@ import torch
 from torch.fx import Graph, GraphModule
 
 from ..cost.profiles import Profile
-from ..cost.simulator import Timeline, collective_model, predict
+from ..cost.simulator import Timeline, Work, collective_model, collective_s, predict
 from ..options import Options
 from ..report import REPORT, SiteRecord, dump_code
 from ..runtime import groups
-from ..schedules import by_name
-from . import agree, match, order, program, sequence, shard_tokens, unfuse, verify
+from ..schedules import Direction, by_name
+from . import agree, dims, match, order, program, sequence, shard_tokens, unfuse, verify
 from .canonical import canonicalize
 from .declines import Declined, decline
+from .graph import val
 from .kinds import KINDS, of
 from .lower import lower, start
 from .plan import Plan, check_applies, plan, plan_options, profile_for, site_work
@@ -201,7 +202,7 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
         tags = transfers_digest(gm.graph)
         canonical = canonicalize(gm.graph, before_change=keep)
         split = unfuse.split_fused_projections(gm.graph, before_change=keep)
-        sharded = _shard_tokens(gm.graph, options, keep)
+        sharded = _shard_tokens(gm, options, keep)
         rewrites = _rewrite_sites(gm, options, result, tags)
         if (canonical or split or sharded) and not rewrites:
             result.original.restore()
@@ -229,21 +230,60 @@ def _code(gm: GraphModule) -> str:
     return gm.graph.python_code("self").src
 
 
-def _shard_tokens(graph: Graph, options: Options, before_change: Callable[[], None]) -> bool:
+def _shard_tokens(gm: GraphModule, options: Options, before_change: Callable[[], None]) -> bool:
     """Split plain tensor parallelism's all-reduces into sequence parallelism's
     reduce-scatter and all-gathers (``shard_tokens``) where the all-reduce's own site
-    would be rewritten: ``auto`` keeps a few tokens' all-reduce as it is."""
+    could be rewritten. Under ``auto`` the split stays only if the plan predicts its
+    sites (the reduce-scatter's ring and the gathers' rings into the next matmuls) save
+    more than the all-reduces' own sites would: a few tokens' all-reduce (decode) stays."""
+    sites = [site for site in KINDS["mm_ar"].find(gm.graph) if not site.declined]
+    planned = {site.collective: _plannable(site, options) for site in sites}
+    unsplit = copy.deepcopy(gm.graph) if options.schedule == "auto" else None
+    whole = sum(_gain(site, options) for site in sites if planned[site.collective])
+    if not shard_tokens.split_all_reduces(
+        gm.graph, sites, lambda site: planned[site.collective], before_change
+    ):
+        return False
+    if unsplit is not None and _split_gain(gm.graph, options) <= whole:
+        gm.graph = unsplit
+        return False
+    return True
 
-    def group_if_rewritten(site: Site) -> groups.Group | None:
-        try:
-            group = _group(site)
-            _predicted(site, group, options, profile_for(site, options))
-        except Exception:  # noqa: BLE001 - declined, or its own planning fails
-            return None
-        return group
 
-    sites = KINDS["mm_ar"].find(graph)
-    return shard_tokens.split_all_reduces(graph, sites, group_if_rewritten, before_change)
+def _split_gain(graph: Graph, options: Options) -> float:
+    """Seconds the split's sites are predicted to save, less the time of the gathers no
+    matmul reads (values the graph returns whole: bytes the all-reduce did not move)."""
+    split = [s for s in match.find_sites(graph) if shard_tokens.META in s.anchor.meta]
+    if not split:
+        return 0.0
+    profile = profile_for(split[0], options)
+    extra = 0.0
+    for gather in graph.find_nodes(op="call_function", target=shard_tokens.GATHER):
+        if not gather.meta.get(shard_tokens.META, {"for_matmul": True})["for_matmul"]:
+            n = int(gather.args[1])  # type: ignore[arg-type, call-overload]
+            block = dims.hint(val(gather.args[0]).numel()) * val(gather.args[0]).element_size()  # type: ignore[arg-type]
+            extra += collective_s(Work(Direction.GATHER, n, 0.0, block), profile)
+    return sum(_gain(site, options) for site in split) - extra
+
+
+def _plannable(site: Site, options: Options) -> groups.Group | None:
+    """The site's group, if the options and its prediction admit rewriting it."""
+    try:
+        group = _group(site)
+        _predicted(site, group, options, profile_for(site, options))
+    except Exception:  # noqa: BLE001 - declined, or its own planning fails
+        return None
+    return group
+
+
+def _gain(site: Site, options: Options) -> float:
+    """Seconds the plan predicts rewriting ``site`` saves (0 where it keeps it)."""
+    try:
+        _, predicted = _predicted(site, _group(site), options, profile_for(site, options))
+        chosen = plan(predicted, options)
+    except Exception:  # noqa: BLE001 - declined, or its own planning fails
+        return 0.0
+    return predicted["collective"].end_s - predicted[chosen.schedule].end_s
 
 
 def _rewrite_sites(gm: GraphModule, options: Options, result: _Result, tags: int) -> list[Rewrite]:
@@ -332,10 +372,9 @@ def _predicted(
     profile: Profile,
     record: SiteRecord | None = None,
 ) -> tuple[Site, dict[str, Timeline]]:
-    """The site as the options leave it, its work and every schedule's predicted
-    timeline; declined where the options or the prediction rule the site out (``plan``
-    then chooses; without ``record``, it is planned here). What the cost model said
-    goes into ``record``."""
+    """The site as the options leave it and every schedule's predicted timeline;
+    declined where the options rule the site out (``plan`` then chooses). What the cost
+    model said goes into ``record``."""
     site = _without_disabled(site, options.disable)
     plan_options(options)
     work = site_work(site, group.size)
@@ -346,8 +385,6 @@ def _predicted(
         record.collective_model = collective_model(work, profile)
         record.timeline = predicted["collective"].as_json(group.rank)
     check_applies(predicted, options, site.kind)
-    if record is None:
-        plan(predicted, options)
     return site, predicted
 
 

@@ -52,7 +52,8 @@ from .kinds.mm_ar import MmArSite
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
-META = "commfuse_split"  # node.meta key on a split's reduce-scatter: what the report shows
+GATHER = c10d.all_gather_into_tensor.default
+META = "commfuse_split"  # node.meta key on a split's collectives: what the report shows
 
 CASTS = frozenset({aten._to_copy.default, aten.alias.default, aten.detach.default})
 RESHAPES = VIEWS | {aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default}
@@ -310,7 +311,7 @@ def _built(
     for node in chain.summed:
         replacements[None, node] = _token_sum(em, node, shard, group)
     for value, readers in chain.gathered.items():
-        full = _gathered(em, shard[value], value, group, before=min(readers, key=_order))
+        full = _gathered(em, shard[value], value, group, readers)
         replacements.update(((reader, value), full) for reader in readers)
     return scatters, replacements
 
@@ -430,8 +431,11 @@ def _token_sum(em: Emitter, node: Node, shard: dict[Node, Node], group: Group) -
     return em.node(c10d.wait_tensor.default, (reducing,), before=node)
 
 
-def _gathered(em: Emitter, shard: Node, value: Node, group: Group, before: Node) -> Node:
-    """``value`` rebuilt from every rank's shard: one all-gather of the token rows."""
+def _gathered(em: Emitter, shard: Node, value: Node, group: Group, readers: list[Node]) -> Node:
+    """``value`` rebuilt from every rank's shard: one all-gather of the token rows, before
+    its first reader. It is marked with whether a matmul reads it (the all-reduce's second
+    half, or a gather only a returned value needs: the split's extra bytes)."""
+    before = min(readers, key=_order)
     if not val(shard).is_contiguous():
         shard = em.node(
             aten.clone.default, (shard,), {"memory_format": torch.contiguous_format}, before=before
@@ -439,6 +443,8 @@ def _gathered(em: Emitter, shard: Node, value: Node, group: Group, before: Node)
     gathering = em.node(
         c10d.all_gather_into_tensor.default, (shard, group.size, group.name), before=before
     )
+    for_matmul = any(is_matmul(r) or _views_into_matmul(r) for r in readers)
+    gathering.meta[META] = {"from": "all_reduce", "for_matmul": for_matmul}
     gathered = em.node(c10d.wait_tensor.default, (gathering,), before=before)
     return _reshaped(em, gathered, list(val(value).shape), before)
 
