@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_tp_transformer.py --steps 3 --compare
         [--inner eager|inductor] [--schedule ring|auto|off] [--activation-checkpointing [block|op]]
-        [--vocab N] [--compile-per-block] [--loss-parallel]
+        [--vocab N] [--compile-per-block] [--loss-parallel] [--plain-tp]
 
 Each block (RMSNorm, attention, SwiGLU) is sharded with
 ``commfuse_compile.tools.training.models.block_plan`` over all ranks; the final norm and
@@ -15,9 +15,12 @@ puts a token embedding first (row-parallel, as torchtitan shards it; the blocks 
 and return local tensors), ``--compile-per-block`` compiles each block by itself
 (``fullgraph=True``) as torchtitan does, the rest eager; ``--loss-parallel`` keeps the
 head's output sharded on its last dim (the MSE on the shards, averaged over the ranks; no
-all-gather of the output). The model lives in ``commfuse_compile.tools.training.fronts``,
-the step and the summary in ``commfuse_compile.tools.training.loop``, the options and the
-run in ``commfuse_compile.tools.training.examples``.
+all-gather of the output); ``--plain-tp`` shards the blocks with DTensor's default
+layouts (plain tensor parallelism, an all-reduce after each row-parallel linear, as
+Hugging Face's ``tp_plan``), which the pass turns into sequence parallelism. The model
+lives in ``commfuse_compile.tools.training.fronts``, the step and the summary in
+``commfuse_compile.tools.training.loop``, the options and the run in
+``commfuse_compile.tools.training.examples``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ def main() -> None:
         action="store_true",
         help="keep the head's output sharded; the loss on the shards (no output all-gather)",
     )
+    parser.add_argument(
+        "--plain-tp",
+        action="store_true",
+        help="no sequence parallelism (default layouts, all-reduces): the pass splits them",
+    )
     args = parser.parse_args()
     device = training_examples.init_torchrun()
     world_size = dist.get_world_size()
@@ -59,6 +67,7 @@ def main() -> None:
         vocab=args.vocab,
         compile_per_block=args.compile_per_block,
         loss_parallel=args.loss_parallel,
+        sequence_parallel=not args.plain_tp,
     )
     training_examples.run_and_print(cfg, args)
     training_examples.leave_torchrun()

@@ -89,6 +89,10 @@ class TrainConfig:
     # activations), sharded as torchtitan does (row-parallel, its output the local
     # sequence shard); the blocks then take and return local tensors (torchtitan's plan)
     vocab: int = 0
+    # "tp": False gives plain tensor parallelism (DTensor's default Colwise/Rowwise
+    # layouts, the input whole on every rank, an all-reduce after each row-parallel
+    # linear: Hugging Face's tp_plan); the pass then does the sequence parallelism
+    sequence_parallel: bool = True
     # "tp": compile each block by itself (fullgraph=True), the rest eager, as torchtitan
     # does; with ``vocab``, a forward hook clones the embedding's output (a torch 2.13
     # fault, see clone_output) unless ``clone_embedding`` is False
@@ -336,6 +340,9 @@ def _mesh_sizes(cfg: TrainConfig, world_size: int) -> tuple[int, int]:
         raise ValueError(
             "vocab, compile_per_block and loss_parallel are options of front 'tp' on 2+ ranks"
         )
+    if not cfg.sequence_parallel and (cfg.front != "tp" or cfg.vocab or cfg.loss_parallel):
+        # (loss_parallel neither: the head's output is whole)
+        raise ValueError("sequence_parallel=False (plain TP) is front 'tp', without vocab")
     if cfg.batch % dp or cfg.seq % tp:
         raise ValueError(f"batch {cfg.batch} / seq {cfg.seq} not divisible by dp={dp} / tp={tp}")
     return tp, dp
@@ -361,7 +368,7 @@ def _tensor_parallel(
         tp_mesh, dp_group = mesh["tp"], mesh["dp"].get_group()
     else:
         tp_mesh, dp_group = init_device_mesh(cfg.device, (tp,), mesh_dim_names=("tp",)), None
-    plan = block_plan()
+    plan = block_plan(cfg.sequence_parallel)
     if cfg.vocab:  # torchtitan's: the row-parallel outputs local tensors
         for name in ("wo", "w2"):
             plan[name] = RowwiseParallel(output_layouts=Shard(1))
@@ -377,6 +384,8 @@ def _tensor_parallel(
         "norm": SequenceParallel(),
         "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
+    if not cfg.sequence_parallel:
+        head_plan = {"head": ColwiseParallel(output_layouts=Replicate())}
     if cfg.loss_parallel:
         head_plan["head"] = ColwiseParallel(
             input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
@@ -407,7 +416,7 @@ def _mesh_inputs(
         if cfg.vocab:  # every rank the whole batch of token ids (the embedding's input)
             tokens = torch.randint(cfg.vocab, (cfg.batch, cfg.seq), generator=gen)
             return tokens.to(cfg.device), target
-        if tp_mesh is None:
+        if tp_mesh is None or not cfg.sequence_parallel:  # plain TP: x whole on every rank
             return x, target
         x_local = x.chunk(tp, dim=1)[tp_rank].contiguous()
         return DTensor.from_local(x_local, tp_mesh, [Shard(1)]), target

@@ -86,7 +86,10 @@ class Block(nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
-def block_plan() -> dict[str, Any]:
+def block_plan(sequence_parallel: bool = True) -> dict[str, Any]:
+    """TP+SP (the norms on the sequence shard), or plain TP: DTensor's default layouts,
+    the block's input whole on every rank and an all-reduce after each row-parallel
+    linear, as Hugging Face's ``tp_plan`` shards a Llama."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -96,9 +99,11 @@ def block_plan() -> dict[str, Any]:
 
     col = ColwiseParallel(input_layouts=Shard(1))
     row = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    norms: dict[str, Any] = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+    if not sequence_parallel:
+        col, row, norms = ColwiseParallel(), RowwiseParallel(), {}
     return {
-        "attention_norm": SequenceParallel(),
-        "ffn_norm": SequenceParallel(),
+        **norms,
         "wq": col,
         "wk": col,
         "wv": col,
