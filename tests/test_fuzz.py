@@ -41,10 +41,11 @@ For schedules ring and bidir:
    rewritten graph computes the original's values up to summation order.
 
 A failure prints the program as code that reproduces it. ``COMMFUSE_FUZZ_EXAMPLES`` sets
-the number of graph examples (default 500, about 50 s; the gloo sample runs 1 in 25 of
-that, at least 20); ``COMMFUSE_FUZZ_SEED=N`` draws other examples than the default
-(fixed) ones; ``COMMFUSE_FUZZ_SHRINK=1`` shrinks a failure to a minimal program first
-(from seconds to minutes).
+the number of graph examples of the default run (default 200, about 30 s; the gloo
+sample runs 1 in 25 of that, at least 20); ``pytest -m matrix`` draws 1000 more graph
+examples (another seed: other programs than the default run's); ``COMMFUSE_FUZZ_SEED=N``
+draws other examples than the default (fixed) ones; ``COMMFUSE_FUZZ_SHRINK=1`` shrinks a
+failure to a minimal program first (from seconds to minutes).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ NEXT_TO = frozenset(
 )
 
 SCHEDULES = ("ring", "bidir")
-EXAMPLES = int(os.environ.get("COMMFUSE_FUZZ_EXAMPLES", "500"))
+EXAMPLES = int(os.environ.get("COMMFUSE_FUZZ_EXAMPLES", "200"))
+MATRIX_EXAMPLES = 1000  # pytest -m matrix: more graph examples, drawn with another seed
 # the same examples on every run unless a seed asks for others
 SEED = os.environ.get("COMMFUSE_FUZZ_SEED", "")
 # shrinking a failure re-runs the pass thousands of times (minutes): opt in
@@ -973,20 +975,37 @@ FLOAT8_EXAMPLES = [
 ]  # fmt: skip
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=not SEED,
-    database=None,
-    phases=[Phase.explicit, Phase.generate, *([Phase.shrink] if SHRINK else [])],
-    report_multiple_bugs=False,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+def graph_settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=not SEED,
+        database=None,
+        phases=[Phase.explicit, Phase.generate, *([Phase.shrink] if SHRINK else [])],
+        report_multiple_bugs=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
+@graph_settings(EXAMPLES)
 @seed(int(SEED or 0))
 @given(recipe=recipes())
 @example(recipe=FLOAT8_EXAMPLES[0])
 @example(recipe=FLOAT8_EXAMPLES[1])
 def test_rewrite_graph_on_random_programs(recipe: Recipe):
+    check_random_program(recipe)
+
+
+@pytest.mark.matrix
+@graph_settings(MATRIX_EXAMPLES)
+@seed(int(SEED or 0) + 1)  # not the default run's draws again
+@given(recipe=recipes())
+def test_rewrite_graph_on_more_random_programs(recipe: Recipe):
+    check_random_program(recipe)
+
+
+def check_random_program(recipe: Recipe) -> None:
+    """Properties 1-6 of one drawn program, for both schedules."""
     with fake_world(recipe.world, recipe.rank):
         _, traced = build(recipe)
         for schedule in SCHEDULES:
