@@ -42,7 +42,7 @@ For schedules ring and bidir:
 
 A failure prints the program as code that reproduces it. ``COMMFUSE_FUZZ_EXAMPLES`` sets
 the number of graph examples of the default run (default 200, about 30 s; the gloo
-sample runs 1 in 25 of that, at least 10); ``pytest -m matrix`` draws 1000 more graph
+sample runs 1 in 25 of that, at least 20); ``pytest -m matrix`` draws 1000 more graph
 examples and 40 more gloo programs (another seed: other programs than the default
 run's); ``COMMFUSE_FUZZ_SEED=N``
 draws other examples than the default (fixed) ones; ``COMMFUSE_FUZZ_SHRINK=1`` shrinks a
@@ -1025,7 +1025,7 @@ def check_random_program(recipe: Recipe) -> None:
 # a numerical sample on real gloo ranks
 
 GLOO_WORLDS = (2, 3, 4)  # the rank pools test_numerics uses too
-GLOO_EXAMPLES = max(10, EXAMPLES // 25)
+GLOO_EXAMPLES = max(20, EXAMPLES // 25)
 MATRIX_GLOO_EXAMPLES = 40  # pytest -m matrix: more programs on gloo, another seed
 TO_INT64 = DTYPES.index(torch.int64)
 
