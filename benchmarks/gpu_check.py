@@ -41,6 +41,9 @@ cache is warm):
 
     python benchmarks/gpu_check.py --cpu --out gpu-dry/
 
+(``--schedules off,ring`` compiles the block for those schedules only: the test suite's
+default run checks the dry mode so, ``pytest -m matrix`` with every schedule.)
+
 Part 1 is ``gpu_check_parts/split_gemm.py``, parts 2 and 3 ``gpu_check_parts/block.py``
 (where it runs and how big: ``gpu_check_parts/mode.py``); this file runs them and writes
 the summary.
@@ -58,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gpu_check_parts.block import FAKE_GROUP_NOTE, block_part
+from gpu_check_parts.block import FAKE_GROUP_NOTE, TIMED, block_part
 from gpu_check_parts.mode import DTYPE_NAME, RANK, WORLD_SIZE, cpu_mode, gpu_mode
 from gpu_check_parts.split_gemm import split_gemm_part
 
@@ -215,7 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu", action="store_true", help="dry mode: tiny shapes, Inductor for CPU"
     )
+    parser.add_argument(
+        "--schedules",
+        type=lambda text: text.split(","),
+        default=list(TIMED),
+        help="parts 2 and 3 for these schedules only (comma-separated; default: every one)",
+    )
     args = parser.parse_args(argv)
+    if unknown := [s for s in args.schedules if s not in TIMED]:
+        parser.error(f"--schedules: unknown {','.join(unknown)} (known: {','.join(TIMED)})")
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA device here: --cpu runs the dry mode")
     mode = cpu_mode() if args.cpu else gpu_mode()
@@ -248,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         errors["split GEMMs"] = traceback.format_exc()
         say(f"split GEMMs failed:\n{errors['split GEMMs']}")
         summary.update(profile=summary["base_profile"], split_gemm=[], sim=[])
-    runs = block_part(mode, args.out, say, errors)
+    runs = block_part(mode, args.out, say, errors, args.schedules)
     summary.update(
         block=[r.as_json() for r in runs], errors=errors, seconds=time.perf_counter() - started
     )

@@ -15,11 +15,15 @@ rewritten with the requested schedule: with Inductor, a rewritten graph whose ge
 program reused or wrote a transfer's buffer before its wait would have been compiled
 without the pass (``passes/program.py``) and show here as declined.
 
-By default (``default``): the cells on 3 ranks in float32, every schedule with both
-compilers (but Inductor's 3-chunk slicing), and the TP+SP block with Inductor and the
-ring on 4 ranks. The rest of the matrix (2, 4 and 5 ranks, bfloat16, Inductor's 3-chunk
-slicing; see ``CELLS``) is marked ``matrix``: ``pytest -m matrix``, the thorough run
-(``.ci/run`` runs the default only).
+By default (``default``): cells on 3 ranks in float32, every schedule with Inductor on
+one front at least and each front with three (TP+SP: ring, push, 2-chunk slicing;
+sharded DP: ring, bidir, push), and the 3-chunk slicing eager on both. On 4 ranks the
+default run has this path elsewhere: test_rank_order's two TP+SP blocks with Inductor,
+with the default options and with the ring (forward, backward, AdamW steps: losses
+equal, every site rewritten), test_e2e's TP+SP MLP with Inductor (bidir: every gradient
+equal). The rest of the matrix (the other cells on 3 ranks, 2, 4 and 5 ranks, bfloat16,
+Inductor's 3-chunk slicing; see ``CELLS``) is marked ``matrix``: ``pytest -m matrix``,
+the thorough run (``.ci/run`` runs the default only).
 """
 
 from __future__ import annotations
@@ -78,7 +82,8 @@ def compare(rank: int, n: int, cfg: fronts.TrainConfig, options: dict) -> dict:
 ALL = tuple(SCHEDULES)
 RINGS = (("ring", 2),)
 # (schedules, ranks, dtype, inner compilers): every schedule with both compilers on 3
-# ranks (the default run: see ``default``); 2 and 4 ranks with every schedule eager;
+# ranks (the default run: a part of it, see ``default``); 2 and 4 ranks with every
+# schedule eager;
 # Inductor on 4 ranks with all but the 3-chunk slicing (the chunk count changes no
 # structure) and on 2 ranks with ring and push; 5 ranks and bfloat16 on a few
 # schedules. Both front ends each time. Sized for the suite's time: an Inductor cell on
@@ -95,15 +100,26 @@ CELLS = (
 )
 
 
+# The Inductor cells of the default run on 3 ranks: every schedule on one front at least
+# (bidir and 2-chunk slicing on one: the other front's cell is the same schedule with the
+# same compiler on the same ranks; test_inductor_order also checks every schedule's
+# program and numbers for every matmul role, test_e2e bidir with Inductor on 4 ranks),
+# every front with the ring and two more.
+DEFAULT_INDUCTOR = {"tp": ("ring", "push", "slicing2"), "fsdp": ("ring", "bidir", "push")}
+
+
 def default(front: str, inner: str, name: str, n: int, dtype: str) -> bool:
-    """The cells of the default run: float32 on 3 ranks, every schedule with both
-    compilers (Inductor's 3-chunk slicing in the matrix: the chunk count changes no
-    structure), and the TP+SP block with Inductor and the ring on 4 ranks."""
-    if dtype != "float32":
+    """The cells of the default run: float32 on 3 ranks, ``DEFAULT_INDUCTOR`` with
+    Inductor, the default inner compiler (its 3-chunk slicing in the matrix: the chunk
+    count changes no structure), the eager compiler with the 3-chunk slicing (its ring,
+    bidir, push and 2-chunk slicing in the matrix: the same schedules as Inductor's
+    cells, on the same ranks; eager P2P schedules also run in test_e2e, test_training and
+    test_diverged by default). Not 4 ranks: the TP+SP block with Inductor and the ring on
+    4 ranks runs by default in test_rank_order (two blocks), every gradient with
+    Inductor on 4 ranks in test_e2e."""
+    if dtype != "float32" or n != 3:
         return False
-    if n == 3:
-        return not (inner == "inductor" and name == "slicing3")
-    return (front, inner, name, n) == ("tp", "inductor", "ring", 4)
+    return name in DEFAULT_INDUCTOR[front] if inner == "inductor" else name == "slicing3"
 
 
 def cells():

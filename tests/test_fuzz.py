@@ -41,10 +41,12 @@ For schedules ring and bidir:
    rewritten graph computes the original's values up to summation order.
 
 A failure prints the program as code that reproduces it. ``COMMFUSE_FUZZ_EXAMPLES`` sets
-the number of graph examples (default 500, about 50 s; the gloo sample runs 1 in 25 of
-that, at least 20); ``COMMFUSE_FUZZ_SEED=N`` draws other examples than the default
-(fixed) ones; ``COMMFUSE_FUZZ_SHRINK=1`` shrinks a failure to a minimal program first
-(from seconds to minutes).
+the number of graph examples of the default run (default 200, about 30 s; the gloo
+sample runs 1 in 25 of that, at least 20); ``pytest -m matrix`` draws 1000 more graph
+examples and 40 more gloo programs (another seed: other programs than the default
+run's); ``COMMFUSE_FUZZ_SEED=N``
+draws other examples than the default (fixed) ones; ``COMMFUSE_FUZZ_SHRINK=1`` shrinks a
+failure to a minimal program first (from seconds to minutes).
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ NEXT_TO = frozenset(
 )
 
 SCHEDULES = ("ring", "bidir")
-EXAMPLES = int(os.environ.get("COMMFUSE_FUZZ_EXAMPLES", "500"))
+EXAMPLES = int(os.environ.get("COMMFUSE_FUZZ_EXAMPLES", "200"))
+MATRIX_EXAMPLES = 1000  # pytest -m matrix: more graph examples, drawn with another seed
 # the same examples on every run unless a seed asks for others
 SEED = os.environ.get("COMMFUSE_FUZZ_SEED", "")
 # shrinking a failure re-runs the pass thousands of times (minutes): opt in
@@ -973,20 +976,37 @@ FLOAT8_EXAMPLES = [
 ]  # fmt: skip
 
 
-@settings(
-    max_examples=EXAMPLES,
-    deadline=None,
-    derandomize=not SEED,
-    database=None,
-    phases=[Phase.explicit, Phase.generate, *([Phase.shrink] if SHRINK else [])],
-    report_multiple_bugs=False,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+def graph_settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=not SEED,
+        database=None,
+        phases=[Phase.explicit, Phase.generate, *([Phase.shrink] if SHRINK else [])],
+        report_multiple_bugs=False,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
+@graph_settings(EXAMPLES)
 @seed(int(SEED or 0))
 @given(recipe=recipes())
 @example(recipe=FLOAT8_EXAMPLES[0])
 @example(recipe=FLOAT8_EXAMPLES[1])
 def test_rewrite_graph_on_random_programs(recipe: Recipe):
+    check_random_program(recipe)
+
+
+@pytest.mark.matrix
+@graph_settings(MATRIX_EXAMPLES)
+@seed(int(SEED or 0) + 1)  # not the default run's draws again
+@given(recipe=recipes())
+def test_rewrite_graph_on_more_random_programs(recipe: Recipe):
+    check_random_program(recipe)
+
+
+def check_random_program(recipe: Recipe) -> None:
+    """Properties 1-6 of one drawn program, for both schedules."""
     with fake_world(recipe.world, recipe.rank):
         _, traced = build(recipe)
         for schedule in SCHEDULES:
@@ -1006,6 +1026,7 @@ def test_rewrite_graph_on_random_programs(recipe: Recipe):
 
 GLOO_WORLDS = (2, 3, 4)  # the rank pools test_numerics uses too
 GLOO_EXAMPLES = max(20, EXAMPLES // 25)
+MATRIX_GLOO_EXAMPLES = 40  # pytest -m matrix: more programs on gloo, another seed
 TO_INT64 = DTYPES.index(torch.int64)
 
 
@@ -1108,24 +1129,43 @@ def run_recipe_on_rank(
     }
 
 
-@settings(
-    max_examples=GLOO_EXAMPLES,
-    deadline=None,
-    derandomize=not SEED,
-    database=None,
-    phases=[Phase.explicit, Phase.generate],
-    report_multiple_bugs=False,
-    suppress_health_check=list(HealthCheck),
-)
+def gloo_settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=not SEED,
+        database=None,
+        phases=[Phase.explicit, Phase.generate],
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+GLOO_DRAWS = {
+    "recipe": st.one_of(recipes(GLOO_WORLDS), recipes(GLOO_WORLDS, exchange=True)),
+    "schedule": st.sampled_from(SCHEDULES),
+    "data_seed": st.integers(0, 2**16),
+}
+
+
+@gloo_settings(GLOO_EXAMPLES)
 @seed(int(SEED or 0))
-@given(
-    recipe=st.one_of(recipes(GLOO_WORLDS), recipes(GLOO_WORLDS, exchange=True)),
-    schedule=st.sampled_from(SCHEDULES),
-    data_seed=st.integers(0, 2**16),
-)
+@given(**GLOO_DRAWS)
 @example(recipe=FLOAT8_EXAMPLES[0], schedule="ring", data_seed=1)
 @example(recipe=FLOAT8_EXAMPLES[1], schedule="bidir", data_seed=2)
 def test_random_programs_compute_the_same_values_on_gloo(ranks, recipe, schedule, data_seed):
+    check_on_gloo(ranks, recipe, schedule, data_seed)
+
+
+@pytest.mark.matrix
+@gloo_settings(MATRIX_GLOO_EXAMPLES)
+@seed(int(SEED or 0) + 1)  # not the default run's draws again
+@given(**GLOO_DRAWS)
+def test_more_random_programs_compute_the_same_values_on_gloo(ranks, recipe, schedule, data_seed):
+    check_on_gloo(ranks, recipe, schedule, data_seed)
+
+
+def check_on_gloo(ranks, recipe: Recipe, schedule: str, data_seed: int) -> None:
     """Rewritten graphs compute what the originals do, up to summation order: within a
     few dozen units in the last place of the least precise float dtype in the graph,
     relative to the output's largest value."""

@@ -1,6 +1,11 @@
 """``benchmarks/gpu_check.py``, the one command a short stay on a GPU runs, in its CPU dry
 mode: every part runs and writes what it must, so that the script cannot rot before a
-GPU comes. Nothing here asserts a timing (the dry mode's numbers measure nothing)."""
+GPU comes. Nothing here asserts a timing (the dry mode's numbers measure nothing).
+
+The default run compiles the block for ``off`` and ``ring`` only (``--schedules``: the
+baseline and the profiled schedule; every schedule's Inductor program is checked in
+``test_default_path`` and ``test_inductor_order``); ``pytest -m matrix`` runs the dry
+mode as a GPU run does, every schedule."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from pathlib import Path
 import gpu_check  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 import pytest
 import torch
+from gpu_check_parts.block import TIMED
 from gpu_check_parts.mode import GROUP_SIZES, MODELS, SLICES, WORLD_SIZE, cpu_mode, gpu_mode
 from gpu_check_parts.split_gemm import DIRECTIONS, Split, run_blocks
 
@@ -23,22 +29,31 @@ from commfuse_compile.tools.sim import PRESETS
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory) -> tuple[Path, str]:
-    """The script as a GPU run would start it, with --cpu: (output folder, stdout)."""
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(("off", "ring"), id="off-ring"),
+        pytest.param(TIMED, id="every-schedule", marks=pytest.mark.matrix),
+    ],
+)
+def dry_run(request, tmp_path_factory) -> tuple[Path, str, tuple[str, ...]]:
+    """The script as a GPU run would start it, with --cpu (and the schedules given):
+    (output folder, stdout, schedules)."""
     out = tmp_path_factory.mktemp("gpu-dry")
+    schedules = request.param
+    flags = [] if schedules == TIMED else ["--schedules", ",".join(schedules)]
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--cpu", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--cpu", "--out", str(out), *flags],
         capture_output=True,
         text=True,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return out, proc.stdout
+    return out, proc.stdout, schedules
 
 
 def test_dry_mode_times_every_split(dry_run):
-    out, _ = dry_run
+    out, _, _ = dry_run
     cells = json.loads((out / "summary.json").read_text())["split_gemm"]
     expected = itertools.product(MODELS, GROUP_SIZES, DIRECTIONS)
     assert [(c["model"], c["n"], c["direction"]) for c in cells] == list(expected)
@@ -52,7 +67,7 @@ def test_dry_mode_times_every_split(dry_run):
 
 
 def test_dry_mode_profile_feeds_the_simulator(dry_run, capsys):
-    out, _ = dry_run
+    out, _, _ = dry_run
     path = out / "profile.json"
     profile = profiles.load(path)
     base = profiles.for_device("cpu")
@@ -73,9 +88,10 @@ def test_dry_mode_profile_feeds_the_simulator(dry_run, capsys):
 
 
 def test_dry_mode_checks_every_schedules_program(dry_run):
-    out, stdout = dry_run
+    out, stdout, schedules = dry_run
     runs = json.loads((out / "summary.json").read_text())["block"]
-    assert [r["schedule"] for r in runs] == ["off", "ring", "bidir", "push", "slicing"]
+    assert TIMED == ("off", "ring", "bidir", "push", "slicing")
+    assert [r["schedule"] for r in runs] == list(schedules)
     for run in runs:
         assert run["verdict"] == "pass", run
         assert run["programs"] == 2 and run["violations"] == [] and run["fallbacks"] == []
@@ -90,7 +106,7 @@ def test_dry_mode_checks_every_schedules_program(dry_run):
 
 
 def test_dry_mode_writes_a_chrome_trace_of_the_ring(dry_run):
-    out, _ = dry_run
+    out, _, _ = dry_run
     events = json.loads((out / "trace_ring.json").read_text())["traceEvents"]
     names = {e.get("name") for e in events}
     assert "commfuse::p2p" in names and "aten::mm" in names
@@ -120,6 +136,12 @@ def test_without_a_gpu_it_points_to_the_dry_mode(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         gpu_check.main(["--out", str(tmp_path)])
     assert exit_.value.code == 2 and "--cpu runs the dry mode" in capsys.readouterr().err
+
+
+def test_an_unknown_schedule_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpu_check.main(["--cpu", "--out", str(tmp_path), "--schedules", "off,rign"])
+    assert exit_.value.code == 2 and "--schedules: unknown rign" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", [gpu_mode(), cpu_mode()], ids=["gpu", "cpu"])
