@@ -102,6 +102,26 @@ def test_split_that_fails_leaves_the_all_reduce_to_its_site(fake_world, monkeypa
     assert [(r.kind, r.decision) for r in records] == [("mm_ar", "rewritten")]
 
 
+def test_vocabulary_parallel_embedding_all_reduce_split_too(fake_world):
+    """transformers' ``embedding_rowwise``: each rank looks up its rows of the vocabulary
+    and the lookups are all-reduced. No matmul to hide the reduce-scatter behind, but the
+    norm runs on the shard and the gather is hidden behind q's matmul."""
+
+    def embedding_then_q(ids, table, norm_w, w_q):
+        h = reduced(torch.nn.functional.embedding(ids, table))
+        return rms_norm(h, norm_w).view(-1, 16) @ w_q
+
+    args = (torch.randint(0, 32, (2, 8)), torch.randn(32, 16), torch.randn(16), torch.randn(16, 4))
+    gm = make_fx(embedding_then_q, tracing_mode="fake")(*args)
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision, r.match.get("from")) for r in records] == [
+        ("ag_mm", "rewritten", "all_reduce"),
+    ]
+    assert calls(gm, c10d.reduce_scatter_tensor.default)
+    (mean,) = calls(gm, aten.mean.dim)
+    assert list(mean.meta["val"].shape) == [4, 1]
+
+
 def test_graph_output_alone_is_left_to_the_all_reduce_site(fake_world):
     def no_matmul_after(x, h, w_o, norm_w):
         return rms_norm(h + reduced(x @ w_o).view(h.shape), norm_w)

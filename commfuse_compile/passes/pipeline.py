@@ -236,10 +236,10 @@ def _shard_tokens(gm: GraphModule, options: Options, before_change: Callable[[],
     could be rewritten. Under ``auto`` the split stays only if the plan predicts its
     sites (the reduce-scatter's ring and the gathers' rings into the next matmuls) save
     more than the all-reduces' own sites would: a few tokens' all-reduce (decode) stays."""
-    sites = [site for site in KINDS["mm_ar"].find(gm.graph) if not site.declined]
+    sites = KINDS["mm_ar"].find(gm.graph)
     planned = {site.collective: _plannable(site, options) for site in sites}
     unsplit = copy.deepcopy(gm.graph) if options.schedule == "auto" else None
-    whole = sum(_gain(site, options) for site in sites if planned[site.collective])
+    whole = sum(_gain(s, options) for s in sites if planned[s.collective] and not s.declined)
     if not shard_tokens.split_all_reduces(
         gm.graph, sites, lambda site: planned[site.collective], before_change
     ):
@@ -267,10 +267,15 @@ def _split_gain(graph: Graph, options: Options) -> float:
 
 
 def _plannable(site: Site, options: Options) -> groups.Group | None:
-    """The site's group, if the options and its prediction admit rewriting it."""
+    """The site's group, if the options and its prediction admit rewriting it (for a
+    declined site, the options alone)."""
     try:
         group = _group(site)
-        _predicted(site, group, options, profile_for(site, options))
+        if site.declined:
+            plan_options(options)
+            _without_disabled(site, options.disable)
+        else:
+            _predicted(site, group, options, profile_for(site, options))
     except Exception:  # noqa: BLE001 - declined, or its own planning fails
         return None
     return group

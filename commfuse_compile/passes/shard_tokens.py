@@ -89,18 +89,20 @@ def split_all_reduces(
     group_of: Callable[[MmArSite], Group | None],
     before_change: Change,
 ) -> bool:
-    """Split the all-reduces of ``sites`` (found, not declined) that ``group_of`` admits
-    (their group, or None to leave the site as it is), those of one group and token count
-    together; did any change?"""
+    """Split the all-reduces of ``sites`` that ``group_of`` admits (their group, or None
+    to leave the site as it is), those of one group and token count together; did any
+    change? A site declined for having no matmul (``ar.not_matmul``: a vocabulary-parallel
+    embedding's lookup) is split too: its reduce-scatter hides nothing, the gather after
+    the norm does."""
     joint: dict[tuple[str, Any], list[tuple[MmArSite, Group]]] = {}
     for site in sites:
-        if site.declined or saved_unwaited(site.collective):
+        tokens = _tokens(site)
+        if tokens is None or saved_unwaited(site.collective):
             continue
         group = group_of(site)
         if group is None:
             continue
-        key = (site.group_name, site.product_shape[0])
-        joint.setdefault(key, []).append((site, group))
+        joint.setdefault((site.group_name, tokens), []).append((site, group))
     changed = False
     for (_, tokens), members in joint.items():
         chain = _chain(graph, tokens, {s.wait: s for s, _ in members})
@@ -109,6 +111,20 @@ def split_all_reduces(
         before_change()
         changed |= _emit(graph, chain, members[0][1])
     return changed
+
+
+def _tokens(site: MmArSite) -> dims.Size | None:
+    """The rows the all-reduce's value is split into: its product's rows, or for an
+    all-reduce of no matmul (a vocabulary-parallel embedding's lookup) the value's rows
+    before its last dim; None where the site is declined otherwise or n does not divide
+    them."""
+    if site.declined is None:
+        return site.product_shape[0]
+    if site.declined.code != "ar.not_matmul":
+        return None
+    shape = val(site.collective).shape
+    rows = math.prod(shape[:-1])
+    return rows if len(shape) > 1 and dims.divisible(rows, site.group_size) else None
 
 
 def lead_dims(shape: Sequence[dims.Size], tokens: dims.Size) -> int | None:
