@@ -109,7 +109,8 @@ class Report:
         one summary line at INFO, from rank 0 only unless DEBUG is on. Nothing warns
         here: faults warn where they happen."""
         for record in records:
-            line = f"commfuse: {record.kind} site {record.site} in {graph} graph"
+            names = ", ".join(record.match.get("collectives", ()))
+            line = f"commfuse: {record.kind} site {record.site} ({names}) in {graph} graph"
             if record.decision == "rewritten":
                 log.debug("%s rewritten (%s): %s", line, record.schedule, record.reason)
             else:

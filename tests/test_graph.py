@@ -489,10 +489,12 @@ def gather_used_by_a_matmul_and_a_reduce_scatter(x, w):
 
 def test_report_lists_only_sites_of_the_graph_as_traced():
     """Rewriting the gather rebuilds g from the ring's blocks; the reduce-scatter that
-    reads it never read a matmul, so it is no site, before or after the rewrite."""
+    reads it never read a matmul, so it is declined as the graph was traced (one record,
+    not a site of the rewritten graph)."""
     gm = fx(gather_used_by_a_matmul_and_a_reduce_scatter, (2, 8), (8, 6))
-    (ag,) = rewrite_graph(gm, "forward", RING)
+    ag, rs = rewrite_graph(gm, "forward", RING)
     assert (ag.kind, ag.decision) == ("ag_mm", "rewritten")
+    assert (rs.kind, rs.decline_code) == ("mm_rs", "rs.no_matmul")
     assert len(calls(gm, REDUCE_SCATTER)) == 1
 
 
@@ -1122,9 +1124,11 @@ def test_all_to_all_declines_say_why():
     assert record.reason.endswith("do not stay blocks through view (view.default)")
 
 
-def test_all_to_all_away_from_matmuls_is_no_site():
+def test_all_to_all_away_from_matmuls_is_a_declined_site():
     gm = fx(lambda x: (exchanged(x * 2, N) + 1,), (N * 2, 3))
-    assert rewrite_graph(gm, "forward", RING) == []
+    (record,) = rewrite_graph(gm, "forward", RING)
+    assert (record.kind, record.decline_code) == ("a2a_mm", "a2a.no_matmul")
+    assert len(calls(gm, c10d.all_to_all_single.default)) == 1
 
 
 def test_all_to_all_between_two_matmuls_is_one_site():

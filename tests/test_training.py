@@ -133,7 +133,8 @@ def collectives_next_to_matmuls(code: str) -> dict[str, set[str]]:
 
 def unreported(dump: Path, sites: list[dict]) -> dict[tuple[str, str], int]:
     """Per (graph, kind): collectives next to a matmul in the dumped graphs that no report
-    entry names. Also checks the converse: every reported collective is next to a matmul."""
+    entry names. Also checks the converse: every rewritten collective is next to a matmul
+    (the others have records too, declined: ``kinds/unclaimed.py``)."""
     files = sorted(dump.glob("graph*_before.py"))
     graphs = [f.stem.split("_")[1] for f in files]
     assert sorted(graphs) == ["backward", "forward"], graphs  # one graph each: no break
@@ -142,7 +143,8 @@ def unreported(dump: Path, sites: list[dict]) -> dict[tuple[str, str], int]:
         for kind, found in collectives_next_to_matmuls(path.read_text()).items():
             here = [s for s in sites if (s["graph"], s["kind"]) == (graph, kind)]
             reported = {c for s in here for c in s["collectives"]}
-            assert reported <= found, (graph, kind, sorted(reported - found))
+            rewritten = {c for s in here if s["decision"] == "rewritten" for c in s["collectives"]}
+            assert rewritten <= found, (graph, kind, sorted(rewritten - found))
             if found - reported:
                 missing[graph, kind] = len(found - reported)
     return missing
@@ -150,6 +152,9 @@ def unreported(dump: Path, sites: list[dict]) -> dict[tuple[str, str], int]:
 
 # ----------------------------------------------------------------------------------------
 # tests
+
+# the head's output gathered for the loss: a matmul -> all-gather, no site kind's
+HEAD_GATHERED = {("forward", "ag_mm", "declined", "site.no_kind"): 1}
 
 
 def test_tp_sp_transformer_trains_like_eager_and_every_site_is_rewritten(ranks, tmp_path):
@@ -162,6 +167,7 @@ def test_tp_sp_transformer_trains_like_eager_and_every_site_is_rewritten(ranks, 
         ("backward", "ag_mm", "rewritten", RING): 4,
         # input gradients of q, k, v, w1, w3 per block, and of the head
         ("backward", "mm_rs", "rewritten", RING): 11,
+        **HEAD_GATHERED,
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
 
@@ -180,6 +186,7 @@ def test_tp_sp_transformer_with_activation_checkpointing(ranks, tmp_path):
         ("backward", "ag_mm", "rewritten", RING): 8,
         # 11 input-gradient scatters (as without checkpointing) + 3 recomputed wo/w2
         ("backward", "mm_rs", "rewritten", RING): 14,
+        **HEAD_GATHERED,
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
 
@@ -202,6 +209,7 @@ def test_tp_sp_transformer_with_op_level_selective_checkpointing(ranks, tmp_path
         # (role contract_left, sliced from t(dY) viewed [N, batch, seq])
         ("backward", "ag_mm", "rewritten", RING): 8,
         ("backward", "mm_rs", "rewritten", RING): 11,
+        **HEAD_GATHERED,
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
     forward, backward = (
@@ -227,13 +235,19 @@ def test_tp_sp_with_embedding_what_stays(ranks, tmp_path, loss_parallel):
     # dim with the MSE on the shards (loss parallelism)
     cfg = fronts.TrainConfig(**{**vars(CFG), "vocab": 64, "loss_parallel": loss_parallel})
     (first, *_) = run(ranks, 2, cfg, tmp_path)
-    assert first["table"] == {  # the same sites as without the embedding
+    head = (  # loss parallelism: the loss's scalar all-reduce (no matmul under it)
+        {("forward", "mm_ar", "declined", "ar.not_matmul"): 1} if loss_parallel else HEAD_GATHERED
+    )
+    assert first["table"] == {  # the same sites rewritten as without the embedding
         ("forward", "ag_mm", "rewritten", RING): 5,
         ("forward", "mm_rs", "rewritten", RING): 4,
         ("backward", "ag_mm", "rewritten", RING): 4,
         ("backward", "mm_rs", "rewritten", RING): 11,
-        # loss parallelism: the loss's scalar all-reduce, recorded (no matmul under it)
-        **({("forward", "mm_ar", "declined", "ar.not_matmul"): 1} if loss_parallel else {}),
+        # the embedding's reduce-scatter (its partial sums feed an RMSNorm) and its
+        # gradient's all-gather (into embedding_dense_backward): no matmul
+        ("forward", "mm_rs", "declined", "rs.no_matmul"): 1,
+        ("backward", "ag_mm", "declined", "ag.no_matmul"): 1,
+        **head,
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
     # what stays after the rewrite: the embedding's reduce-scatter (its partial sums
@@ -244,9 +258,9 @@ def test_tp_sp_with_embedding_what_stays(ranks, tmp_path, loss_parallel):
         g: collectives(next((tmp_path / "rank0").glob(f"graph*_{g}_after.py")))
         for g in ("forward", "backward")
     }
-    head = {"all_reduce": 1} if loss_parallel else {"all_gather_into_tensor": 1}
+    kept = {"all_reduce": 1} if loss_parallel else {"all_gather_into_tensor": 1}
     assert left == {
-        "forward": collections.Counter({"reduce_scatter_tensor": 1, **head}),
+        "forward": collections.Counter({"reduce_scatter_tensor": 1, **kept}),
         "backward": collections.Counter({"all_gather_into_tensor": 1}),
     }
 
@@ -294,6 +308,9 @@ def test_fsdp_style_trains_like_eager(ranks, tmp_path):
         # every weight gradient, RS(t(t(mm(t(dY), X)))): AOTAutograd transposes the
         # gradient of `w.t()` back; the pair cancels, and t(dY)'s rows are dY's columns
         ("backward", "mm_rs", "rewritten", RING): 15,
+        # the 5 norm weights' gathers and their gradients' reduce-scatters: no matmul
+        ("forward", "ag_mm", "declined", "ag.no_matmul"): 5,
+        ("backward", "mm_rs", "declined", "rs.no_matmul"): 5,
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
 
@@ -317,6 +334,10 @@ def test_fsdp_times_tp_on_a_2x2_mesh_trains_like_eager(ranks, tmp_path, inner):
         ("backward", "mm_rs", "rewritten", RING): 26,
         # the replicated parameters' gradients summed over TP (bias-like sums, no matmul)
         ("backward", "mm_ar", "declined", "ar.not_matmul"): 5,
+        # the 5 norm weights' dp gathers and gradients' reduce-scatters, as in 1-D
+        ("forward", "ag_mm", "declined", "ag.no_matmul"): 5,
+        ("backward", "mm_rs", "declined", "rs.no_matmul"): 5,
+        **HEAD_GATHERED,
     }
     assert unreported(tmp_path / "rank0", first["sites"]) == {}
 

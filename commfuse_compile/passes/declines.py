@@ -51,6 +51,18 @@ _REASONS = (
     Reason("site.group", "unsupported", "{error}"),
     Reason("site.wait", "unsupported", "{node} is used without exactly one wait_tensor"),
     Reason("site.lost", "unsupported", "no longer next to a matmul"),
+    Reason("site.no_kind", "unsupported", "no site kind rewrites {pattern}"),
+    Reason(
+        "site.permuted",
+        "unsupported",
+        "{node} ({op}) reorders rows by an index between the collective and matmul {mm}: "
+        "which rows a block holds is known only at run time",
+    ),
+    Reason(
+        "site.grouped_mm",
+        "unsupported",
+        "{node} ({op}) is a grouped matmul: no site kind decomposes one",
+    ),
     Reason(
         "ag.dims_differ",
         "unsupported",
@@ -77,6 +89,11 @@ _REASONS = (
         "rs.not_matmul",
         "unsupported",
         "reduce-scatter input is {node} ({op}) of a matmul, not a matmul or a sum of matmuls",
+    ),
+    Reason(
+        "rs.no_matmul",
+        "unsupported",
+        "reduce-scatter input is {node} ({op}): no matmul computes it",
     ),
     Reason("rs.not_sum", "unsupported", "reduce op {op!r} is neither 'sum' nor 'avg'"),
     Reason(

@@ -1,9 +1,10 @@
 """Match stage: every site of a graph, of every kind, found before anything is rewritten.
 
 Nothing here changes the graph. A found site either carries what the lowering needs, or
-the reason it cannot be rewritten (``Site.declined``); collectives that touch no matmul
-are not sites at all. Each kind matches from its collective, looking only at the nodes
-around it (``kinds/``).
+the reason it cannot be rewritten (``Site.declined``). Each kind matches from its
+collective, looking only at the nodes around it (``kinds/``); a collective no kind
+claims (one that touches no matmul) is a declined site of its own
+(``kinds/unclaimed.py``), so that every collective has its record.
 """
 
 from __future__ import annotations
@@ -14,19 +15,21 @@ from torch.fx import Graph, Node
 
 from .declines import decline
 from .graph import is_matmul
-from .kinds import KINDS, of
+from .kinds import KINDS, of, unclaimed
 from .rewrite import Taken
 from .site import Site
 
 
 def find_sites(graph: Graph) -> list[Site]:
-    """Every site of the graph, in graph order, except that sites sharing a matmul with
-    an earlier site that can nest, on another group (a 2-D matmul: both operands gathered,
-    or gathered and reduce-scattered, one on each dim of a mesh), come first: the site
-    rewritten first splits the matmul by the steps of its ring, and the nesting one runs
-    inside that ring's first window. (On one group the blocks of the two would have to
-    line up instead: the first site takes the matmul.)"""
-    found = [site for kind in KINDS.values() for site in kind.find(graph)]
+    """Every site of the graph (a declined one for each collective no kind claims), in
+    graph order, except that sites sharing a matmul with an earlier site that can nest,
+    on another group (a 2-D matmul: both operands gathered, or gathered and
+    reduce-scattered, one on each dim of a mesh), come first: the site rewritten first
+    splits the matmul by the steps of its ring, and the nesting one runs inside that
+    ring's first window. (On one group the blocks of the two would have to line up
+    instead: the first site takes the matmul.)"""
+    found: list[Site] = [site for kind in KINDS.values() for site in kind.find(graph)]
+    found += unclaimed.declined_sites(graph, {c for site in found for c in site.collectives})
     return _nesting_last(sorted(found, key=lambda s: s.anchor._sort_key))
 
 

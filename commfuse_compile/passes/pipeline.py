@@ -438,13 +438,17 @@ def _without_disabled(site: Site, disabled: frozenset[str]) -> Site:
 
 def _declined_records(gm: GraphModule, graph_role: str, why: Declined) -> list[SiteRecord]:
     """A record per site of ``gm``, each declined for ``why``."""
-    return [SiteRecord(kind=s.kind, graph=graph_role).declined(why) for s in _sites_or_none(gm)]
+    return [
+        SiteRecord(kind=kind, graph=graph_role, match=described).declined(why)
+        for kind, described in _sites_or_none(gm)
+    ]
 
 
-def _sites_or_none(gm: GraphModule) -> list[Site]:
-    """The sites of a restored graph, for the report; none if even matching fails."""
+def _sites_or_none(gm: GraphModule) -> list[tuple[str, dict[str, Any]]]:
+    """The sites of a restored graph (kind, description), for the report; none if even
+    matching fails."""
     try:
-        return match.find_sites(gm.graph)
+        return [(site.kind, site.describe()) for site in match.find_sites(gm.graph)]
     except Exception:  # noqa: BLE001
         return []
 

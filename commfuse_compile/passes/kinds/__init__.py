@@ -1,4 +1,5 @@
-"""The site kinds the pass knows, one module each, longest pattern first."""
+"""The site kinds the pass knows, one module each, longest pattern first (``unclaimed``:
+the declined sites of collectives none of them claims, not a kind)."""
 
 from __future__ import annotations
 
