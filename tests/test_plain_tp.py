@@ -68,9 +68,10 @@ def calls(gm, target):
 def test_all_reduce_split_into_reduce_scatter_norm_on_shard_and_gather(fake_world):
     gm = traced(residual_norm_qk, SHAPES)
     records = rewrite_graph(gm, "forward", RING)
-    assert [(r.kind, r.decision) for r in records] == [
-        ("mm_rs", "rewritten"),
-        ("ag_mm", "rewritten"),
+    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
+        ("mm_rs", "rewritten", ""),
+        ("ag_mm", "rewritten", ""),
+        ("ag_mm", "declined", "ag.no_matmul"),  # the residual returned: gathered whole
     ]
     split = records[0].match
     assert split["from"] == "all_reduce"
@@ -114,10 +115,10 @@ def test_vocabulary_parallel_embedding_all_reduce_split_too(fake_world):
     args = (torch.randint(0, 32, (2, 8)), torch.randn(32, 16), torch.randn(16), torch.randn(16, 4))
     gm = make_fx(embedding_then_q, tracing_mode="fake")(*args)
     records = rewrite_graph(gm, "forward", RING)
-    assert [(r.kind, r.decision, r.match.get("from")) for r in records] == [
-        ("ag_mm", "rewritten", "all_reduce"),
+    assert [(r.kind, r.decision, r.decline_code, r.match.get("from")) for r in records] == [
+        ("mm_rs", "declined", "rs.no_matmul", "all_reduce"),
+        ("ag_mm", "rewritten", "", "all_reduce"),
     ]
-    assert calls(gm, c10d.reduce_scatter_tensor.default)
     (mean,) = calls(gm, aten.mean.dim)
     assert list(mean.meta["val"].shape) == [4, 1]
 
@@ -133,7 +134,8 @@ def test_graph_output_alone_is_left_to_the_all_reduce_site(fake_world):
 
 def test_dropout_mask_is_drawn_whole_and_the_shard_takes_its_rows(fake_world):
     """The mask is drawn over every token, as without the pass (the same draw on every
-    rank where the model's RNG makes it so); the shard multiplies its rows of it."""
+    rank where the model's RNG makes it so); the shard multiplies its rows of it. Its
+    ``empty_like`` reads only the value's shape: allocated from the shard, no gather."""
 
     def dropout_then_matmul(x, h, w_o, norm_w, w_q):
         h2 = h + reduced(x @ w_o).view(h.shape)
@@ -142,12 +144,11 @@ def test_dropout_mask_is_drawn_whole_and_the_shard_takes_its_rows(fake_world):
     gm = traced(dropout_then_matmul, SHAPES[:5])
     records = rewrite_graph(gm, "forward", RING)
     assert [r.kind for r in records] == ["mm_rs", "ag_mm"]
-    assert records[0].match["gathered_for"] == {
-        "empty_like": "empty_like.default is not token-wise",
-        "mm_1": "matmul",
-    }
+    assert records[0].match["gathered_for"] == {"mm_1": "matmul"}
     (draw,) = calls(gm, aten.bernoulli_.float)
     assert list(draw.meta["val"].shape) == [2, 8, 16]
+    (allocation,) = calls(gm, aten.new_empty.default)  # the shard's dtype, the full shape
+    assert list(allocation.args[0].meta["val"].shape) == [4, 16]
 
 
 def test_random_op_reading_a_shard_keeps_the_all_reduce_whole(fake_world):

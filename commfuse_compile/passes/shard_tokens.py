@@ -61,6 +61,13 @@ REDUCTIONS = frozenset(
     {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
     | {aten.var.correction, aten.var_mean.correction}
 )
+# a reader of a value's shape, dtype and device only, and the op that takes the shape
+# explicitly: a dropout mask's ``empty_like`` reads the shard (no gather of the value)
+FULL_SIZED = {
+    aten.empty_like.default: aten.new_empty.default,
+    aten.zeros_like.default: aten.new_zeros.default,
+    aten.ones_like.default: aten.new_ones.default,
+}
 NORMS = frozenset({aten.native_layer_norm.default, aten._fused_rms_norm.default})
 Change = Callable[[], None]  # called before the graph is first changed
 
@@ -72,7 +79,8 @@ class _Chain:
     tokens: dims.Size
     sources: dict[Node, MmArSite]  # an all-reduce's wait -> its site
     moved: dict[Node, str] = dataclasses.field(default_factory=dict)  # node -> how
-    summed: list[Node] = dataclasses.field(default_factory=list)  # sums over the tokens
+    # read from the shard, whole values: sums over the tokens, full-sized allocations
+    replaced: dict[Node, str] = dataclasses.field(default_factory=dict)
     gathered: dict[Node, list[Node]] = dataclasses.field(default_factory=dict)
     why_gathered: dict[str, str] = dataclasses.field(default_factory=dict)  # reader -> why
 
@@ -153,8 +161,8 @@ def _chain(graph: Graph, tokens: dims.Size, sources: dict[Node, MmArSite]) -> _C
                 for value in inputs:
                     chain.gathered.setdefault(value, []).append(node)
                 chain.why_gathered[node.name] = how.removeprefix("gather:")
-            elif how == "token sum":
-                chain.summed.append(node)
+            elif how in ("token sum", "full sized"):
+                chain.replaced[node] = how
             else:
                 chain.moved[node] = how
         node = node.next
@@ -183,6 +191,8 @@ def _how(chain: _Chain, node: Node) -> str:
     target = node.target
     if target is operator.getitem:
         return "getitem"
+    if target in FULL_SIZED and "memory_format" not in node.kwargs:
+        return "full sized"
     if is_matmul(node):
         return "gather:matmul"
     value = node.meta.get("val")
@@ -292,14 +302,14 @@ def _emit(graph: Graph, chain: _Chain, group: Group) -> bool:
             value.replace_all_uses_with(new)
         else:
             reader.replace_input_with(value, new)
-    for node in sorted([*chain.moved, *chain.summed, *chain.sources], key=_order, reverse=True):
+    for node in sorted([*chain.moved, *chain.replaced, *chain.sources], key=_order, reverse=True):
         graph.erase_node(node)
         if node in chain.sources:
             graph.erase_node(chain.sources[node].collective)
     note = {
         "from": "all_reduce",
         "token_wise_ops": len(chain.moved),
-        "token_sums": len(chain.summed),
+        "token_sums": sum(how == "token sum" for how in chain.replaced.values()),
         "gathered": sorted(v.name for v in chain.gathered),
         "gathered_for": dict(sorted(chain.why_gathered.items())),
         "all_reduce_bytes": sum(_nbytes(wait) for wait in chain.sources),
@@ -324,8 +334,10 @@ def _built(
     for node, how in sorted(chain.moved.items(), key=lambda item: item[0]._sort_key):
         shard[node] = _moved(em, node, how, shard, chain, rows)
     replacements: dict[tuple[Node | None, Node], Node] = {}
-    for node in chain.summed:
-        replacements[None, node] = _token_sum(em, node, shard, group)
+    for node, how in chain.replaced.items():
+        summed = how == "token sum"
+        new = _token_sum(em, node, shard, group) if summed else _full_sized(em, node, shard)
+        replacements[None, node] = new
     for value, readers in chain.gathered.items():
         full = _gathered(em, shard[value], value, group, readers)
         replacements.update(((reader, value), full) for reader in readers)
@@ -445,6 +457,13 @@ def _token_sum(em: Emitter, node: Node, shard: dict[Node, Node], group: Group) -
     partial = _reshaped(em, partial, list(val(node).shape), node)
     reducing = em.node(c10d.all_reduce.default, (partial, "sum", group.name), before=node)
     return em.node(c10d.wait_tensor.default, (reducing,), before=node)
+
+
+def _full_sized(em: Emitter, node: Node, shard: dict[Node, Node]) -> Node:
+    """An allocation like the whole value, from its shard's dtype and device."""
+    source = shard[node.args[0]]  # type: ignore[index]
+    shape = em.shape(val(node).shape, 0)
+    return em.node(FULL_SIZED[node.target], (source, shape), dict(node.kwargs), before=node)  # type: ignore[index]
 
 
 def _gathered(em: Emitter, shard: Node, value: Node, group: Group, readers: list[Node]) -> Node:
