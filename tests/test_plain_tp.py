@@ -90,6 +90,29 @@ def test_all_reduce_split_into_reduce_scatter_norm_on_shard_and_gather(fake_worl
     assert list(gather.meta["val"].shape) == [16, 16]
 
 
+def test_values_saved_whole_recomputed_from_the_gathered_all_reduce(fake_world):
+    """A forward graph returns several values of the chain for the backward: rather
+    than one all-gather each, the all-reduce's value is gathered once (its own second
+    half) and the values are recomputed from it on every token."""
+
+    def saves_for_backward(x, h, w_o, norm_w, w_q, w_k):
+        h2, q, k = residual_norm_qk(x, h, w_o, norm_w, w_q, w_k)
+        return h2, h2.pow(2), h2.sigmoid(), q, k
+
+    gm = traced(saves_for_backward, SHAPES)
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
+        ("mm_rs", "rewritten", ""),
+        ("ag_mm", "declined", "ag.no_matmul"),  # the all-reduce's value, gathered once
+        ("ag_mm", "rewritten", ""),
+    ]
+    split = records[0].match
+    assert (split["all_reduce_bytes"], split["gathered_bytes"]) == (1024, 2048)
+    assert split["recomputed"] == 4  # view, add, pow, sigmoid on every token
+    (sigmoid,) = calls(gm, aten.sigmoid.default)
+    assert list(sigmoid.meta["val"].shape) == [2, 8, 16]
+
+
 def test_split_that_fails_leaves_the_all_reduce_to_its_site(fake_world, monkeypatch):
     from commfuse_compile.passes import shard_tokens
 
@@ -391,15 +414,18 @@ def train_steps(rank: int, n: int, program: str, inner: str, steps: int = 2) -> 
 
 
 def split_sites(sites: list[tuple]) -> dict[str, dict[str, int]]:
-    """Per graph: the split all-reduces, the gathers a matmul ring took, and the norm
-    weights' gradient sums (small all-reduces no matmul produces, recorded and kept)."""
+    """Per graph: the split all-reduces, the gathers a matmul ring took, the gathers of
+    values read whole (the graph's outputs) and the norm weights' gradient sums (small
+    all-reduces no matmul produces, recorded and kept)."""
     table: dict[str, dict[str, int]] = {}
     for graph, kind, decision, code, origin in sites:
-        row = table.setdefault(graph, {"split": 0, "ag_mm": 0, "token_sums": 0})
+        row = table.setdefault(graph, {"split": 0, "ag_mm": 0, "whole": 0, "token_sums": 0})
         if kind == "mm_rs" and decision == "rewritten" and origin == "all_reduce":
             row["split"] += 1
         elif kind == "ag_mm" and decision == "rewritten":
             row["ag_mm"] += 1
+        elif (kind, decision, code, origin) == ("ag_mm", "declined", "ag.no_matmul", "all_reduce"):
+            row["whole"] += 1
         elif (kind, decision, code) == ("mm_ar", "declined", "ar.not_matmul"):
             row["token_sums"] += 1
         else:
@@ -413,9 +439,16 @@ def split_sites(sites: list[tuple]) -> dict[str, dict[str, int]]:
 # gate/up's input gradients (one all-reduce each) split, the gathers before down_proj's
 # and o_proj's input and weight gradients taken (the first layer's input gradient is the
 # graph's output), and the two norms' weight gradients summed over the shard's tokens.
+# The values the forward saves for the backward (residuals, norm statistics) are
+# recomputed on every token from each all-reduce's value, gathered once ("whole").
 EXPECTED = {
-    "forward": {"split": 2 * LAYERS, "ag_mm": 2 * LAYERS - 1, "token_sums": 0},
-    "backward": {"split": 5 * LAYERS, "ag_mm": 2 * LAYERS - 1, "token_sums": 2 * LAYERS},
+    "forward": {"split": 2 * LAYERS, "ag_mm": 2 * LAYERS - 1, "whole": 2 * LAYERS, "token_sums": 0},
+    "backward": {
+        "split": 5 * LAYERS,
+        "ag_mm": 2 * LAYERS - 1,
+        "whole": 0,
+        "token_sums": 2 * LAYERS,
+    },
 }
 
 
@@ -465,4 +498,5 @@ def test_prefill_under_no_grad_splits_every_all_reduce(ranks):
         assert r["difference"] < 1e-5, r["difference"]
         table = split_sites(r["sites"])
         assert list(table) == ["inference"], table
-        assert table["inference"] == EXPECTED["forward"], table
+        # the forward's sites; the one value returned (the final norm's) gathered whole
+        assert table["inference"] == {**EXPECTED["forward"], "whole": 1}, table

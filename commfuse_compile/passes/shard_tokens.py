@@ -53,6 +53,9 @@ from .kinds.mm_ar import MmArSite
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 GATHER = c10d.all_gather_into_tensor.default
+COLLECTIVES = frozenset(
+    {GATHER, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.wait_tensor.default}
+)
 META = "commfuse_split"  # node.meta key on a split's collectives: what the report shows
 
 CASTS = frozenset({aten._to_copy.default, aten.alias.default, aten.detach.default})
@@ -167,7 +170,7 @@ def _chain(graph: Graph, tokens: dims.Size, sources: dict[Node, MmArSite]) -> _C
                 chain.moved[node] = how
         node = node.next
     readers = [r for rs in chain.gathered.values() for r in rs]
-    if not any(is_matmul(r) or _views_into_matmul(r) for r in readers):
+    if not any(map(_for_matmul, readers)):
         return None
     return chain
 
@@ -286,8 +289,9 @@ def _emit(graph: Graph, chain: _Chain, group: Group) -> bool:
     was, the all-reduces left to ``mm_ar``) and warns."""
     first_wait = next(iter(chain.sources))
     em = Emitter(graph, first_wait, detect_fake_mode([val(first_wait)]))
+    kept = _recomputed(chain)
     try:
-        scatters, replacements = _built(em, chain, group)
+        scatters, replacements = _built(em, chain, group, kept)
     except Exception as err:  # noqa: BLE001 - never break the user's compile
         em.discard()
         first = (str(err).splitlines() or [""])[0][:300]
@@ -302,10 +306,15 @@ def _emit(graph: Graph, chain: _Chain, group: Group) -> bool:
             value.replace_all_uses_with(new)
         else:
             reader.replace_input_with(value, new)
-    for node in sorted([*chain.moved, *chain.replaced, *chain.sources], key=_order, reverse=True):
+    erased = [node for node in [*chain.moved, *chain.replaced] if node not in kept]
+    erased += chain.sources  # kept ones are read gathered now
+    for node in sorted(erased, key=_order, reverse=True):
         graph.erase_node(node)
         if node in chain.sources:
             graph.erase_node(chain.sources[node].collective)
+    for node in reversed(em.created):  # shard values only kept nodes needed
+        if not node.users and node.op == "call_function" and node.target not in COLLECTIVES:
+            graph.erase_node(node)
     note = {
         "from": "all_reduce",
         "token_wise_ops": len(chain.moved),
@@ -313,18 +322,46 @@ def _emit(graph: Graph, chain: _Chain, group: Group) -> bool:
         "gathered": sorted(v.name for v in chain.gathered),
         "gathered_for": dict(sorted(chain.why_gathered.items())),
         "all_reduce_bytes": sum(_nbytes(wait) for wait in chain.sources),
-        "gathered_bytes": sum(_nbytes(value) for value in chain.gathered),
+        "gathered_bytes": sum(_nbytes(value) for value in chain.gathered)
+        + sum(_nbytes(source) for source in chain.sources if source in kept),
+        "recomputed": len([node for node in kept if node not in chain.sources]),
     }
     for scatter in scatters:
         scatter.meta[META] = note
     return True
 
 
+def _recomputed(chain: _Chain) -> set[Node]:
+    """The nodes kept as they are, on every token, for the values only the graph's outputs
+    (or other whole readers) read, recomputed from the all-reduces' gathered values;
+    empty where gathering each such value moves fewer bytes. (Forward graphs save many
+    values of the chain for the backward: the residual, the norm's statistics, ...)"""
+    whole = [v for v, readers in chain.gathered.items() if not any(map(_for_matmul, readers))]
+    kept: set[Node] = set()
+    stack = list(whole)
+    while stack:
+        node = stack.pop()
+        if node not in kept:
+            kept.add(node)
+            stack.extend(a for a in node.all_input_nodes if chain.sharded(a))
+    sources = [node for node in kept if node in chain.sources]
+    if sum(map(_nbytes, sources)) >= sum(map(_nbytes, whole)):
+        return set()
+    for value in whole:
+        del chain.gathered[value]
+    return kept
+
+
+def _for_matmul(reader: Node) -> bool:
+    return is_matmul(reader) or _views_into_matmul(reader)
+
+
 def _built(
-    em: Emitter, chain: _Chain, group: Group
+    em: Emitter, chain: _Chain, group: Group, kept: set[Node]
 ) -> tuple[list[Node], dict[tuple[Node | None, Node], Node]]:
     """The new nodes: the reduce-scatters, and per (reader or None for every reader,
-    replaced value) the node that replaces the value."""
+    replaced value) the node that replaces the value; the ``kept`` nodes read their
+    all-reduces' values gathered."""
     shard: dict[Node, Node] = {}
     rows = _Rows(em, chain.tokens, group)
     scatters = []
@@ -341,6 +378,11 @@ def _built(
     for value, readers in chain.gathered.items():
         full = _gathered(em, shard[value], value, group, readers)
         replacements.update(((reader, value), full) for reader in readers)
+    for source in chain.sources:
+        readers = [reader for reader in source.users if reader in kept]
+        if source in kept and readers:
+            full = _gathered(em, shard[source], source, group, readers)
+            replacements.update(((reader, source), full) for reader in readers)
     return scatters, replacements
 
 
@@ -478,7 +520,7 @@ def _gathered(em: Emitter, shard: Node, value: Node, group: Group, readers: list
     gathering = em.node(
         c10d.all_gather_into_tensor.default, (shard, group.size, group.name), before=before
     )
-    for_matmul = any(is_matmul(r) or _views_into_matmul(r) for r in readers)
+    for_matmul = any(map(_for_matmul, readers))
     gathering.meta[META] = {"from": "all_reduce", "for_matmul": for_matmul}
     gathered = em.node(c10d.wait_tensor.default, (gathering,), before=before)
     return _reshaped(em, gathered, list(val(value).shape), before)
