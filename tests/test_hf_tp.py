@@ -142,25 +142,34 @@ def test_trains_and_prefills_as_uncompiled(cell, n, inner):
         assert r["logits"] < 1e-5
 
 
-# per graph, what the pass does with each collective of the tiny Llama (LAYERS layers):
-# forward and prefill: the vocab-parallel embedding's all-reduce (its input a masked
-# lookup, no matmul) is kept; each o_proj/down_proj all-reduce is split (mm_rs) and its
-# gather hidden behind the next column-parallel matmuls (gate/up, q/k/v, lm_head).
-# Backward: the input gradient's all-reduce of lm_head and of each q/k/v/gate/up is split,
-# its gather hidden behind the input-gradient matmuls of down_proj and o_proj; each norm
-# weight's gradient, summed over this rank's tokens, is all-reduced as it is.
-FORWARD = {
-    ("mm_ar", "declined", "ar.not_matmul", ""): 1,
-    ("mm_rs", "rewritten", "", "all_reduce"): 2 * LAYERS,
-    ("ag_mm", "rewritten", "", "all_reduce"): 2 * LAYERS,
+# Per graph, what the pass does with each collective of the tiny Llama (LAYERS layers).
+# Forward and prefill: the vocabulary-parallel embedding's all-reduce (a masked lookup,
+# no matmul) and each o_proj/down_proj all-reduce are split; the embedding's
+# reduce-scatter has no matmul to hide behind (rs.no_matmul), the others are rings;
+# the gathers before q/k/v, gate/up and lm_head are hidden behind them; the logits'
+# all-gather after lm_head (a matmul then a gather: no kind) is kept. The forward also
+# gathers each all-reduce's value once, to recompute on every token the values it saves
+# for the backward (ag.no_matmul). Backward: lm_head's and each q/k/v/gate/up input
+# gradient's all-reduce split, the gathers before down_proj's and o_proj's gradients
+# hidden, the embedding's gradient (the graph's output) gathered whole, and each norm
+# weight's gradient summed over this rank's tokens and all-reduced as it is.
+SPLIT = ("mm_rs", "rewritten", "", "all_reduce")
+HIDDEN_GATHER = ("ag_mm", "rewritten", "", "all_reduce")
+WHOLE_GATHER = ("ag_mm", "declined", "ag.no_matmul", "all_reduce")
+INFERENCE = {
+    SPLIT: 2 * LAYERS,
+    ("mm_rs", "declined", "rs.no_matmul", "all_reduce"): 1,
+    HIDDEN_GATHER: 2 * LAYERS + 1,
+    ("ag_mm", "declined", "site.no_kind", ""): 1,
 }
 EXPECTED = {
-    "forward": FORWARD,
-    "inference": FORWARD,
+    "forward": {**INFERENCE, WHOLE_GATHER: 2 * LAYERS + 1},
+    "inference": INFERENCE,
     "backward": {
-        ("mm_rs", "rewritten", "", "all_reduce"): 1 + 5 * LAYERS,
+        SPLIT: 1 + 5 * LAYERS,
+        HIDDEN_GATHER: 2 * LAYERS,
+        WHOLE_GATHER: 1,
         ("mm_ar", "declined", "ar.not_matmul", ""): 2 * LAYERS + 1,
-        ("ag_mm", "rewritten", "", "all_reduce"): 2 * LAYERS,
     },
 }
 
