@@ -461,6 +461,8 @@ EXPECTED = {
         pytest.param("dtensor", 3, "eager", marks=pytest.mark.matrix),
         pytest.param("dtensor", 4, "inductor", marks=pytest.mark.matrix),
         pytest.param("megatron", 4, "inductor", marks=pytest.mark.matrix),
+        pytest.param("dtensor", 2, "inductor", marks=pytest.mark.matrix),
+        pytest.param("megatron", 2, "eager", marks=pytest.mark.matrix),
     ],
 )
 def test_decoder_trains_equal_with_sequence_parallel_split(ranks, program, n, inner):
