@@ -153,6 +153,7 @@ def test_graph_output_alone_is_left_to_the_all_reduce_site(fake_world):
     gm = traced(no_matmul_after, SHAPES[:4])
     records = rewrite_graph(gm, "forward", RING)
     assert [(r.kind, r.decision) for r in records] == [("mm_ar", "rewritten")]
+    assert records[0].match["not_split"] == "no matmul reads a value after it"
 
 
 def test_dropout_mask_is_drawn_whole_and_the_shard_takes_its_rows(fake_world):
@@ -230,6 +231,7 @@ def test_auto_counts_the_gather_of_a_returned_residual(fake_world):
     stays one site (its own reduce-scatter ring and all-gather)."""
     records = rewrite_graph(traced(residual_norm_qk, prefill_sized(8192)), "forward", H100)
     assert [(r.kind, r.decision) for r in records] == [("mm_ar", "rewritten")]
+    assert records[0].match["not_split"].startswith("auto: the split predicted to save")
 
 
 def test_auto_keeps_a_few_tokens_all_reduce(fake_world):

@@ -244,7 +244,11 @@ def _shard_tokens(gm: GraphModule, options: Options, before_change: Callable[[],
         gm.graph, sites, lambda site: planned[site.collective], before_change
     ):
         return False
-    if unsplit is not None and _split_gain(gm.graph, options) <= whole:
+    gain = _split_gain(gm.graph, options) if unsplit is not None else 0.0
+    if unsplit is not None and gain <= whole:
+        why = f"auto: the split predicted to save {gain * 1e6:.1f} us, the all-reduce sites"
+        for node in unsplit.find_nodes(op="call_function", target=shard_tokens.ALL_REDUCE):
+            node.meta[shard_tokens.META] = {"not_split": f"{why} {whole * 1e6:.1f} us"}
         gm.graph = unsplit
         return False
     return True

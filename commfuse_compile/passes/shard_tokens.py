@@ -53,10 +53,13 @@ from .kinds.mm_ar import MmArSite
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 GATHER = c10d.all_gather_into_tensor.default
+ALL_REDUCE = c10d.all_reduce.default
 COLLECTIVES = frozenset(
-    {GATHER, c10d.reduce_scatter_tensor.default, c10d.all_reduce.default, c10d.wait_tensor.default}
+    {GATHER, c10d.reduce_scatter_tensor.default, ALL_REDUCE, c10d.wait_tensor.default}
 )
-META = "commfuse_split"  # node.meta key on a split's collectives: what the report shows
+# node.meta key on a split's collectives, or on an all-reduce left whole: what the
+# report shows of it
+META = "commfuse_split"
 
 CASTS = frozenset({aten._to_copy.default, aten.alias.default, aten.detach.default})
 RESHAPES = VIEWS | {aten.squeeze.dim, aten.squeeze.dims, aten.unsqueeze.default}
@@ -118,6 +121,8 @@ def split_all_reduces(
     for (_, tokens), members in joint.items():
         chain = _chain(graph, tokens, {s.wait: s for s, _ in members})
         if chain is None:
+            for site, _ in members:
+                site.collective.meta[META] = {"not_split": "no matmul reads a value after it"}
             continue
         before_change()
         changed |= _emit(graph, chain, members[0][1])
