@@ -126,6 +126,8 @@ class OverlappedLinear(torch.autograd.Function):
 
 
 def overlapped_step(rank: int, n: int) -> dict:
+    from models import relative_error
+
     torch.manual_seed(0)
     x0, w0 = torch.randn(4 * n, 8)[4 * rank : 4 * rank + 4], torch.randn(6, 8)
 
@@ -155,7 +157,8 @@ def overlapped_step(rank: int, n: int) -> dict:
     torch._dynamo.reset()
     escaped = torch.compile(escaping, backend="commfuse", options=RING)(x0, w0)
     return {
-        "diffs": [float((a - b).abs().max()) for a, b in zip(*results, strict=True)],
+        # relative: the weight gradient's 12 rows are summed in the ring's order
+        "diffs": [relative_error(a, b) for a, b in zip(*results, strict=True)],
         "sites": sites,
         "escaped": (float((escaped[0] - escaping(x0, w0)[0]).abs().max()), escaped[1]),
     }
@@ -163,7 +166,7 @@ def overlapped_step(rank: int, n: int) -> dict:
 
 def test_hand_overlapped_linear_matches_on_gloo_ranks(ranks):
     for result in ranks(3).run(overlapped_step):
-        assert max(result["diffs"]) < 1e-5, result
+        assert max(result["diffs"]) < 1e-6, result
         assert ("backward", "mm_rs", "rewritten") in result["sites"], result["sites"]
         assert ("backward", "ag_mm", "rewritten") in result["sites"], result["sites"]
         assert result["escaped"] == (0.0, True)
