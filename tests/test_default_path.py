@@ -39,6 +39,9 @@ SCHEDULES = [("ring", 2), ("bidir", 2), ("push", 2), ("slicing", 2), ("slicing",
 TOLERANCE = {"float32": 1e-5, "bfloat16": 3e-2}
 # A data-parallel gather that only feeds a matmul's bias: nothing to compute per block.
 BIAS_GATHER = "the gathered tensor is its bias"
+# collectives no site kind rewrites, recorded declined: the head's output all-gather
+# after its matmul, FSDP's gathers and reduce-scatters of the norm weights
+UNCLAIMED = {"site.no_kind", "ag.no_matmul", "rs.no_matmul"}
 
 
 def config(front: str, n: int, dtype: str) -> fronts.TrainConfig:
@@ -154,7 +157,7 @@ def test_forward_and_backward_match_the_uncompiled_model(
         assert sites
         for site in sites:
             if site["decision"] == "declined":
-                assert BIAS_GATHER in site["reason"], site
+                assert BIAS_GATHER in site["reason"] or site["decline_code"] in UNCLAIMED, site
                 continue
             assert site["schedule"] == schedule, site
             if schedule != "slicing" and inner == "inductor":

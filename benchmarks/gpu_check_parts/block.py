@@ -100,7 +100,9 @@ def run_block(schedule: str, mode: Mode, out: Path) -> tuple[BlockRun, Callable[
         run.violations += checked.violations
         run.waits_without_matmul += len(checked.exposed)
     records = report.REPORT.sites
-    run.sites = len(records)
+    # sites next to a matmul; the other collectives' records (the head's output gather)
+    # are declined with nothing to overlap
+    run.sites = sum(bool(r.match.get("matmuls")) for r in records)
     run.rewritten = sum(r.decision == "rewritten" and r.schedule == schedule for r in records)
     run.exposed_steps = [e for r in records for e in r.exposed_steps]
     if run.error is not None:
