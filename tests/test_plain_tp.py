@@ -113,6 +113,26 @@ def test_values_saved_whole_recomputed_from_the_gathered_all_reduce(fake_world):
     assert list(sigmoid.meta["val"].shape) == [2, 8, 16]
 
 
+def test_all_reduce_value_returned_whole_is_gathered_once(fake_world):
+    """Inductor's forward returns the all-reduce's own value (saved for the backward) with
+    other values recomputed from it: one gather serves both."""
+
+    def one_all_reduce(x, h, w_o, norm_w, w_q, w_k):
+        out = reduced(x @ w_o)
+        h2 = h + out.view(h.shape)
+        normed = rms_norm(h2, norm_w).view(-1, 16)
+        return out, h2, h2.sigmoid(), normed @ w_q, normed @ w_k
+
+    gm = traced(one_all_reduce, SHAPES)
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
+        ("mm_rs", "rewritten", ""),
+        ("ag_mm", "declined", "ag.no_matmul"),  # the all-reduce's value, gathered once
+        ("ag_mm", "rewritten", ""),
+    ]
+    assert len(calls(gm, c10d.all_gather_into_tensor.default)) == 1  # and the ring's p2p
+
+
 def test_split_that_fails_leaves_the_all_reduce_to_its_site(fake_world, monkeypatch):
     from commfuse_compile.passes import shard_tokens
 

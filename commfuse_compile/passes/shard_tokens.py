@@ -353,7 +353,8 @@ def _recomputed(chain: _Chain) -> set[Node]:
     if sum(map(_nbytes, sources)) >= sum(map(_nbytes, whole)):
         return set()
     for value in whole:
-        del chain.gathered[value]
+        if value not in chain.sources:  # a source returned whole: its gather serves both
+            del chain.gathered[value]
     return kept
 
 
@@ -380,14 +381,14 @@ def _built(
         summed = how == "token sum"
         new = _token_sum(em, node, shard, group) if summed else _full_sized(em, node, shard)
         replacements[None, node] = new
-    for value, readers in chain.gathered.items():
-        full = _gathered(em, shard[value], value, group, readers)
-        replacements.update(((reader, value), full) for reader in readers)
-    for source in chain.sources:
-        readers = [reader for reader in source.users if reader in kept]
-        if source in kept and readers:
-            full = _gathered(em, shard[source], source, group, readers)
-            replacements.update(((reader, source), full) for reader in readers)
+    # each gathered value once for its readers, and for the kept nodes that read it (an
+    # all-reduce's value, from which the values returned whole are recomputed)
+    for value in dict.fromkeys([*chain.gathered, *(s for s in chain.sources if s in kept)]):
+        readers = chain.gathered.get(value, [])
+        readers = [*readers, *(r for r in value.users if r in kept and r not in readers)]
+        if readers:
+            full = _gathered(em, shard[value], value, group, readers)
+            replacements.update(((reader, value), full) for reader in readers)
     return scatters, replacements
 
 
