@@ -51,6 +51,18 @@ def test_rows_follow_the_schedule_list():
     }
 
 
+def test_shapes_fitted_to_the_world_size():
+    """On 2 ranks the presets' shapes run as they are; on 3 a site's sequence and hidden
+    size are rounded down to multiples of 3, a block's heads, hidden and sequence up."""
+    site = QUICK.cells[0].sizes[0]
+    assert site.fitted(2) == site and (site.fitted(3).seq, site.fitted(3).ffn) == (2046, 2046)
+    assert QUICK.block.shape.fitted(2) == QUICK.block.shape
+    block = QUICK.block.shape.fitted(3)
+    assert (block.heads, block.dim, block.hidden, block.seq) == (6, 384, 768, 258)
+    assert QUICK.block_plain is not None and not QUICK.block_plain.shape.sequence_parallel
+    assert [v.label for v in kind_rows(variants(), "mm_ar_mm")] == [v.label for v in variants()]
+
+
 def test_ulysses_cells_have_the_rows_of_their_direction():
     """An all-to-all has the pairwise (ring) order only: its cells are the baseline,
     ring and auto; the quick preset has one cell per Ulysses kind."""
@@ -62,7 +74,8 @@ def test_ulysses_cells_have_the_rows_of_their_direction():
 
 
 # ``commfuse bench --quick`` as the CLI runs it, its preset shrunk for the test: the same
-# cells (kinds, three ratios, the Ulysses ones), rows, block and targets, at a smaller
+# kinds of cells (TP+SP at two ratios, the Ulysses ones, the plain-TP one at ratio 1),
+# rows, blocks (TP+SP and plain TP, the latter without auto) and targets, at a smaller
 # site and block and with fewer repetitions (the quick preset's sizes take minutes on 2
 # cores; a well-formed result needs none of them).
 SMALL_QUICK = textwrap.dedent(
@@ -73,15 +86,24 @@ SMALL_QUICK = textwrap.dedent(
     from commfuse_compile.tools.bench.config import BlockShape, SiteShape
 
     site, quick = SiteShape(512, 256, 512), run.QUICK
+    small = BlockShape(seq=64, dim=64, heads=4, hidden=192, batch=2)
+    plain = dataclasses.replace(small, sequence_parallel=False)
+
+    def shrunk(cells):  # the plain-TP cell (two matmuls, one all-reduce) at ratio 1 only,
+        # the TP+SP ones at two of the three ratios: the test's time stays as it was
+        ratios = {run.PLAIN_TP_KINDS: (1.0,), run.TP_KINDS: (0.5, 1.0)}.get(cells.kinds)
+        return dataclasses.replace(cells, sizes=(site,), ratios=ratios or cells.ratios)
+
     run.QUICK = dataclasses.replace(
         quick,
-        cells=tuple(dataclasses.replace(c, sizes=(site,)) for c in quick.cells),
+        cells=tuple(shrunk(c) for c in quick.cells),
         warmup=1,
         reps=5,
         calibrate_reps=2,
         rate_reps=3,
-        block=dataclasses.replace(
-            quick.block, shape=BlockShape(seq=64, dim=64, heads=4, hidden=192, batch=2), reps=5
+        block=dataclasses.replace(quick.block, shape=small, reps=5),
+        block_plain=dataclasses.replace(
+            quick.block_plain, shape=plain, schedules=("baseline", "ring"), reps=3
         ),
     )
     sys.exit(cli.main(sys.argv[1:]))
@@ -106,7 +128,7 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     assert meta["reps"] >= 5 and meta["network"]["throttled"] == (can_throttle() is None)
     labels = [row["label"] for row in meta["rows"]]
     assert labels[0] == "baseline" and "ring" in labels and "auto" in labels
-    assert {c["kind"] for c in results["sites"]} == {"ag_mm", "mm_rs", *ULYSSES}
+    assert {c["kind"] for c in results["sites"]} == {"ag_mm", "mm_rs", *ULYSSES, "mm_ar_mm"}
     assert len({c["ratio"] for c in results["sites"]}) >= 2
     assert sorted(c["kind"] for c in results["sites"] if c["kind"] in ULYSSES) == sorted(ULYSSES)
     for cell in results["sites"]:
@@ -118,18 +140,45 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
             assert math.isclose(row["vs_limit"], row["median_s"] / cell["limit_s"])
             assert row["predicted_s"] is None or row["predicted_s"] > 0
         assert next(r for r in cell["rows"] if r["label"] == "ring")["ran"] == "ring"
+    # plain TP's all-reduce between two matmuls: the baseline keeps it (one mm_ar site,
+    # declined); every schedule's row splits it into a reduce-scatter site and an
+    # all-gather site, both rewritten with the row's schedule; auto splits it or not, and
+    # may keep a site's collective (at this small size, on the calibrated profile)
+    (plain,) = [c for c in results["sites"] if c["kind"] == "mm_ar_mm"]
+    assert [r["label"] for r in plain["rows"]] == labels
+    baseline, *passed = plain["rows"]
+    assert [(s["kind"], s["decision"]) for s in baseline["sites"]] == [("mm_ar", "declined")]
+    for row in passed:
+        kinds = [s["kind"] for s in row["sites"]]
+        if row["label"] == "auto":
+            assert kinds in (["mm_rs", "ag_mm"], ["mm_ar"])
+            continue
+        assert kinds == ["mm_rs", "ag_mm"], row["label"]
+        assert {(s["decision"], s["schedule"]) for s in row["sites"]} == {("rewritten", row["ran"])}
     assert results["block_2d"] is None  # opt-in: --block-2d
     block = results["block"]
     assert block["rows"][0]["label"] == "baseline" and len(block["rows"]) >= 2
     assert all(row["median_s"] > 0 for row in block["rows"])
     assert block["rows"][0]["sites"]["rewritten"] == 0
     assert next(r for r in block["rows"] if r["label"] == "ring")["sites"]["rewritten"] > 0
+    # the plain-TP block: without the pass its all-reduces stay; with the ring they are
+    # split into reduce-scatter and all-gather sites, rewritten forward and backward
+    plain_block = results["block_plain_tp"]
+    assert plain_block["shape"]["sequence_parallel"] is False
+    assert plain_block["mesh"] == "plain tp=2"
+    off, ring = (
+        next(r for r in plain_block["rows"] if r["label"] == x) for x in ("baseline", "ring")
+    )
+    assert off["sites"]["rewritten"] == 0
+    assert {r["kind"] for r in off["sites"]["summary"]} == {"mm_ar"}
+    rewritten = {(r["graph"], r["kind"]) for r in ring["sites"]["summary"] if r["rewritten"]}
+    assert {(g, k) for g in ("forward", "backward") for k in ("mm_rs", "ag_mm")} <= rewritten
     texts = [t["target"] for t in results["targets"]]
     assert len(texts) == 6 and texts[3].startswith("auto within") and texts[5].startswith("whole")
     assert all(t["reached"] in (True, False, None) for t in results["targets"])
 
     markdown = (out / "results.md").read_text()
-    for heading in ("## Sites", "## Whole block", "## Targets"):
+    for heading in ("## Sites", "## Whole block", "## Whole block, plain TP", "## Targets"):
         assert heading in markdown
     for title in KIND_TITLES.values():  # a table per site kind, the Ulysses ones too
         assert f"### {title}" in markdown

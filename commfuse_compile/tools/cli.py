@@ -235,7 +235,7 @@ def _add_bench(commands: _Commands) -> None:
         "and write results.json, results.md and a plot to --out.",
     )
     bench.add_argument(
-        "--quick", action="store_true", help="one size, fewer rows (about 3 minutes)"
+        "--quick", action="store_true", help="one size, fewer rows (about 5 minutes)"
     )
     bench.add_argument("--out", type=_directory, default="commfuse-bench", help="results directory")
     bench.add_argument(
@@ -317,7 +317,13 @@ def main(argv: list[str] | None = None) -> int:
 def _sim(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from .sim import format_table, simulate_layer, write_traces
+    from .sim import (
+        format_plain_tp,
+        format_table,
+        simulate_layer,
+        simulate_plain_tp,
+        write_traces,
+    )
 
     model = PRESETS[args.model]
     if args.tokens is not None:
@@ -325,6 +331,8 @@ def _sim(args: argparse.Namespace) -> int:
     sizes = args.group_size or [2, 4, 8, 16, 32, 64]
     results = [simulate_layer(model, n, args.profile, args.slices) for n in sizes]
     print(format_table(model, args.profile, results))
+    plain = [simulate_plain_tp(model, r.n, args.profile, args.slices, r) for r in results]
+    print("\n" + format_plain_tp(model, args.profile, plain))
     if args.out:
         for path in write_traces(results, Path(args.out)):
             print(f"wrote {path} (open in https://ui.perfetto.dev)")

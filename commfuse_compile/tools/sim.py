@@ -17,6 +17,14 @@ backward, the mirror: the output projection's input gradient into an all-to-all,
 all-to-alls of dq, dk and dv into their input (contract) and weight (columns) gradients.
 Each is simulated for the collective and the schedules with all-to-all steps (the ring's
 pairwise order).
+
+Under plain tensor parallelism (no sequence parallelism: every rank holds every token,
+an all-reduce after each row-parallel linear, ``plain_tp``) the layer is written with four
+all-reduces (forward after the attention output and MLP output projections, backward
+after the q/k/v and MLP input projections' input gradients), each followed by token-wise
+work (the residual add and RMSNorm, or their backward) on all ``tokens``. The pass splits
+each all-reduce into a reduce-scatter, the token-wise work on ``tokens / n`` and
+all-gathers into the next matmuls: the same eight sites as TP+SP, simulated above.
 """
 
 from __future__ import annotations
@@ -198,6 +206,97 @@ def simulate_layer(model: ModelShape, n: int, profile: Profile, slices: int) -> 
 def simulate_ulysses(model: ModelShape, n: int, profile: Profile) -> LayerResult:
     """Each Ulysses site for the collective and every schedule with all-to-all steps."""
     return LayerResult(n, [(name, predict(w, profile)) for name, w in ulysses_sites(model, n)])
+
+
+# Memory passes over a [tokens, hidden] tensor of the token-wise work after one all-reduce:
+# the residual add (two reads, a write) and RMSNorm (a read for the statistics, a read and
+# a write to scale); the backward's is taken to be the same.
+TOKEN_WISE_PASSES = 6
+
+
+def token_wise_s(model: ModelShape, tokens: float, profile: Profile) -> float:
+    """The residual add and RMSNorm after one all-reduce, on ``tokens`` tokens: memory
+    bound, at the profile's ``memory_bytes_per_s``."""
+    nbytes = tokens * model.hidden * model.dtype_bytes
+    return TOKEN_WISE_PASSES * nbytes / profile.memory_bytes_per_s
+
+
+@dataclasses.dataclass
+class PlainTpResult:
+    """One layer under plain TP on ``n`` ranks: as written (four all-reduces, token-wise
+    work on every token), with the all-reduce sites rewritten whole (``mm_ar``: the
+    reduce-scatter half as a ring, then the all-gather; no split) and split (``split``:
+    TP+SP's eight sites, token-wise work on 1/n of the tokens)."""
+
+    n: int
+    all_reduce_s: float  # as written: the matmuls, 4 all-reduces, token-wise on all tokens
+    whole_auto_s: float  # the 4 all-reduce sites rewritten as they stand, auto per site
+    token_wise_whole_s: float  # of the 4 all-reduces' token-wise work, on all tokens
+    token_wise_shard_s: float  # the same on tokens / n
+    split: LayerResult  # the split's eight sites (as the TP+SP section)
+
+    def split_s(self, schedule: str) -> float:
+        return self.split.total_s(schedule) + self.token_wise_shard_s
+
+    def split_auto_s(self) -> float:
+        return self.split.auto_s() + self.token_wise_shard_s
+
+
+def _matmuls_s(work: Work, p: Profile) -> float:
+    """A site's matmuls alone, unsplit (all n blocks in each call)."""
+    calls = work.matmuls_per_block
+    return calls * p.matmul_s(work.block_flops * work.n / calls)
+
+
+def simulate_plain_tp(
+    model: ModelShape, n: int, profile: Profile, slices: int, split: LayerResult | None = None
+) -> PlainTpResult:
+    """The plain-TP layer on ``n`` ranks (``split``: the TP+SP layer's result, if already
+    simulated). An all-reduce is timed as the cost model times the pass's ``mm_ar``
+    sites: a reduce-scatter then an all-gather of the same blocks (``then_gather``)."""
+    split = split or simulate_layer(model, n, profile, slices)
+    sites = [w for _, w in layer_sites(model, n)]
+    reduces = [dataclasses.replace(w, then_gather=True) for w in sites if w.direction == "reduce"]
+    free = sum(_matmuls_s(w, profile) for w in sites if w.direction == "gather")  # no comm
+    whole = [predict(w, profile, slices) for w in reduces]
+    tokens_whole = len(reduces) * token_wise_s(model, model.tokens, profile)
+    return PlainTpResult(
+        n,
+        all_reduce_s=free + sum(t["collective"].end_s for t in whole) + tokens_whole,
+        whole_auto_s=free
+        + sum(t[auto_choice({k: x.end_s for k, x in t.items()})].end_s for t in whole)
+        + tokens_whole,
+        token_wise_whole_s=tokens_whole,
+        token_wise_shard_s=len(reduces) * token_wise_s(model, model.tokens / n, profile),
+        split=split,
+    )
+
+
+def format_plain_tp(model: ModelShape, profile: Profile, results: list[PlainTpResult]) -> str:
+    """One line per n: the plain-TP layer (fwd + bwd sites) as written, rewritten whole and
+    split, in us (speedup over as written)."""
+    schedules = results[0].split.schedules
+    columns = ["all-reduce", "whole, auto", *(f"split {s}" for s in schedules), "split auto"]
+    lines = [
+        f"{model.name} under PLAIN TP (no sequence parallelism), tokens {model.tokens}, "
+        f"profile {profile.name}: the layer's matmuls and 4 all-reduces (fwd + bwd) in us "
+        "(speedup over the all-reduce as written)",
+        "  all-reduce = as written: each all-reduce timed as a reduce-scatter + an "
+        "all-gather of the same blocks, then the residual add + RMSNorm on every token;",
+        "  whole, auto = each all-reduce site rewritten as it stands (mm_ar: the "
+        "reduce-scatter half overlapped, the all-gather after), auto per site;",
+        "  split <schedule> = the pass's split: the TP+SP section's 8 sites with that "
+        "schedule, the residual add + RMSNorm on tokens / n (split collective: no overlap)",
+        f"{'n':>4}{'token-wise us':>16}" + "".join(f"{c:>22}" for c in columns),
+    ]
+    for r in results:
+        base = r.all_reduce_s
+        times = [base, r.whole_auto_s, *(r.split_s(s) for s in schedules), r.split_auto_s()]
+        lines.append(
+            f"{r.n:>4}{r.token_wise_whole_s * 1e6:>7.1f} -> {r.token_wise_shard_s * 1e6:<6.1f}"
+            + "".join(f"{t * 1e6:>14.1f} ({base / t:4.2f}x)" for t in times)
+        )
+    return "\n".join(lines)
 
 
 def layer_timeline(result: LayerResult, schedule: str) -> Timeline:

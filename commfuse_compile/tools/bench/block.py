@@ -62,6 +62,7 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
         hidden=job.shape.hidden,
         batch=job.shape.batch,
         seq=job.shape.seq,
+        sequence_parallel=job.shape.sequence_parallel,
     )
     sites = {}
     for row in job.rows:
@@ -108,7 +109,7 @@ def run_block(
     """The block's step, with and without the pass, on a link whose rate makes the
     baseline's communication ``spec.ratio`` times its compute."""
 
-    shape = spec.shape
+    shape = spec.shape.fitted(ranks.world_size)  # the same shape where n divides it
     block_rows = [v for v in rows if spec.schedules is None or v.label in spec.schedules]
     baseline, others = block_rows[0], block_rows[1:]
     progress.stage(

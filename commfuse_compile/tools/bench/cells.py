@@ -1,12 +1,14 @@
 """``commfuse bench``'s cells, measured on the ranks: one site at one size, every row.
 
-A site is a TP+SP linear's all-gather -> matmul or matmul -> reduce-scatter, or a
-Ulysses projection's matmul -> all-to-all or all-to-all -> matmul, written as DTensor or
-Ulysses writes it and traced to aten. Each row is the pass applied to it with one
-schedule; the matmul alone, the communication alone and both at once are measured with
-the rows, interleaved (A B C ... A B C ...) after a warm-up, each call started together
-on all ranks by a barrier. These are jobs fed by ``NamespaceRanks.run``: every rank runs
-the same code in order.
+A site is a TP+SP linear's all-gather -> matmul or matmul -> reduce-scatter, a
+Ulysses projection's matmul -> all-to-all or all-to-all -> matmul, or plain tensor
+parallelism's row-parallel matmul -> all-reduce -> residual add + RMSNorm -> the next
+column-parallel matmul (``mm_ar_mm``: the pass splits it into an ``mm_rs`` and an
+``ag_mm`` site), written as DTensor or Ulysses writes it and traced to aten. Each row
+is the pass applied to it with one schedule; the matmul alone, the communication alone
+and both at once are measured with the rows, interleaved (A B C ... A B C ...) after a
+warm-up, each call started together on all ranks by a barrier. These are jobs fed by
+``NamespaceRanks.run``: every rank runs the same code in order.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class _Parts:
     operands: tuple[torch.Tensor, torch.Tensor]  # the site's matmul alone, unsplit: a @ b
     collective: Callable[[], object]
     block: int  # elements of one rank's block (a shard, a partial sum, a peer's heads)
+    more: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # the site's other matmuls
+    rounds: int = 1  # n-1 blocks leave a rank this many times (an all-reduce: 2)
 
 
 def _exchanged(x: torch.Tensor, n: int, group: str) -> torch.Tensor:
@@ -121,7 +125,53 @@ def _a2a_mm(
     return _Parts(program, [a, w], (rand(m, f), w), collective, m * (f // n))
 
 
-_BUILDERS = {"ag_mm": _ag_mm, "mm_rs": _mm_rs, "mm_a2a": _mm_a2a, "a2a_mm": _a2a_mm}
+def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: statistics in float32, the weight applied last."""
+    dtype = h.dtype
+    h = h.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _mm_ar_mm(
+    s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str
+) -> _Parts:
+    """Plain TP (DTensor's ``RowwiseParallel`` with its replicated output): the
+    down-projection's partial sums (f/n -> d) all-reduced, the residual added and
+    RMSNorm'd on every token, then the next up-projection (d -> f/n, column-parallel).
+    The pass splits the all-reduce: reduce-scatter, add and norm on s/n tokens,
+    all-gather into the next matmul (an ``mm_rs`` and an ``ag_mm`` site)."""
+    a, w_down, w_up = rand(s, f // n), rand(f // n, d), rand(d, f // n)
+    residual, norm_w = rand(1, s, d), 1 + 0.1 * rand(d)
+    product = rand(s, d)
+
+    def program(
+        a: torch.Tensor,
+        w_down: torch.Tensor,
+        residual: torch.Tensor,
+        norm_w: torch.Tensor,
+        w_up: torch.Tensor,
+    ) -> tuple[torch.Tensor]:
+        z = c10d.wait_tensor(c10d.all_reduce(torch.mm(a, w_down), "sum", group))
+        h = residual + z.view(1, s, d)
+        return (torch.mm(_rms_norm(h, norm_w).view(s, d), w_up),)
+
+    def collective() -> object:
+        return c10d.wait_tensor(c10d.all_reduce(product, "sum", group))
+
+    inputs = [a, w_down, residual, norm_w, w_up]
+    return _Parts(
+        program, inputs, (a, w_down), collective, (s // n) * d, more=((product, w_up),), rounds=2
+    )
+
+
+_BUILDERS = {
+    "ag_mm": _ag_mm,
+    "mm_rs": _mm_rs,
+    "mm_a2a": _mm_a2a,
+    "a2a_mm": _a2a_mm,
+    "mm_ar_mm": _mm_ar_mm,
+}
 
 
 def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
@@ -129,17 +179,19 @@ def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
 
     group = dist.group.WORLD.group_name  # type: ignore[union-attr]
     gen = torch.Generator().manual_seed(1000 + rank)
+    shape = shape.fitted(n)  # the same shape where n divides it (n = 2)
     parts = _BUILDERS[kind](
         shape.seq, shape.dim, shape.ffn, n, functools.partial(torch.randn, generator=gen), group
     )
-    a, b = parts.operands
+    operands = (parts.operands, *parts.more)
     return _Site(
         graph=make_fx(parts.program, tracing_mode="fake")(*parts.inputs),
         inputs=parts.inputs,
-        matmul=lambda: torch.mm(a, b),
+        matmul=lambda: [torch.mm(a, b) for a, b in operands],
         collective=parts.collective,
-        message=torch.randn((n - 1) * parts.block, generator=gen),  # n-1 blocks leave a rank
-        flops=2.0 * a.shape[0] * a.shape[1] * b.shape[1],
+        # n-1 blocks leave a rank (an all-reduce's ring: twice, reduce-scatter then gather)
+        message=torch.randn(parts.rounds * (n - 1) * parts.block, generator=gen),
+        flops=sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in operands),
     )
 
 
@@ -304,13 +356,32 @@ def _bind(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[[], 
 
 
 def _row_record(records: list[report.SiteRecord]) -> dict[str, Any]:
-    """What the pass did at the site: the schedule it ran and the cost model's times."""
+    """What the pass did at the site: the schedule it ran and the cost model's times.
+    A split all-reduce (``mm_ar_mm``) gives two sites, ``mm_rs`` then ``ag_mm``: the row
+    ran their schedules ("ring", or "ring+bidir" where ``auto`` chose two), its
+    predicted times are the two sites' summed, and ``sites`` lists each with its
+    decision."""
     if not records:
-        return {"schedule": "off", "decision": "no site found", "reason": "", "predicted_us": {}}
-    record = records[0]
+        return {
+            "schedule": "off",
+            "decision": "no site found",
+            "reason": "",
+            "predicted_us": {},
+            "sites": [],
+        }
+    rewritten = [r for r in records if r.decision == "rewritten"]
+    ran = list(dict.fromkeys(r.schedule for r in rewritten))
+    declined = [r for r in records if r.decision != "rewritten"]
+    common = set.intersection(*(set(r.predicted_us) for r in records))
+    chosen = [r.predicted_us.get(r.schedule) for r in rewritten]
     return {
-        "schedule": record.schedule if record.decision == "rewritten" else "off",
-        "decision": record.decision,
-        "reason": record.reason,
-        "predicted_us": dict(record.predicted_us),
+        "schedule": "+".join(ran) if rewritten else "off",
+        "decision": "rewritten" if rewritten and not declined else records[0].decision,
+        "reason": "; ".join(r.reason for r in declined if r.reason),
+        "predicted_us": {k: sum(r.predicted_us[k] for r in records) for k in sorted(common)},
+        # what the row ran, predicted: each site's own schedule (``auto`` may pick two)
+        "predicted_ran_us": None if None in chosen else sum(c or 0.0 for c in chosen),
+        "sites": [
+            {"kind": r.kind, "decision": r.decision, "schedule": r.schedule} for r in records
+        ],
     }

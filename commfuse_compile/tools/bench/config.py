@@ -43,6 +43,11 @@ class SiteShape:
     def label(self) -> str:
         return f"S={self.seq} D={self.dim} F={self.ffn}"
 
+    def fitted(self, n: int) -> SiteShape:
+        """The shape on ``n`` ranks: the sequence and the hidden size rounded down to
+        multiples of n (each rank's shard the same size; 2048 -> 2046 on 3 ranks)."""
+        return dataclasses.replace(self, seq=self.seq - self.seq % n, ffn=self.ffn - self.ffn % n)
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockShape:
@@ -57,16 +62,37 @@ class BlockShape:
     batch: int = 1
     front: str = "tp"  # training's front end: "tp" (TP+SP over every rank) or "fsdp"
     tp: int = 1  # front "fsdp": the tensor-parallel mesh dim, the rest data parallel
+    # front "tp": False is plain TP (an all-reduce after each row-parallel linear, every
+    # token on every rank), which the pass splits into TP+SP's collectives
+    sequence_parallel: bool = True
 
     def mesh(self, world_size: int) -> str:
         """How the block's ranks are laid out."""
         if self.front == "fsdp" and self.tp > 1:
             return f"dp={world_size // self.tp} x tp={self.tp}"
+        if not self.sequence_parallel:
+            return f"plain tp={world_size}"
         return f"{self.front}={world_size}"
 
     @property
     def label(self) -> str:
         return f"S={self.seq} D={self.dim} H={self.heads} F={self.hidden} B={self.batch}"
+
+    def fitted(self, n: int) -> BlockShape:
+        """The block on ``n`` tensor-parallel ranks (front "tp"): the heads, the hidden
+        size and the sequence rounded up to multiples of n, the head dim kept (4 heads of
+        64 become 6 on 3 ranks: D=384). Unchanged where n divides them already."""
+        if self.front != "tp":
+            return self
+
+        def up(x: int) -> int:
+            return -(-x // n) * n
+
+        heads = up(self.heads)
+        dim = heads * (self.dim // self.heads)
+        return dataclasses.replace(
+            self, heads=heads, dim=dim, hidden=up(self.hidden), seq=up(self.seq)
+        )
 
 
 class Progress:

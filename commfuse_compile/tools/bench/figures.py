@@ -20,6 +20,7 @@ KIND_TITLES = {
     "mm_rs": "matmul -> reduce-scatter",
     "mm_a2a": "matmul -> all-to-all (Ulysses q/k/v)",
     "a2a_mm": "all-to-all -> matmul (Ulysses output)",
+    "mm_ar_mm": "matmul -> all-reduce -> add + RMSNorm -> matmul (plain TP)",
 }
 
 
@@ -96,12 +97,15 @@ def _cell_row(
     record = rank0["rows"][label]
     ran = record["schedule"]
     predicted_us = predictions.get("collective" if ran == "off" else ran)
+    if predicted_us is None and "+" in ran:  # two sites, two schedules (``auto``)
+        predicted_us = record.get("predicted_ran_us")
     return {
         "label": label,
         "ran": ran,
         "program": record.get("program"),
         "decision": record["decision"],
         "reason": record["reason"],
+        "sites": record.get("sites", []),  # each site the pass found: kind, decision, schedule
         **{f"{k}_s": v for k, v in took.items()},
         "speedup": baseline / took["median"],
         "vs_limit": took["median"] / limit,

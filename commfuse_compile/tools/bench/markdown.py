@@ -11,13 +11,13 @@ from .figures import KIND_TITLES, ms, ranks_text, row_name, site_counts
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"# commfuse bench ({results['meta']['preset']})", "", *_setting(results), ""]
     lines += ["![speedup over the baseline against comm/compute](speedup.svg)", ""]
-    lines += ["## Sites (a TP+SP linear; a Ulysses projection)", ""]
+    lines += ["## Sites (a TP+SP linear; a Ulysses projection; a plain-TP all-reduce)", ""]
     for kind, title in KIND_TITLES.items():
         cells = [c for c in results["sites"] if c["kind"] == kind]
         if cells:
             lines += _site_table(title, cells)
     lines += _breakdown_table(results)
-    for key in ("block", "block_2d"):
+    for key in ("block", "block_plain_tp", "block_2d"):
         if results.get(key) is not None:
             lines += _block_table(results[key])
     lines += _targets(results)
@@ -121,6 +121,14 @@ def _block_table(block: dict[str, Any]) -> list[str]:
             "parallel group and all-gathered in forward (its gradient reduce-scattered), "
             "TP+SP over the tensor-parallel group (DTensor)"
         )
+    elif not block["shape"].get("sequence_parallel", True):
+        title = "Whole block, plain TP"
+        layout = (
+            "plain TP over the ranks (DTensor's default `ColwiseParallel`/`RowwiseParallel`: "
+            "every token on every rank, an all-reduce after each row-parallel linear; with "
+            "the pass, each is split into a reduce-scatter, the residual add and norm on "
+            "1/n of the tokens and all-gathers into the next matmuls)"
+        )
     else:
         title, layout = "Whole block", "TP+SP over the ranks (DTensor)"
     lines = [
@@ -180,9 +188,10 @@ def _setting(results: dict[str, Any]) -> list[str]:
         "the slowest rank's (all start on a barrier); median reported, min and max kept",
         "* comm alone = the bytes the collective must move (n-1 blocks per rank, the ring "
         "algorithm's traffic) sent as P2P in one batch, nothing computed: the link time of "
-        "the site; collective alone = gloo's collective alone (its reduce-scatter sends "
-        "every rank the whole product, twice a ring's bytes for n = 2); comm/compute = comm "
-        "alone / matmul alone, set by the link rate",
+        "the site (the plain-TP all-reduce cells: 2(n-1) blocks, the reduce-scatter's and "
+        "the all-gather's, against both matmuls); collective alone = gloo's collective "
+        "alone (its reduce-scatter sends every rank the whole product, twice a ring's bytes "
+        "for n = 2); comm/compute = comm alone / matmul alone, set by the link rate",
         "* speedup = baseline median / row median; / limit = row median / max(matmul alone, "
         "comm alone), 1.00 = perfect overlap; both at once = comm alone started, the whole "
         "matmul run, then waited (no schedule: how much this machine overlaps at all); "

@@ -38,7 +38,7 @@ import torch
 
 from ...options import SCHEDULES
 from ...passes.kinds import KINDS as SITE_KINDS
-from ...schedules import by_name
+from ...schedules import Direction, by_name
 from . import figures, targets
 from .block import BlockBench, run_block
 from .cells import SiteJob, measure_site
@@ -66,12 +66,20 @@ def variants(schedules: tuple[str, ...] = SCHEDULES) -> list[Variant]:
     return rows
 
 
+# A bench cell kind that is no site kind of the pass: the all-reduce between two matmuls
+# (plain TP), which the pass splits into a reduce-scatter site and an all-gather site
+SPLIT_KINDS = {"mm_ar_mm": (Direction.REDUCE, Direction.GATHER)}
+
+
 def kind_rows(rows: list[Variant], kind: str) -> list[Variant]:
     """The rows of a site kind's cells: the baseline, ``auto`` and the schedules with
-    steps for the kind's direction (an all-to-all has the ring's pairwise order only)."""
-    direction = SITE_KINDS[kind].direction
+    steps for the kind's direction (an all-to-all has the ring's pairwise order only;
+    a split all-reduce needs both the reduce-scatter's and the all-gather's)."""
+    directions = SPLIT_KINDS.get(kind) or (SITE_KINDS[kind].direction,)
     return [
-        v for v in rows if v.schedule in ("off", "auto") or by_name(v.schedule).supports(direction)
+        v
+        for v in rows
+        if v.schedule in ("off", "auto") or all(by_name(v.schedule).supports(d) for d in directions)
     ]
 
 
@@ -90,6 +98,7 @@ class Cells:
 
 TP_KINDS = ("ag_mm", "mm_rs")
 ULYSSES_KINDS = ("mm_a2a", "a2a_mm")  # q/k/v projection -> all-to-all; all-to-all -> Wo
+PLAIN_TP_KINDS = ("mm_ar_mm",)  # down-projection -> all-reduce -> add + RMSNorm -> up
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +111,7 @@ class Preset:
     calibrate_reps: int
     rate_reps: int = 5  # calls per try while choosing a link rate
     block_2d: BlockBench | None = None  # measured with ``--block-2d`` only
+    block_plain: BlockBench | None = None  # the block under plain TP (the pass splits it)
 
 
 # The 2-D block (data x tensor parallel): training's "fsdp" front with tp=2 on a 2 x 2
@@ -121,25 +131,32 @@ BLOCK_2D = BlockBench(
 # rate that makes comm/compute 0.5 is tens of Gbit/s, i.e. no throttle, and a call's
 # fixed costs are a large share of every row. 9 timed rounds: 5 left gaps of up to 46 %
 # between two rows that run the same graph. The Ulysses cells: one each, at
-# comm/compute 1, with the same FLOPs and bytes per rank as the TP+SP ones.
+# comm/compute 1, with the same FLOPs and bytes per rank as the TP+SP ones. The plain-TP
+# cell (all-reduce between two matmuls) at the three ratios, at the same size: twice a
+# TP+SP site's FLOPs and bytes.
 QUICK_SIZE = SiteShape(2048, 1024, 2048)
+QUICK_BLOCK = BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=2)
 QUICK = Preset(
     name="quick",
     cells=(
         Cells(TP_KINDS, (QUICK_SIZE,), (0.5, 1.0, 2.0)),
         Cells(ULYSSES_KINDS, (QUICK_SIZE,), (1.0,)),
+        Cells(PLAIN_TP_KINDS, (QUICK_SIZE,), (0.5, 1.0, 2.0)),
     ),
     warmup=2,
     reps=9,
-    block=BlockBench(
-        BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=2),
+    block=BlockBench(QUICK_BLOCK, ratio=1.0, schedules=("baseline", "ring", "auto"), reps=7),
+    calibrate_reps=3,
+    block_2d=BLOCK_2D,
+    block_plain=BlockBench(
+        dataclasses.replace(QUICK_BLOCK, sequence_parallel=False),
         ratio=1.0,
         schedules=("baseline", "ring", "auto"),
         reps=7,
+        key="block_plain_tp",
     ),
-    calibrate_reps=3,
-    block_2d=BLOCK_2D,
 )
+FULL_BLOCK = BlockShape(seq=256, dim=512, heads=8, hidden=1536, batch=4)
 FULL = Preset(
     name="full",
     cells=(
@@ -149,17 +166,20 @@ FULL = Preset(
             (0.5, 1.0, 2.0),
         ),
         Cells(ULYSSES_KINDS, (QUICK_SIZE,), (0.5, 1.0, 2.0)),
+        Cells(PLAIN_TP_KINDS, (SiteShape(1024, 512, 1024), QUICK_SIZE), (0.5, 1.0, 2.0)),
     ),
     warmup=2,
     reps=9,
-    block=BlockBench(
-        BlockShape(seq=256, dim=512, heads=8, hidden=1536, batch=4),
+    block=BlockBench(FULL_BLOCK, ratio=1.0, schedules=None, reps=7),
+    calibrate_reps=5,
+    block_2d=BLOCK_2D,
+    block_plain=BlockBench(
+        dataclasses.replace(FULL_BLOCK, sequence_parallel=False),
         ratio=1.0,
         schedules=None,
         reps=7,
+        key="block_plain_tp",
     ),
-    calibrate_reps=5,
-    block_2d=BLOCK_2D,
 )
 PRESETS = {p.name: p for p in (QUICK, FULL)}
 
@@ -206,7 +226,8 @@ def run(
     rows = variants()
     cells = [cell for cells in preset.cells for cell in cells]
     extra = preset.block_2d if block_2d else None
-    progress = Progress(len(cells) + 3 + 2 * (extra is not None), echo)
+    plain = preset.block_plain
+    progress = Progress(len(cells) + 3 + (plain is not None) + 2 * (extra is not None), echo)
     results = _results(preset, world_size, rows)
     with throttled_ranks(world_size, out / "logs", topology) as (network, ranks, description):
         results["meta"]["network"] = _network(network, description, echo)
@@ -217,6 +238,9 @@ def run(
         results["sites"] = _measure_cells(preset, cells, rows, network, ranks, base, out, progress)
         results["block"] = run_block(preset.block, network, ranks, base, rows, out, progress)
         progress.advance()
+        if plain is not None:
+            results[plain.key] = run_block(plain, network, ranks, base, rows, out, progress)
+            progress.advance()
         results["meta"]["qdisc"] = network.qdisc_stats()
     if extra is not None:
         results[extra.key] = _block_apart(extra, preset, world_size, topology, rows, out, progress)
@@ -244,6 +268,7 @@ def _results(preset: Preset, world_size: int, rows: list[Variant]) -> dict[str, 
         },
         "sites": [],
         "block": None,
+        "block_plain_tp": None,
         "block_2d": None,
     }
 
@@ -273,7 +298,8 @@ def _measure_cells(
     """Every cell (of ``preset``): its link rate (on a throttled link), then its rows."""
     sites = []
     tries: list[dict[str, float]]
-    for index, (kind, shape, ratio) in enumerate(cells):
+    for index, (kind, size, ratio) in enumerate(cells):
+        shape = size.fitted(ranks.world_size)  # the same shape where n divides it
         rate, tries = math.inf, []
         if network.topology != "none":
             progress.stage(f"{kind} {shape.label} ratio {ratio:g}: choosing the link rate")
