@@ -166,6 +166,17 @@ def test_vocabulary_parallel_embedding_all_reduce_split_too(fake_world):
     assert list(mean.meta["val"].shape) == [4, 1]
 
 
+def test_max_all_reduce_of_no_matmul_is_not_split(fake_world):
+    def maximum_then_q(h, norm_w, w_q):
+        top = c10d.wait_tensor(c10d.all_reduce(h * 2.0, "max", dist.group.WORLD.group_name))
+        return rms_norm(top, norm_w).view(-1, 16) @ w_q
+
+    gm = traced(maximum_then_q, [(2, 8, 16), (16,), (16, 4)])
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decline_code) for r in records] == [("mm_ar", "ar.not_matmul")]
+    assert calls(gm, c10d.all_reduce.default)
+
+
 def test_graph_output_alone_is_left_to_the_all_reduce_site(fake_world):
     def no_matmul_after(x, h, w_o, norm_w):
         return rms_norm(h + reduced(x @ w_o).view(h.shape), norm_w)

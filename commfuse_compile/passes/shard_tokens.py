@@ -49,6 +49,7 @@ from . import dims
 from .emit import Emitter
 from .graph import VIEWS, data_users, is_matmul, normalized_dim, op_name, saved_unwaited, val
 from .kinds.mm_ar import MmArSite
+from .kinds.reduced_product import REDUCE_OPS
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -136,7 +137,8 @@ def _tokens(site: MmArSite) -> dims.Size | None:
     them."""
     if site.declined is None:
         return site.product_shape[0]
-    if site.declined.code != "ar.not_matmul":
+    waited = site.wait.target is c10d.wait_tensor.default and bool(site.wait.users)
+    if site.declined.code != "ar.not_matmul" or site.reduce_op not in REDUCE_OPS or not waited:
         return None
     shape = val(site.collective).shape
     rows = math.prod(shape[:-1])
