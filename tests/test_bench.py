@@ -170,7 +170,10 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
         next(r for r in plain_block["rows"] if r["label"] == x) for x in ("baseline", "ring")
     )
     assert off["sites"]["rewritten"] == 0
-    assert {r["kind"] for r in off["sites"]["summary"]} == {"mm_ar"}
+    # the all-reduces, and the head's output gather after its matmul (no kind: recorded)
+    kinds = {(r["kind"], *r["reasons"]) for r in off["sites"]["summary"]}
+    assert {k for k in kinds if k[0] != "mm_ar"} <= {("ag_mm", "site.no_kind")}, kinds
+    assert any(k[0] == "mm_ar" for k in kinds), kinds
     rewritten = {(r["graph"], r["kind"]) for r in ring["sites"]["summary"] if r["rewritten"]}
     assert {(g, k) for g in ("forward", "backward") for k in ("mm_rs", "ag_mm")} <= rewritten
     texts = [t["target"] for t in results["targets"]]
