@@ -61,6 +61,10 @@ def traced(fn, shapes):
     return make_fx(fn, tracing_mode="fake")(*(torch.randn(s) for s in shapes))
 
 
+def decisions(records) -> list[tuple[str, str, str]]:
+    return [(r.kind, r.decision, r.decline_code) for r in records]
+
+
 def calls(gm, target):
     return list(gm.graph.find_nodes(op="call_function", target=target))
 
@@ -68,7 +72,7 @@ def calls(gm, target):
 def test_all_reduce_split_into_reduce_scatter_norm_on_shard_and_gather(fake_world):
     gm = traced(residual_norm_qk, SHAPES)
     records = rewrite_graph(gm, "forward", RING)
-    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
+    assert decisions(records) == [
         ("mm_rs", "rewritten", ""),
         ("ag_mm", "rewritten", ""),
         ("ag_mm", "declined", "ag.no_matmul"),  # the residual returned: gathered whole
@@ -101,7 +105,7 @@ def test_values_saved_whole_recomputed_from_the_gathered_all_reduce(fake_world):
 
     gm = traced(saves_for_backward, SHAPES)
     records = rewrite_graph(gm, "forward", RING)
-    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
+    assert decisions(records) == [
         ("mm_rs", "rewritten", ""),
         ("ag_mm", "declined", "ag.no_matmul"),  # the all-reduce's value, gathered once
         ("ag_mm", "rewritten", ""),
@@ -125,7 +129,7 @@ def test_all_reduce_value_returned_whole_is_gathered_once(fake_world):
 
     gm = traced(one_all_reduce, SHAPES)
     records = rewrite_graph(gm, "forward", RING)
-    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
+    assert decisions(records) == [
         ("mm_rs", "rewritten", ""),
         ("ag_mm", "declined", "ag.no_matmul"),  # the all-reduce's value, gathered once
         ("ag_mm", "rewritten", ""),

@@ -24,10 +24,9 @@ from ..options import Options
 from ..report import REPORT, SiteRecord, dump_code
 from ..runtime import groups
 from ..schedules import Direction, by_name
-from . import agree, dims, match, order, program, sequence, shard_tokens, unfuse, verify
+from . import agree, match, order, program, sequence, shard_tokens, unfuse, verify
 from .canonical import canonicalize
 from .declines import Declined, decline
-from .graph import val
 from .kinds import KINDS, of
 from .lower import lower, start
 from .plan import Plan, check_applies, plan, plan_options, profile_for, site_work
@@ -265,7 +264,7 @@ def _split_gain(graph: Graph, options: Options) -> float:
     for gather in graph.find_nodes(op="call_function", target=shard_tokens.GATHER):
         if not gather.meta.get(shard_tokens.META, {"for_matmul": True})["for_matmul"]:
             n = int(gather.args[1])  # type: ignore[arg-type, call-overload]
-            block = dims.hint(val(gather.args[0]).numel()) * val(gather.args[0]).element_size()  # type: ignore[arg-type]
+            block = shard_tokens.nbytes(gather.args[0])  # type: ignore[arg-type]
             extra += collective_s(Work(Direction.GATHER, n, 0.0, block), profile)
     return sum(_gain(site, options) for site in split) - extra
 

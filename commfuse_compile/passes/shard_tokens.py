@@ -47,7 +47,16 @@ from torch.fx import Graph, Node
 from ..runtime.groups import Group
 from . import dims
 from .emit import Emitter
-from .graph import VIEWS, data_users, is_matmul, normalized_dim, op_name, saved_unwaited, val
+from .graph import (
+    VIEWS,
+    data_users,
+    is_matmul,
+    normalized_dim,
+    numel,
+    op_name,
+    saved_unwaited,
+    val,
+)
 from .kinds.mm_ar import MmArSite
 from .kinds.reduced_product import REDUCE_OPS
 
@@ -328,9 +337,9 @@ def _emit(graph: Graph, chain: _Chain, group: Group) -> bool:
         "token_sums": sum(how == "token sum" for how in chain.replaced.values()),
         "gathered": sorted(v.name for v in chain.gathered),
         "gathered_for": dict(sorted(chain.why_gathered.items())),
-        "all_reduce_bytes": sum(_nbytes(wait) for wait in chain.sources),
-        "gathered_bytes": sum(_nbytes(value) for value in chain.gathered)
-        + sum(_nbytes(source) for source in chain.sources if source in kept),
+        "all_reduce_bytes": sum(nbytes(wait) for wait in chain.sources),
+        "gathered_bytes": sum(nbytes(value) for value in chain.gathered)
+        + sum(nbytes(source) for source in chain.sources if source in kept),
         "recomputed": len([node for node in kept if node not in chain.sources]),
     }
     for scatter in scatters:
@@ -352,7 +361,7 @@ def _recomputed(chain: _Chain) -> set[Node]:
             kept.add(node)
             stack.extend(a for a in node.all_input_nodes if chain.sharded(a))
     sources = [node for node in kept if node in chain.sources]
-    if sum(map(_nbytes, sources)) >= sum(map(_nbytes, whole)):
+    if sum(map(nbytes, sources)) >= sum(map(nbytes, whole)):
         return set()
     for value in whole:
         if value not in chain.sources:  # a source returned whole: its gather serves both
@@ -394,9 +403,9 @@ def _built(
     return scatters, replacements
 
 
-def _nbytes(node: Node) -> int:
-    value = val(node)
-    return dims.hint(value.numel()) * value.element_size()
+def nbytes(node: Node) -> int:
+    """Bytes of ``node``'s value, symbolic sizes at their hints."""
+    return numel(node) * val(node).element_size()
 
 
 def _order(node: Node) -> Any:
