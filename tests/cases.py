@@ -285,6 +285,58 @@ class Ulysses:
 
 
 @dataclasses.dataclass(frozen=True)
+class Experts:
+    """A capacity-style MoE's experts with expert parallelism (GShard, DeepSpeed's
+    ``MOELayer``, Tutel): [E * C, D] token slots dispatched (all-to-all, block j to rank
+    j, which holds its ``experts`` of the E), the batched experts ``bmm`` on
+    [experts, n * C, D], and the results combined back (all-to-all). ``side="forward"``:
+    dispatch -> bmm -> relu -> bmm -> combine; ``"backward"``: its gradient, as
+    AOTAutograd writes it: the combine's gradient exchanged, into dH = dY @ W2^T (rows)
+    and dW2 = H^T @ dY (blocks along K), dX = dH1 @ W1^T exchanged back."""
+
+    side: str = "forward"
+    experts: int = 2  # per rank
+    capacity: int = 3
+    dim: int = 4
+    hidden: int = 6
+    dtype: torch.dtype = torch.float32
+
+    def inputs(self, rank: int, seed: int, n: int = 1) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        e, c, d, f = self.experts, self.capacity, self.dim, self.hidden
+        slots = torch.randn(n * e * c, d, generator=gen)
+        w1, w2 = torch.randn(e, d, f, generator=gen), torch.randn(e, f, d, generator=gen)
+        if self.side == "forward":
+            xs = [slots, w1, w2]
+        else:
+            xs = [slots, w1, w2, torch.randn(e, n * c, f, generator=gen)]  # dY; H
+        return [x.to(self.dtype) for x in xs]
+
+    def fn(self, n: int):
+        e, c, d = self.experts, self.capacity, self.dim
+
+        def by_expert(slots: torch.Tensor) -> torch.Tensor:
+            """[n * E * C, *] as this rank's experts see it: [E, n * C, *]."""
+            exchanged_slots = exchanged(slots, n)
+            return exchanged_slots.view(n, e, c, -1).permute(1, 0, 2, 3).reshape(e, n * c, -1)
+
+        def by_source(out: torch.Tensor) -> torch.Tensor:
+            """[E, n * C, D] back to the ranks the slots came from."""
+            return exchanged(out.view(e, n, c, d).permute(1, 0, 2, 3).reshape(n * e * c, d), n)
+
+        def program(*xs):
+            if self.side == "forward":
+                slots, w1, w2 = xs
+                return (by_source(torch.bmm(torch.bmm(by_expert(slots), w1).relu(), w2)),)
+            dy, w1, w2, h = xs
+            g = by_expert(dy)
+            dh = torch.bmm(g, w2.transpose(1, 2)) * (h > 0)
+            return by_source(torch.bmm(dh, w1.transpose(1, 2))), torch.bmm(h.transpose(1, 2), g)
+
+        return program
+
+
+@dataclasses.dataclass(frozen=True)
 class FusedQkv(Ulysses):
     """One projection for q, k and v (``kv_heads`` k/v heads per rank: GQA when fewer):
     ``side="in"``: x @ Wqkv split on its columns, each part's heads scattered by its own
@@ -360,7 +412,7 @@ def run_case(
     ``inner="eager"``: the traced aten graph rewritten by ``apply`` and run as it is;
     ``"inductor"``: the program compiled with ``backend="commfuse"`` (Inductor after the
     pass; ``tracing_mode="symbolic"`` compiles with dynamic shapes)."""
-    takes_n = isinstance(case, AgMm | Ulysses | Scaled)
+    takes_n = isinstance(case, AgMm | Ulysses | Scaled | Experts)
     inputs = case.inputs(rank, seed, n) if takes_n else case.inputs(rank, seed)
     # gloo has no "avg": the reference is the sum, divided by n as the collective would
     averaged = getattr(case, "op", "sum") == "avg"

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from cases import AgMm, FusedQkv, MmRs, Ulysses, exchanged, gathered, scattered, trace
+from cases import AgMm, Experts, FusedQkv, MmRs, Ulysses, exchanged, gathered, scattered, trace
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
@@ -1201,6 +1201,46 @@ def test_declined_matmul_to_all_to_all_site_names_what_it_would_replace():
     a2a, wait = calls(gm, ALL_TO_ALL)[0], calls(gm, c10d.wait_tensor.default)[0]
     assert list(site.replaced()) == [a2a, wait]
     assert rewrite_one(gm).decline_code == "a2a.not_a_block"
+
+
+def test_batched_experts_of_a_capacity_moe_take_each_block_as_it_arrives():
+    """A capacity-style MoE (2 experts per rank, ``bmm``): the dispatch's blocks are rows
+    (M) of every expert's entry, and the combine's are rows of the second product; in
+    the backward the combine's gradient feeds dH (rows) and dW2 (its blocks along K,
+    summed). Every matmul of a block is one ``bmm`` of all the rank's experts."""
+    graphs = {side: Experts(side=side) for side in ("forward", "backward")}
+    graphs = {side: trace(case, N, case.inputs(RANK, 0, N)) for side, case in graphs.items()}
+    forward = rewrite_graph(graphs["forward"], "forward", RING)
+    backward = rewrite_graph(graphs["backward"], "backward", RING)
+    assert [(r.kind, r.decision) for r in forward] == [
+        ("a2a_mm", "rewritten"),
+        ("mm_a2a", "rewritten"),
+    ]
+    assert [(r.kind, r.decision) for r in backward] == [
+        ("a2a_mm", "rewritten"),
+        ("mm_a2a", "rewritten"),
+    ]
+    assert forward[0].match["roles"] == {"bmm": "rows"}
+    assert forward[1].match["blocks"] == "rows"
+    assert sorted(backward[0].match["roles"].values()) == ["contract_left", "rows"]
+
+
+def test_blocks_along_the_experts_of_a_batched_matmul_are_declined():
+    """The all-to-all's blocks along a ``bmm``'s batch (each rank's block one expert's
+    entry): a block of the batch would need the other operand's entry too, which no
+    role cuts; declined with the reason, both directions."""
+
+    def dispatched(x, w):
+        return (torch.bmm(exchanged(x, N), w),)
+
+    def combined(x, w):
+        return (exchanged(torch.bmm(x, w), N) * 2,)
+
+    (into,) = rewrite_graph(fx(dispatched, (N, 3, 5), (N, 5, 2)), "forward", RING)
+    assert (into.kind, into.decline_code) == ("a2a_mm", "a2a.matmuls_left_out")
+    assert "the blocks run along a batched matmul's batch" in into.reason
+    (out,) = rewrite_graph(fx(combined, (N, 3, 5), (N, 5, 2)), "forward", RING)
+    assert (out.kind, out.decline_code) == ("mm_a2a", "a2a.batch_blocks")
 
 
 def test_gather_on_the_contracting_dim_adds_one_partial_product_per_block():

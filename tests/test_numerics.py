@@ -20,7 +20,7 @@ import math
 
 import pytest
 import torch
-from cases import AgMm, FusedQkv, MmRs, Ulysses, run_case
+from cases import AgMm, Experts, FusedQkv, MmRs, Ulysses, run_case
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -240,3 +240,29 @@ def test_fused_qkv_projection_matches(ranks, side, n, inner, bias):
         assert out["collectives_left"] == 0 and out["p2p"] == 3 * (n - 1)
         for actual, expected in zip(out["actual"], out["expected"], strict=True):
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("side", "n", "inner", "dtype"),
+    [
+        ("forward", 3, "inductor", torch.float32),
+        ("backward", 3, "inductor", torch.float32),
+        ("forward", 4, "eager", torch.bfloat16),
+        ("backward", 4, "eager", torch.float32),
+        pytest.param("forward", 2, "eager", torch.float32, marks=pytest.mark.matrix),
+        pytest.param("backward", 4, "inductor", torch.bfloat16, marks=pytest.mark.matrix),
+    ],
+)
+def test_batched_experts_between_dispatch_and_combine_match(ranks, side, n, inner, dtype):
+    """A capacity-style MoE's batched experts (``bmm``, 2 per rank): the dispatched slots
+    multiplied block by block as they arrive, the combined ones computed block by block
+    and sent; in the backward the combine's gradient also feeds dW2, a sum over its
+    blocks (along K). Two sites, n - 1 steps with transfers each."""
+    case = Experts(side=side, dtype=dtype)
+    rtol, atol = SUM_TOLERANCE[dtype]
+    results = ranks(n).run(run_case, case, 11, {"schedule": "ring"}, "fake", inner)
+    for out in results:
+        assert out["collectives_left"] == 0 and out["p2p"] == 2 * (n - 1)
+        for actual, expected in zip(out["actual"], out["expected"], strict=True):
+            scale = expected.abs().max().item() if dtype == torch.bfloat16 else 0.0
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol + scale * 2**-6)

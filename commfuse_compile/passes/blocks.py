@@ -120,11 +120,11 @@ def unpacked(em: Emitter, message: Node, data: Node, scale: Node, step: int) -> 
     return out[0], copy
 
 
-def row_block(em: Emitter, index: int, width: dims.Size, step: int) -> Rows:
+def row_block(em: Emitter, index: int, width: dims.Size, step: int, dim: int = 0) -> Rows:
     """Cuts rows [index * width, (index + 1) * width) of a 2-D tensor (a block of A's
-    rows, and so of its per-row scale)."""
+    rows, and so of its per-row scale), or along ``dim`` (M of a batched A)."""
     return functools.partial(
-        slice_block, em, dim=0, index=index, width=width, step=step, lane="compute"
+        slice_block, em, dim=dim, index=index, width=width, step=step, lane="compute"
     )
 
 
@@ -159,15 +159,18 @@ def accumulate(em: Emitter, mm: Matmul, total: Node | None, a: Node, b: Node, st
     float32/64; half-precision partials are summed in float32 (as one matmul would
     accumulate them), see ``finish_sum``; a scaled matmul's partial is computed in float32
     (its scales, which the contracting dim does not cut, applied) and summed so."""
+    batched = mm.lead > 0
+    product = aten.bmm.default if batched else aten.mm.default
+    add_product = aten.baddbmm.default if batched else aten.addmm.default
     if mm.scaled:
         args, kwargs = mm.args(a, b, bias=None, scale_result=None, out_dtype=torch.float32)
         part = _emit_matmul(em, mm, args, kwargs, step)
     elif val(a).dtype in (torch.float32, torch.float64):
         if total is None:
-            return em(aten.mm.default, (a, b), step=step, lane="compute")
-        return em(aten.addmm.default, (total, a, b), step=step, lane="compute")
+            return em(product, (a, b), step=step, lane="compute")
+        return em(add_product, (total, a, b), step=step, lane="compute")
     else:
-        part = em(aten.mm.default, (a, b), step=step, lane="compute")
+        part = em(product, (a, b), step=step, lane="compute")
         part = em(CONVERT, (part, torch.float32), step=step, lane="compute")
     if total is None:
         return part

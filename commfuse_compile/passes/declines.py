@@ -156,6 +156,11 @@ _REASONS = (
         "the all-to-all's n blocks do not stay blocks through {node} ({op})",
     ),
     Reason(
+        "a2a.batch_blocks",
+        "unsupported",
+        "the all-to-all's n blocks are along the batch of the batched matmul {node}",
+    ),
+    Reason(
         "a2a.product_shared",
         "unsupported",
         "product {node} is also used outside the all-to-all",

@@ -25,7 +25,7 @@ from torch.utils._sympy.reference import PythonReferenceAnalysis
 from ..runtime.p2p import p2p_fake  # (importing it registers commfuse::p2p)
 from . import dims
 from .declines import decline
-from .graph import MATMULS
+from .graph import MATMUL_OPS
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -78,7 +78,7 @@ class Emitter:
             return self._views[key]
         node = self.node(target, args, kwargs, before)
         node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
-        if target in MATMULS:
+        if target in MATMUL_OPS:
             self._matmuls.setdefault(step, []).append(node)
         if key is not None and before is None:
             self._views[key] = node

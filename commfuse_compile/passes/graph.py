@@ -107,7 +107,13 @@ MATMULS = {
 }
 
 
-OTHER_MATMULS = frozenset({aten.bmm.default, aten.baddbmm.default, aten.matmul.default})
+# batched: [E, M, K] @ [E, K, N] (experts of an MoE, one batch entry each); the blocks of
+# a site are along M, K or N of every entry, never along the batch
+BATCHED_MATMULS = {aten.bmm.default: MatmulForm(a=0, b=1, bias=None)}
+
+
+OTHER_MATMULS = frozenset({aten.baddbmm.default, aten.matmul.default})
+MATMUL_OPS = frozenset(MATMULS) | frozenset(BATCHED_MATMULS) | OTHER_MATMULS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +128,11 @@ class Matmul:
     scale_b: Node | None = None  # per tensor, or [1, N] (per column of B)
 
     @staticmethod
-    def of(node: Node) -> Matmul | None:
-        form = MATMULS.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
+    def of(node: Node, batched: bool = False) -> Matmul | None:
+        """``node`` read as a matmul: a 2-D one, or with ``batched`` (a kind that cuts
+        the blocks of every batch entry, ``lead``) a batched one too."""
+        forms = {**MATMULS, **BATCHED_MATMULS} if batched else MATMULS
+        form = forms.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
         if form is None:
             return None
         a, b, bias, scale_a, scale_b = (
@@ -137,7 +146,17 @@ class Matmul:
 
     @property
     def form(self) -> MatmulForm:
-        return MATMULS[self.node.target]  # type: ignore[index]
+        return {**MATMULS, **BATCHED_MATMULS}[self.node.target]  # type: ignore[index]
+
+    @property
+    def lead(self) -> int:
+        """How many batch dims come before M (or K of B): 0 for a 2-D matmul."""
+        return val(self.node).dim() - 2
+
+    @property
+    def contracted(self) -> dims.Size:
+        """K, the contracting dim's size."""
+        return val(self.a).shape[-1]
 
     @property
     def scaled(self) -> bool:
@@ -234,7 +253,7 @@ def val(node: Node) -> torch.Tensor:
 
 
 def is_matmul(node: Node) -> bool:
-    return node.op == "call_function" and (node.target in MATMULS or node.target in OTHER_MATMULS)
+    return node.op == "call_function" and node.target in MATMUL_OPS
 
 
 def data_users(node: Node) -> list[Node]:

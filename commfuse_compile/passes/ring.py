@@ -199,7 +199,8 @@ class Products:
 
     def finish(self, count: int, step: int, rows_dim: int) -> None:
         """Each matmul's replacement: its sum, or its ``count`` blocks concatenated (on
-        ``rows_dim`` for a block of rows, on the columns otherwise)."""
+        ``rows_dim`` for a block of rows, after a batched matmul's batch dims; on the
+        columns otherwise)."""
         em = self.rw.emit
         for i, (mm, role) in enumerate(self.matmuls):
             total = self.sums[i]
@@ -207,6 +208,6 @@ class Products:
                 self.rw.replaces(mm.node, finish_sum(em, total, mm.node, step))
                 continue
             pieces = [self.blocks[i][b] for b in range(count)]
-            dim = rows_dim if role == "rows" else 1
+            dim = mm.lead + rows_dim if role == "rows" else -1
             full = em(aten.cat.default, (pieces, dim), step=step, lane="compute")
             self.rw.replaces(mm.node, viewed(em, full, list(val(mm.node).shape), step))

@@ -12,6 +12,8 @@ computes (``ExchangedUse.role``):
                    adds ``G_j @ W[K_j]``.
 ``columns``:       ``X @ G``: a block of the product's columns (a weight gradient).
 ``contract_left``: ``X @ G`` with the blocks along K: adds ``X[:, K_j] @ G_j``.
+A batched matmul (an MoE's experts, ``torch.bmm``) takes the same roles in each of its
+batch entries: the blocks along its M, K or N.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class A2aMm(SiteKind[A2aMmSite]):
         return site.without_roles(disabled)
 
     def work(self, site: A2aMmSite, n: int) -> Work:
-        flops = sum(2 * numel(u.mm.node) * dims.hint(val(u.mm.a).shape[1]) for u in site.uses)
+        flops = sum(2 * numel(u.mm.node) * dims.hint(u.mm.contracted) for u in site.uses)
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
         return Work(self.direction, n, flops / n, message / n, len(site.uses))
 
@@ -185,7 +187,7 @@ def _collect_uses(wait: Node, n: int, uses: list[ExchangedUse], unmatched: list[
         node, dim, path = frontier.pop()
         for user in node.users:
             check_read_only(user, node)
-            mm = Matmul.of(user)
+            mm = Matmul.of(user, batched=True)
             if mm is not None:
                 _add_use(mm, node, dim, path, uses, unmatched)
             elif user.target in LAYOUT_OPS and user.args[0] is node:
@@ -213,8 +215,11 @@ def _add_use(
     if operand not in (mm.a, mm.b):
         unmatched.append(f"{mm.node.name}: the exchanged tensor is its {mm.reads_as(operand)}")
         return
+    if dim < mm.lead:
+        unmatched.append(f"{mm.node.name}: the blocks run along a batched matmul's batch")
+        return
     role = {(True, 0): "rows", (True, 1): "contract", (False, 1): "columns"}.get(
-        (mm.a is operand, dim), "contract_left"
+        (mm.a is operand, dim - mm.lead), "contract_left"
     )
     problem = None
     if not mm.node.users:
@@ -270,14 +275,15 @@ def _compute(
     """What ``use``'s matmul computes from block ``b`` of the exchanged tensor."""
     em, mm = rw.emit, use.mm
     g = replay(em, block, use.path, n, s, "compute")  # the operand's block b
+    m = mm.lead  # M of A (K of B): after a batched matmul's batch dim
     if use.role == "rows":  # block b: A's rows [b*M/n, (b+1)*M/n)
-        rows = row_block(em, b, val(mm.a).shape[0] // n, s)
+        rows = row_block(em, b, val(mm.a).shape[m] // n, s, dim=m)
         products.put(i, b, matmul(em, mm, g, mm.b, s, rows=rows))
     elif use.role == "columns":
-        cols = (b, val(mm.b).shape[1] // n)
+        cols = (b, val(mm.b).shape[-1] // n)
         products.put(i, b, matmul(em, mm, mm.a, g, s, cols=cols))
     elif use.role == "contract":
-        k = val(mm.a).shape[1] // n
-        products.add(i, g, slice_block(em, mm.b, 0, b, k, s, "compute"), s)
+        k = mm.contracted // n
+        products.add(i, g, slice_block(em, mm.b, m, b, k, s, "compute"), s)
     else:  # contract_left
-        products.add(i, column_block(em, mm.a, b, val(mm.b).shape[0] // n, s), g, s)
+        products.add(i, column_block(em, mm.a, b, val(mm.b).shape[m] // n, s), g, s)

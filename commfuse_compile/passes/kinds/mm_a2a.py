@@ -60,7 +60,7 @@ class MmA2aSite(Site):
     all_to_all: Node
     wait: Node
     product: Matmul | None  # None where the blocks lead to no matmul (declined)
-    product_dim: int  # 0: block j is rows of the product; 1: its columns
+    product_dim: int  # 0: block j is rows of the product; 1: its columns (of each batch entry)
     chain: tuple[tuple[Node, int], ...] = ()  # product -> collective, with the block dim
 
     @property
@@ -101,7 +101,7 @@ class MmA2a(SiteKind[MmA2aSite]):
     def work(self, site: MmA2aSite, n: int) -> Work:
         mm = site.product
         assert mm is not None, "a matched site has its product"
-        flops = 2 * numel(mm.node) * dims.hint(val(mm.a).shape[1])
+        flops = 2 * numel(mm.node) * dims.hint(mm.contracted)
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
         return Work(self.direction, n, flops / n, message / n)
 
@@ -137,7 +137,7 @@ def _match(a2a: Node) -> MmA2aSite | None:
         chain.append((node, dim))
         node, dim = node_arg(node, 0, "self"), source_dim
     chain.reverse()
-    mm = Matmul.of(node)
+    mm = Matmul.of(node, batched=True)
     declined = None
     try:
         if wait is a2a or wait.target is not c10d.wait_tensor.default:
@@ -151,6 +151,9 @@ def _match(a2a: Node) -> MmA2aSite | None:
         if stop is not None or mm is None:
             at = stop or node
             raise decline("a2a.not_a_block", node=at.name, op=op_name(at))
+        if dim < mm.lead:
+            raise decline("a2a.batch_blocks", node=mm.node.name)
+        dim -= mm.lead
         if len(data_users(mm.node)) != 1:
             raise decline("a2a.product_shared", node=mm.node.name)
         check_tensor(mm.node, "matmul output")
@@ -197,9 +200,9 @@ def _input_block(em: Emitter, site: MmA2aSite, j: int, n: int, step: int) -> Nod
     collective reads it, in its own contiguous buffer (it is sent as it is)."""
     mm = site.product
     assert mm is not None
-    rows, cols = val(mm.node).shape
+    rows, cols = val(mm.node).shape[-2:]
     if site.product_dim == 0:
-        cut = row_block(em, j, rows // n, step)
+        cut = row_block(em, j, rows // n, step, dim=mm.lead)
         part = matmul(em, mm, cut(mm.a), mm.b, step, rows=cut)
     else:
         w = column_block(em, mm.b, j, cols // n, step)
