@@ -171,21 +171,21 @@ def test_capacity_exchanges_are_the_dispatch_and_combine(graphs, role):
     assert graph["paths"], "no matmul next to the all-to-alls"
 
 
-@pytest.mark.parametrize("role", ["forward", "backward"])
-def test_capacity_sites_declined_today(graphs, role):
-    """What is true before ``bmm`` is a matmul form: the expert matmuls past the dispatch
-    are batched, so no kind claims the exchanges (the test below is the target)."""
-    table = graphs["capacity"][role]["table"]
-    assert len(table) == 2 and all(decision == "declined" for _, decision, _ in table), table
-    assert {code for *_, code in table} <= {"a2a.no_matmul", "a2a.not_a_block"}, table
+# forward: the dispatch into the experts' bmm (a2a_mm), their bmm into the combine
+# (mm_a2a); backward: each all-to-all's gradient feeds a bmm (dH and dW2 of the experts,
+# the combine einsum's), which the all-to-all -> matmul kind claims first
+CAPACITY = {
+    "forward": [("a2a_mm", "rewritten", ""), ("mm_a2a", "rewritten", "")],
+    "backward": [("a2a_mm", "rewritten", ""), ("a2a_mm", "rewritten", "")],
+}
 
 
-@pytest.mark.xfail(strict=True, reason="bmm experts: issue 30 item 1")
 @pytest.mark.parametrize("role", ["forward", "backward"])
 def test_capacity_dispatch_and_combine_rewritten_under_ring(graphs, role):
-    table = graphs["capacity"][role]["table"]
-    assert len(table) == 2, table
-    assert all(decision == "rewritten" for _, decision, _ in table), table
+    """The batched experts (``bmm``) take the dispatched blocks as rows and compute the
+    combined ones block by block; in the backward, the combine's gradient feeds dH (rows)
+    and dW2 (its blocks along K)."""
+    assert graphs["capacity"][role]["table"] == CAPACITY[role]
 
 
 # The dropless block's collectives and their codes, in graph order. Forward: the token

@@ -42,6 +42,7 @@ from ..graph import (
     check_tensor,
     data_users,
     in_graph_order,
+    is_transpose_2d,
     node_arg,
     numel,
     op_name,
@@ -74,7 +75,12 @@ class MoeSite(Site):
     experts: tuple[Node, ...] = ()  # from ``permuted`` to the value put back, graph order
     put_back: Node | None = None  # the index_put of the experts' output into ``buffer``
     buffer: Node | None = None
-    saved: tuple[Node, ...] = ()  # expert nodes the graph outputs (saved for the backward)
+    saved: tuple[Node, ...] = ()  # expert values read whole (saved for the backward)
+    paired: tuple[Node, ...] = ()  # tensors whose row q goes with the experts' row q
+    # grouped matmuls summing over the rows, per group (weight gradients), and the
+    # transposes of rows they read
+    sums: tuple[Node, ...] = ()
+    transposes: tuple[Node, ...] = ()
 
     @property
     def collectives(self) -> tuple[Node, ...]:
@@ -86,6 +92,8 @@ class MoeSite(Site):
             self.dispatch_wait,
             self.permuted,
             *self.experts,
+            *self.transposes,
+            *self.sums,
             self.put_back,
             self.buffer,
             self.combine,
@@ -95,7 +103,7 @@ class MoeSite(Site):
 
     @property
     def grouped(self) -> list[Node]:
-        return [node for node in self.experts if node.target is GROUPED_MM]
+        return [node for node in (*self.experts, *self.sums) if node.target is GROUPED_MM]
 
     def describe(self) -> dict[str, object]:
         return {
@@ -105,6 +113,7 @@ class MoeSite(Site):
             "matmuls": [node.name for node in self.grouped],
             "experts": len(self.experts),
             "saved": [node.name for node in self.saved],
+            "summed": [node.name for node in self.sums],
             "exchanged_shape": dims.as_json(val(self.dispatch).shape),
         }
 
@@ -217,31 +226,31 @@ def _with_experts(site: MoeSite) -> MoeSite:
     put-back), the put-back and the combine, or declined with the op that is not."""
     assert site.permuted is not None and site.dispatch_wait is not None
     rows = val(site.dispatch_wait).shape[0]
-    experts: list[Node] = [site.permuted]
-    saved: list[Node] = []
-    offs: Node | None = None
+    reached = _reached(site.permuted)
+    walk = _Walk(rows, [site.permuted], set(reached))
     put_back: Node | None = None
-    for node in _reached(site.permuted)[1:]:
-        inside = [arg for arg in node.all_input_nodes if arg in experts]
+    for node in reached[1:]:
+        inside = [arg for arg in node.all_input_nodes if arg in walk.experts]
         if not inside:
             continue
         if node.op == "output":
-            saved += inside
+            walk.saved += inside
         elif node.target in SIZE_READERS or (
             node.target in ALLOCATE_LIKE and set(node.users) <= set(_put_backs(node))
         ):
             continue  # a size (the lowering's to replace), or the put-back's buffer
-        elif _puts_back(node, site.perm, experts) and put_back is None:
+        elif _puts_back(node, site.perm, walk.experts) and put_back is None:
             put_back = node
         elif node.target is GROUPED_MM:
-            offs = _grouped_problem(node, experts, offs, rows)
-            experts.append(node)
-        elif _row_wise(node, experts, rows):
-            experts.append(node)
+            walk.grouped(node)
+        elif is_transpose_2d(node) and all(u.target is GROUPED_MM for u in node.users):
+            walk.transposes.append(node)  # an operand of a sum over the rows
+        elif _row_wise(node, walk):
+            walk.experts.append(node)
         elif node.is_impure() or any(writes_into(node, arg) for arg in inside):
             raise decline("moe.side_effect", node=node.name, op=op_name(node))
         else:  # reads whole values (a transpose saved for the backward): rebuilt for it
-            saved += inside
+            walk.saved += inside
     if put_back is None:
         raise decline("moe.no_put_back")
     buffer = node_arg(put_back, 0, "self")
@@ -260,12 +269,80 @@ def _with_experts(site: MoeSite) -> MoeSite:
         site,
         combine=combine,
         combine_wait=combine_wait,
-        offs=offs,
-        experts=tuple(experts[1:]),
+        offs=walk.offs,
+        experts=tuple(walk.experts[1:]),
         put_back=put_back,
-        buffer=buffer if buffer.target in ALLOCATE_LIKE | {aten.empty.memory_format} else None,
-        saved=tuple(dict.fromkeys(saved)),
+        buffer=buffer if buffer.target in BUFFERS else None,
+        saved=tuple(dict.fromkeys(walk.saved)),
+        sums=tuple(walk.sums),
+        transposes=tuple(walk.transposes),
+        paired=tuple(in_graph_order(walk.paired)),
     )
+
+
+@dataclasses.dataclass
+class _Walk:
+    """What the walk from the permuted tokens found: ``experts``, the values computed row
+    by row from them; ``reached``, everything computed from them. A tensor of as many
+    rows that is not (a saved activation, in the backward) pairs its row q with the
+    experts' row q, the way the program pairs them: a block takes those rows of it."""
+
+    rows: Any
+    experts: list[Node]
+    reached: set[Node]
+    saved: list[Node] = dataclasses.field(default_factory=list)
+    sums: list[Node] = dataclasses.field(default_factory=list)
+    transposes: list[Node] = dataclasses.field(default_factory=list)
+    offs: Node | None = None
+
+    paired: set[Node] = dataclasses.field(default_factory=set)
+
+    def aligned(self, node: Node) -> bool:
+        """Rows of its own paired with the experts' rows: computed row-wise from the
+        tokens, or independent of them with as many rows (``paired``)."""
+        if node in self.experts:
+            return True
+        value = node.meta.get("val")
+        independent = (
+            node not in self.reached
+            and isinstance(value, torch.Tensor)
+            and value.dim() >= 1
+            and dims.equal(value.shape[0], self.rows)
+        )
+        if independent:
+            self.paired.add(node)
+        return independent
+
+    def grouped(self, mm: Node) -> None:
+        """``mm`` as a grouped matmul of the experts: rows by a weight per group (an
+        expert row), or the transpose of rows by rows, summed per group (a weight's
+        gradient); else declined."""
+        a, b = node_arg(mm, 0, "self"), node_arg(mm, 1, "mat2")
+        offs, bias = node_arg(mm, 2, "offs"), node_arg(mm, 3, "bias")
+        if bias is not None or not isinstance(offs, Node) or offs is not (self.offs or offs):
+            raise decline("moe.grouped_form", node=mm.name)
+        self.offs = offs
+        if a in self.experts and b not in self.reached and val(b).dim() == 3:
+            self.experts.append(mm)
+        elif self._transposed_rows(a) and self.aligned(b):
+            self.sums.append(mm)  # over every row at once, after the last block
+            self.saved += [node for node in (*a.args[:1], b) if node in self.experts]
+        else:
+            raise decline("moe.grouped_form", node=mm.name)
+
+    def _transposed_rows(self, a: Node) -> bool:
+        """Is ``a`` [K, rows], the transpose of rows paired with the experts' (of the
+        experts' own, or independent of the tokens: a saved activation's transpose)?"""
+        if is_transpose_2d(a) and self.aligned(a.args[0]):  # type: ignore[arg-type]
+            return True
+        value = a.meta.get("val")
+        if a in self.reached or not isinstance(value, torch.Tensor) or value.dim() != 2:
+            return False
+        return dims.equal(value.shape[1], self.rows)
+
+
+# the buffers an expert output is put back into: each row is written once
+BUFFERS = ALLOCATE_LIKE | {aten.empty.memory_format, aten.zeros.default, aten.full.default}
 
 
 def _put_backs(buffer: Node) -> list[Node]:
@@ -279,7 +356,14 @@ def _puts_back(node: Node, perm: Node | None, experts: Sequence[Node]) -> bool:
     of an expert value into a buffer of its own (every row written once)."""
     if node.target is aten.index_put.default:
         buffer, indices, value = (node_arg(node, i, name) for i, name in _PUT_ARGS)
-        ok = list(indices) == [perm] and not node_arg(node, 3, "accumulate", False)
+        # accumulating into zeros (an index's gradient) writes each row once, too
+        adds = node_arg(node, 3, "accumulate", False)
+        zeros = buffer.target in (
+            aten.new_zeros.default,
+            aten.zeros_like.default,
+            aten.zeros.default,
+        ) or (buffer.target is aten.full.default and node_arg(buffer, 1, "fill_value") == 0)
+        ok = list(indices) == [perm] and (not adds or zeros)
     elif node.target is aten.index_copy.default:
         buffer, value = node_arg(node, 0, "self"), node_arg(node, 3, "source")
         ok = node_arg(node, 1, "dim") == 0 and node_arg(node, 2, "index") is perm
@@ -291,39 +375,27 @@ def _puts_back(node: Node, perm: Node | None, experts: Sequence[Node]) -> bool:
 _PUT_ARGS = ((0, "self"), (1, "indices"), (2, "values"))
 
 
-def _grouped_problem(mm: Node, experts: Sequence[Node], offs: Node | None, rows: Any) -> Node:
-    """The offsets of a grouped matmul of expert rows by a weight per group, or declined."""
-    a, b = node_arg(mm, 0, "self"), node_arg(mm, 1, "mat2")
-    this_offs, bias = node_arg(mm, 2, "offs"), node_arg(mm, 3, "bias")
-    if a not in experts or b in experts or val(b).dim() != 3 or val(a).dim() != 2:
-        raise decline("moe.grouped_form", node=mm.name)
-    if bias is not None or not isinstance(this_offs, Node) or this_offs is not (offs or this_offs):
-        raise decline("moe.grouped_form", node=mm.name)
-    if not dims.equal(val(a).shape[0], rows):
-        raise decline("moe.grouped_form", node=mm.name)
-    return this_offs
-
-
-def _row_wise(node: Node, experts: Sequence[Node], rows: Any) -> bool:
-    """Does ``node`` compute each row of its result from that row of its expert inputs
-    alone (a cast, or an element-wise op whose other operands are scalars or broadcast
-    over the rows)?"""
+def _row_wise(node: Node, walk: _Walk) -> bool:
+    """Does ``node`` compute each row of its result from that row of its inputs alone (a
+    cast, or an element-wise op whose other operands are scalars, broadcast over the
+    rows, or rows paired with the experts' rows)?"""
     if cast_to(node) is not None:
         return True
-    tags = getattr(node.target, "tags", ())
-    if torch.Tag.pointwise not in tags:
+    if torch.Tag.pointwise not in getattr(node.target, "tags", ()):
         return False
     value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor) or not dims.equal(value.shape[0], rows):
+    if not isinstance(value, torch.Tensor) or not dims.equal(value.shape[0], walk.rows):
         return False
     for arg in node.all_input_nodes:
-        if arg in experts:
-            continue
         other = arg.meta.get("val")
         if not isinstance(other, torch.Tensor):
             continue
-        if other.dim() >= value.dim() and not dims.equal(other.shape[0], 1):
-            return False  # in another order than the experts' rows, or a row per token
+        if other.dim() == value.dim() and walk.aligned(arg):
+            continue  # row q with row q
+        if arg in walk.reached:
+            return False  # computed from the tokens, not row by row
+        if other.dim() == value.dim() and not dims.equal(other.shape[0], 1):
+            return False  # rows of another count
     return True
 
 
@@ -374,6 +446,8 @@ def _lower(rw: Rewrite, site: MoeSite, group: Group) -> None:
         if step.compute is not None:
             source = (r - step.compute) % n
             results[source] = blocks.experts(arrived[source], source, s)
+        else:  # under the last result's way back
+            blocks.wholes(s)
         waits, received = wait_transfers(rw, s, pending)
         for (_, _, into, key), node in zip(recvs, received, strict=True):
             into[key] = node
@@ -478,52 +552,72 @@ class _Blocks:
 
     def experts(self, block: Node, source: int, step: int) -> Node:
         """The experts' output for ``source``'s block, in its rows' order: the rows
-        sorted by expert, the experts' ops with the block's offsets, unsorted."""
+        sorted by expert, the experts' ops with the block's offsets (the tensors paired
+        with the experts' rows, at the rows' places), unsorted; and each weight gradient's
+        part, summed over the blocks."""
         em, site = self.rw.emit, self.site
-        sort = em(
-            aten.sort.stable, (self.expert_of[source],), {"stable": True}, step=step, lane="compute"
-        )
-        experts_sorted = em(operator.getitem, (sort, 0), step=step, lane="compute")
-        order = em(operator.getitem, (sort, 1), step=step, lane="compute")
-        offs = em(
-            aten.searchsorted.Tensor, (experts_sorted, self.group_ids),
-            {"out_int32": True, "right": True}, step=step, lane="compute",
-        )  # fmt: skip
         assert site.permuted is not None and site.offs is not None
-        rows = em(aten.index.Tensor, (block, [order]), step=step, lane="compute")
-        env: dict[Node, Any] = {site.permuted: rows, site.offs: offs}
+
+        def emit(target: Any, *args: Any, **kwargs: Any) -> Node:
+            return em(target, args, kwargs, step=step, lane="compute")
+
+        sort = emit(aten.sort.stable, self.expert_of[source], stable=True)
+        experts_sorted, order = emit(operator.getitem, sort, 0), emit(operator.getitem, sort, 1)
+        offs = emit(
+            aten.searchsorted.Tensor, experts_sorted, self.group_ids, out_int32=True, right=True
+        )
+        places = emit(aten.index.Tensor, self.place_of[source], [order])
+        env: dict[Node, Any] = {site.permuted: emit(aten.index.Tensor, block, [order])}
+        env[site.offs] = offs
+        paired = set(site.paired)
+
+        def value(arg: Node) -> Any:
+            """The block's value of ``arg``: its rows of a paired tensor, at their places."""
+            if arg in paired and arg not in env:
+                env[arg] = emit(aten.index.Tensor, arg, [places])
+            return env.get(arg, arg)
+
         for node in site.experts:
-            args = map_arg(node.args, lambda a: env.get(a, a))
-            kwargs = map_arg(node.kwargs, lambda a: env.get(a, a))
+            args, kwargs = map_arg(node.args, value), map_arg(node.kwargs, value)
             env[node] = em(node.target, args, kwargs, step=step, lane="compute")  # type: ignore[arg-type]
-        if self.saved:
-            self.places.append(
-                em(aten.index.Tensor, (self.place_of[source], [order]), step=step, lane="compute")
-            )
+        if self.saved:  # (and the sums' operands)
+            self.places.append(places)
             for node, pieces in self.saved.items():
                 pieces.append(env[node])
         out = env[self.value]
         # this rank's own tokens: as many as it sent itself, which the graph names apart
         rows = self.in_splits[source] if source == self.rank else self.out_splits[source]
-        shape = [rows, *val(out).shape[1:]]
-        empty = em(aten.new_empty.default, (out, shape), step=step, lane="compute")
-        return em(aten.index_put.default, (empty, [order], out), step=step, lane="compute")
+        empty = emit(aten.new_empty.default, out, [rows, *val(out).shape[1:]])
+        return emit(aten.index_put.default, empty, [order], out)
 
-    def finish(self, out: Node, step: int) -> None:
-        """The expert values the graph saves, whole, in the permuted order, and the sizes
-        read off the replaced nodes (the combine's: of ``out``, which replaces it)."""
+    def wholes(self, step: int) -> None:
+        """After the last block: the expert values read whole, each row at its place in
+        the permuted order, and the weight gradients (sums over every row per group)
+        from them, by the program's own grouped matmuls: the same numbers."""
         em, site = self.rw.emit, self.site
+        whole: dict[Node, Node] = {}
         if self.saved:
             places = em(aten.cat.default, (self.places, 0), step=step, lane="compute")
             for node, pieces in self.saved.items():
-                whole = em(aten.cat.default, (pieces, 0), step=step, lane="compute")
+                rows = em(aten.cat.default, (pieces, 0), step=step, lane="compute")
                 shape = [self.rows, *(em.size(d, step) for d in val(node).shape[1:])]
-                empty = em(aten.new_empty.default, (whole, shape), step=step, lane="compute")
-                self.rw.replaces(
-                    node,
-                    em(aten.index_put.default, (empty, [places], whole), step=step, lane="compute"),
+                empty = em(aten.new_empty.default, (rows, shape), step=step, lane="compute")
+                whole[node] = em(
+                    aten.index_put.default, (empty, [places], rows), step=step, lane="compute"
                 )
-        for node in site.replaced():
+                self.rw.replaces(node, whole[node])
+        for mm in site.sums:
+            a, b = node_arg(mm, 0, "self"), node_arg(mm, 1, "mat2")
+            if a in site.transposes:  # of an expert value: of it, whole
+                source = whole[a.args[0]]
+                a = em(a.target, (source, *a.args[1:]), a.kwargs, step=step, lane="compute")
+            args = (a, whole.get(b, b), *mm.args[2:])
+            self.rw.replaces(mm, em(GROUPED_MM, args, mm.kwargs, step=step, lane="compute"))
+
+    def finish(self, out: Node, step: int) -> None:
+        """The sizes read off the replaced nodes (the combine's: of ``out``, which
+        replaces it)."""
+        for node in self.site.replaced():
             for user in node.users:
                 if user.target is aten.sym_size.int:
                     self.rw.replaces(user, self._size(user, out, step))
