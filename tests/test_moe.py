@@ -5,13 +5,10 @@ exchanged, uneven all-to-all, ``_grouped_mm`` experts).
 
 Graph level, on torch's fake process group (rank 1 of 4): each block compiled as the
 backend compiles it (AOTAutograd's forward and backward graphs), every collective of
-each graph with exactly one record from ``rewrite_graph`` (ring, eager). What is true
-today: the capacity layer's dispatch and combine all-to-alls are declined (the experts
-are ``bmm``, no matmul form yet: ``a2a.no_matmul`` / ``a2a.not_a_block``); the target,
-every one of them rewritten, is written as ``xfail(strict=True)`` tests that flip when
-``bmm`` becomes a matmul form (issue 30 item 1). The dropless layer's collectives are
-declined with their codes: the token counts for their dtype, the tokens for the
-permutation between the exchange and the grouped matmul.
+each graph with exactly one record from ``rewrite_graph`` (ring, eager). The capacity
+layer's all-to-alls are rewritten by the all-to-all kinds (``bmm`` is a matmul form of
+theirs); the dropless layer's dispatch and combine are one ``moe`` site, forward and
+backward; its token counts are declined for their dtype.
 
 On gloo ranks: forward, backward and 2 SGD steps of a block with the pass (ring) and
 without, losses and gradients compared; 3 ranks Inductor and 4 ranks eager by default,
@@ -188,26 +185,18 @@ def test_capacity_dispatch_and_combine_rewritten_under_ring(graphs, role):
     assert graphs["capacity"][role]["table"] == CAPACITY[role]
 
 
-# The dropless block's collectives and their codes, in graph order. Forward: the token
-# counts (int64, read by no matmul), the dispatch (tokens reordered by ``received[perm]``
-# before the grouped matmul), the combine (the product written back through
-# ``unpermuted[perm] = out``). Backward: the combine's gradient (reordered by index
-# before the grouped matmuls' backward), the dispatch's gradient.
+# The dropless block's collectives, in graph order. Forward: the token counts (int64,
+# read by no matmul, declined), then the dispatch and the combine as one site (``moe``):
+# each peer's tokens through the experts as they arrive, sent straight back. Backward:
+# the combine's gradient and the dispatch's, one site the same way.
 DROPLESS = {
-    "forward": [
-        ("a2a_mm", "declined", "site.dtype"),
-        ("a2a_mm", "declined", "site.permuted"),
-        ("mm_a2a", "declined", "site.permuted"),
-    ],
-    "backward": [
-        ("a2a_mm", "declined", "site.permuted"),
-        ("a2a_mm", "declined", "a2a.no_matmul"),
-    ],
+    "forward": [("a2a_mm", "declined", "site.dtype"), ("moe", "rewritten", "")],
+    "backward": [("moe", "rewritten", "")],
 }
 
 
 @pytest.mark.parametrize("role", ["forward", "backward"])
-def test_dropless_sites_declined_with_their_codes(graphs, role):
+def test_dropless_dispatch_experts_combine_rewritten_as_one_site(graphs, role):
     graph = graphs["dropless"][role]
     assert graph["table"] == DROPLESS[role], list(
         zip(graph["table"], graph["reasons"], strict=True)
@@ -229,10 +218,8 @@ def cells():
 
 # (graph, kind, decision, code) -> count of each block, as the graph level finds them
 EXPECTED_SITES = {
-    "capacity": None,  # checked below: every collective declined, 2 per graph
-    "dropless": collections.Counter(
-        (role, *row) for role, rows in DROPLESS.items() for row in rows
-    ),
+    kind: collections.Counter((role, *row) for role, rows in table.items() for row in rows)
+    for kind, table in (("capacity", CAPACITY), ("dropless", DROPLESS))
 }
 
 
@@ -250,10 +237,7 @@ def test_moe_trains_equal_with_the_pass(ranks, kind, n, inner):
         assert r["grad_names"] and r["grad_diff"] < (1e-5 if tol == 1e-5 else 3e-2)
         # one compile of the block; the routing (the splits) changed between the steps
         assert r["compiles"] == 1
+        assert sites == EXPECTED_SITES[kind], sites
         if kind == "dropless":
             print(kind, n, inner, "tokens per expert per step", r["routing"])
             assert r["routing"][0] != r["routing"][1]
-            assert sites == EXPECTED_SITES[kind], sites
-        else:
-            assert sum(sites.values()) == 4, sites
-            assert all(decision == "declined" for _, _, decision, _ in sites), sites

@@ -231,7 +231,7 @@ def _with_experts(site: MoeSite) -> MoeSite:
     put_back: Node | None = None
     for node in reached[1:]:
         inside = [arg for arg in node.all_input_nodes if arg in walk.experts]
-        if not inside:
+        if not inside and not set(node.all_input_nodes) & set(walk.transposes):
             continue
         if node.op == "output":
             walk.saved += inside
