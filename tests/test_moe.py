@@ -241,3 +241,17 @@ def test_moe_trains_equal_with_the_pass(ranks, kind, n, inner):
         if kind == "dropless":
             print(kind, n, inner, "tokens per expert per step", r["routing"])
             assert r["routing"][0] != r["routing"][1]
+
+
+@pytest.mark.parametrize("kind", moe.MOES)
+def test_moe_trains_with_the_pass_inside_inductor(ranks, kind):
+    """The route for a framework that insists on ``backend="inductor"`` (torchtitan with
+    FlexAttention): ``install_inductor_pass(schedule="ring")``, each block compiled by
+    plain ``torch.compile(fullgraph=True)``: the same sites rewritten as under the
+    backend, losses as the uncompiled model's (bfloat16 experts: Inductor's rounding)."""
+    cfg = moe.MoEConfig(moe=kind, dim=32, hidden=32, tokens=24, steps=2)
+    for r in ranks(3).run(moe.compare, cfg, {"schedule": "ring"}, True):
+        fused, plain = r["losses"]
+        assert fused == pytest.approx(plain, rel=1e-5 if kind == "capacity" else 2e-3)
+        assert r["compiles"] == 1
+        assert collections.Counter(r["sites"]) == EXPECTED_SITES[kind], r["sites"]

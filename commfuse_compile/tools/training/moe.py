@@ -366,22 +366,30 @@ class CompileCounter:
     def __init__(self) -> None:
         self.frames = 0
 
-    def wrap(self, options: Mapping[str, Any]) -> Callable[..., Any]:
+    def wrap(self, options: Mapping[str, Any] | None) -> Callable[..., Any]:
+        """The commfuse backend with ``options``; None: Inductor (the pass, if installed
+        with :func:`commfuse_compile.install_inductor_pass`, runs inside it)."""
+        from torch._inductor.compile_fx import compile_fx
+
         from ...backend import commfuse_backend
 
         def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             self.frames += 1
+            if options is None:
+                return compile_fx(gm, example_inputs)
             return commfuse_backend(gm, example_inputs, options)
 
         return backend
 
 
-def compile_blocks(model: MoEModel, options: Mapping[str, Any], counter: CompileCounter) -> None:
+def compile_blocks(
+    model: MoEModel, options: Mapping[str, Any] | None, counter: CompileCounter
+) -> None:
     """torchtitan's ``apply_compile``: each block compiled on its own, ``fullgraph=True``,
     to be called, and the blocks run, under ``torch._dynamo.config.patch(
     capture_scalar_outputs=True)`` (torchtitan sets it for good: the dropless block's
     ``.tolist()`` splits become unbacked sizes; :func:`train` patches it for its run)."""
-    backend = counter.wrap(dict(options))
+    backend = counter.wrap(None if options is None else dict(options))
     for i, block in enumerate(model.blocks):
         model.blocks[i] = torch.compile(block, backend=backend, fullgraph=True)  # type: ignore[assignment]
 
@@ -404,14 +412,23 @@ def train(
     cfg: MoEConfig,
     options: Mapping[str, Any] | None,
     on_step: Callable[[int, float, float], None] | None = None,
+    inductor_pass: bool = False,
 ) -> MoEResult:
     """``cfg.steps`` SGD steps; ``options`` None: uncompiled, else each block compiled
-    with ``backend="commfuse"`` and ``options``."""
+    with ``backend="commfuse"`` and ``options``; with ``inductor_pass``, compiled by
+    Inductor with the pass installed in it with ``options`` (how a framework that
+    insists on ``backend="inductor"`` runs it)."""
+    from ... import inductor_pass as hook
+
     report.reset()
     torch._dynamo.reset()
     model = build(cfg)
     counter = CompileCounter()
-    if options is not None:
+    if inductor_pass:
+        assert options is not None, "the pass's options"
+        hook.install_inductor_pass(**options)
+        compile_blocks(model, None, counter)
+    elif options is not None:
         compile_blocks(model, options, counter)
     result = MoEResult([], [], {}, [], 0)
     if options is None and cfg.moe == "dropless":  # the first block's tokens per expert
@@ -421,8 +438,12 @@ def train(
             lambda _module, _args, out: result.routing.append(out[2].tolist())
         )
     sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        _steps(cfg, model, sgd, result, on_step)
+    try:
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            _steps(cfg, model, sgd, result, on_step)
+    finally:
+        if inductor_pass:
+            hook.uninstall_inductor_pass()
     result.sites = [s.as_json() for s in report.REPORT.sites]
     result.compiles = counter.frames
     return result
@@ -456,14 +477,16 @@ def _steps(
             on_step(step, result.losses[-1], result.step_s[-1])
 
 
-def compare(rank: int, n: int, cfg: MoEConfig, options: Mapping[str, Any]) -> dict[str, Any]:
+def compare(
+    rank: int, n: int, cfg: MoEConfig, options: Mapping[str, Any], inductor_pass: bool = False
+) -> dict[str, Any]:
     """A ``RankPool`` job: the run with the pass and without; the losses, the largest
     gradient difference, the sites as (graph, kind, decision, decline code), compiles."""
     import torch._inductor.config
 
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1
-    fused, plain = train(cfg, options), train(cfg, None)
+    fused, plain = train(cfg, options, inductor_pass=inductor_pass), train(cfg, None)
     grad_diff = max(
         ((fused.grads[k] - g).abs().max() / g.abs().max().clamp(min=1e-30)).item()
         for k, g in plain.grads.items()
