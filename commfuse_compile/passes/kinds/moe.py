@@ -414,13 +414,16 @@ def _reverses(combine: Node, dispatch: Node) -> bool:
 
 def _lower(rw: Rewrite, site: MoeSite, group: Group) -> None:
     """``round_trip``'s steps: each starts one P2P batch (the next block's dispatch, the
-    last result's combine), runs the experts on the block at hand, then waits it."""
+    last result's combine), runs the experts on the block at hand (this rank's own in two
+    halves: the first and the last step), then waits it."""
     assert site.combine is not None and site.combine_wait is not None
     em, n, r = rw.emit, group.size, group.rank
     blocks = _Blocks(rw, site, r)
-    arrived: dict[int, Node] = {r: blocks.sent(r)}  # dispatched tokens, by source rank
+    arrived: dict[int, Node] = {}  # dispatched tokens, by source rank
     results: dict[int, Node] = {}  # the experts' output, by source rank
     returned: dict[int, Node] = {}  # this rank's tokens as the experts left them, by rank
+    own = blocks.own_halves()
+    halves: list[Node] = []  # the experts' output for this rank's own tokens
     for s, step in enumerate(round_trip.steps(n)):
         sends, buffers = list[Transfer](), dict[int, Node]()
         recvs: list[tuple[Transfer, Node, dict[int, Node], int]] = []
@@ -433,26 +436,22 @@ def _lower(rw: Rewrite, site: MoeSite, group: Group) -> None:
             t = step.combine
             buffers[1] = results[(r - t) % n]
             sends.append(Transfer(1, -t))
-            recvs.append(
-                (
-                    Transfer(1, t),
-                    blocks.like_returned((r + t) % n, results[r]),
-                    returned,
-                    (r + t) % n,
-                )
-            )
+            like = blocks.like_returned((r + t) % n, halves[0])
+            recvs.append((Transfer(1, t), like, returned, (r + t) % n))
         likes = [like for _, like, _, _ in recvs]
         pending = start_transfers(rw, group, s, sends, [t for t, *_ in recvs], buffers, likes)
-        if step.compute is not None:
+        if step.half is not None:
+            halves.append(blocks.experts(*own[step.half], s))
+        else:
             source = (r - step.compute) % n
-            results[source] = blocks.experts(arrived[source], source, s)
-        else:  # under the last result's way back
+            results[source] = blocks.experts(*blocks.received(arrived[source], source), s)
+        if s == n:  # under the last result's way back, after the last rows
             blocks.wholes(s)
         waits, received = wait_transfers(rw, s, pending)
         for (_, _, into, key), node in zip(recvs, received, strict=True):
             into[key] = node
         rw.add_step(pending[0], s, waits)
-    returned[r] = results[r]
+    returned[r] = em(aten.cat.default, (halves, 0), step=n, lane="compute")
     out = em(aten.cat.default, ([returned[j] for j in range(n)], 0), step=n, lane="comm")
     blocks.finish(out, n)
     replace_collective(rw, [site.combine], [site.combine_wait], out)
@@ -534,6 +533,31 @@ class _Blocks:
             em(operator.getitem, (parts, j), step=step, lane="compute") for j in range(len(sizes))
         ]
 
+    def received(self, block: Node, source: int) -> tuple[Node, Node, Node, Any]:
+        """What ``experts`` takes for the block from ``source``: its tokens, the expert
+        and the place in the permuted order of each of its rows, and its row count."""
+        return block, self.expert_of[source], self.place_of[source], self.out_splits[source]
+
+    def own_halves(self) -> list[tuple[Node, Node, Node, Any]]:
+        """``received``'s for the two halves of this rank's own tokens. Their count is
+        both what it sends itself and what it receives from itself, two sizes the graph
+        names apart (equal when it runs): each tensor is cut by its own."""
+        r = self.rank
+        tokens, sent = self.cut(self.tokens_for[r], self.in_splits[r])
+        experts, _ = self.cut(self.expert_of[r], self.out_splits[r])
+        places, _ = self.cut(self.place_of[r], self.out_splits[r])
+        return [(tokens[h], experts[h], places[h], sent[h]) for h in (0, 1)]
+
+    def cut(self, node: Node, rows: Any) -> tuple[list[Node], list[Any]]:
+        """``node`` (``rows`` rows, an int or a size node) in two halves, and their rows."""
+        em = self.rw.emit
+        if isinstance(rows, Node):
+            half = em(operator.floordiv, (rows, 2), step=0, lane="compute")
+            sizes = [half, em(operator.sub, (rows, half), step=0, lane="compute")]
+        else:
+            sizes = [rows // 2, rows - rows // 2]
+        return self._split(node, sizes, 0), sizes
+
     def sent(self, peer: int) -> Node:
         """This rank's tokens for ``peer``'s experts."""
         return self.tokens_for[peer]
@@ -550,23 +574,22 @@ class _Blocks:
         shape = [self.in_splits[peer], *val(result).shape[1:]]
         return em(aten.new_empty.default, (result, shape), step=0, lane="comm")
 
-    def experts(self, block: Node, source: int, step: int) -> Node:
-        """The experts' output for ``source``'s block, in its rows' order: the rows
-        sorted by expert, the experts' ops with the block's offsets (the tensors paired
-        with the experts' rows, at the rows' places), unsorted; and each weight gradient's
-        part, summed over the blocks."""
+    def experts(self, block: Node, expert_of: Node, place_of: Node, rows: Any, step: int) -> Node:
+        """The experts' output for a block (``received``'s), in its rows' order: the
+        rows sorted by expert, the experts' ops with the block's offsets (the tensors
+        paired with the experts' rows, at the rows' places), unsorted."""
         em, site = self.rw.emit, self.site
         assert site.permuted is not None and site.offs is not None
 
         def emit(target: Any, *args: Any, **kwargs: Any) -> Node:
             return em(target, args, kwargs, step=step, lane="compute")
 
-        sort = emit(aten.sort.stable, self.expert_of[source], stable=True)
+        sort = emit(aten.sort.stable, expert_of, stable=True)
         experts_sorted, order = emit(operator.getitem, sort, 0), emit(operator.getitem, sort, 1)
         offs = emit(
             aten.searchsorted.Tensor, experts_sorted, self.group_ids, out_int32=True, right=True
         )
-        places = emit(aten.index.Tensor, self.place_of[source], [order])
+        places = emit(aten.index.Tensor, place_of, [order])
         env: dict[Node, Any] = {site.permuted: emit(aten.index.Tensor, block, [order])}
         env[site.offs] = offs
         paired = set(site.paired)
@@ -585,8 +608,6 @@ class _Blocks:
             for node, pieces in self.saved.items():
                 pieces.append(env[node])
         out = env[self.value]
-        # this rank's own tokens: as many as it sent itself, which the graph names apart
-        rows = self.in_splits[source] if source == self.rank else self.out_splits[source]
         empty = emit(aten.new_empty.default, out, [rows, *val(out).shape[1:]])
         return emit(aten.index_put.default, empty, [order], out)
 
