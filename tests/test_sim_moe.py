@@ -1,7 +1,7 @@
 """`commfuse sim --parallelism moe`: an MoE layer's expert-parallel dispatch and combine
-around its experts. Every row is a projection of the cost model (the pass declines
-grouped GEMMs and uneven splits today, and has no fused site): its own outputs are
-asserted, nothing measured."""
+around its experts. Every row is a projection of the cost model (the two sites are what
+the pass does for a capacity layer, the fused row its ``moe`` site for a dropless one):
+its own outputs are asserted, nothing measured."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_rows_are_consistent(name, tokens, n):
         assert skewed >= r.skew_limit_s
     assert r.skew_ring_s >= r.sites_ring_s * (1 - 1e-9)  # on h100: the gain shrinks
     assert r.skew_fused_s >= r.fused_s * (1 - 1e-9)
-    # today's equal splits pad every block to the largest: the gain is gone
+    # equal splits (a capacity layer's) pad every block to the largest: the gain is gone
     assert r.skew_padded_s > r.baseline_s
 
 

@@ -30,9 +30,11 @@ Under expert parallelism (MOE: each of n ranks holds experts / n routed experts 
 own tokens) an MoE layer's forward dispatches [tokens x top_k, hidden] rows with an
 all-to-all, runs the expert MLP (gate/up, SwiGLU, down) on the rows it received and
 sends the results back with a second all-to-all (``moe_sites``: ``a2a_mm`` into gate/up,
-``mm_a2a`` out of down). Every MOE row is a projection: the pass declines the grouped
-GEMMs such a layer runs and uneven splits, and no site kind fuses dispatch, experts and
-combine; ``simulate_moe`` says what each row assumes.
+``mm_a2a`` out of down: what the pass does for a capacity layer's batched experts, equal
+splits). The fused row is the pass's ``moe`` site, what it does for a dropless layer
+(grouped GEMMs, uneven splits): each peer's block through the whole expert MLP and back.
+Every MOE row is a projection of the cost model; ``simulate_moe`` says what each row
+assumes.
 """
 
 from __future__ import annotations
@@ -742,8 +744,8 @@ def format_moe(model: MoeShape, profile: Profile, results: list[MoeResult]) -> s
     lines = [
         f"{model.name} under EXPERT PARALLELISM (MOE), profile {profile.name}: one MoE "
         "layer's routed experts, forward, in us (speedup over the baseline).",
-        "  PROJECTIONS of the cost model, not measurements; the pass today declines "
-        "grouped GEMMs and uneven all-to-all splits, and has no fused site.",
+        "  PROJECTIONS of the cost model, not measurements; two sites: a capacity "
+        "layer's (a2a_mm, mm_a2a); fused: a dropless layer's (the moe site).",
         f"  {model.source}; bf16 rows of [tokens x top_k, hidden] dispatched and combined;",
         f"  skew: each rank sends {MOE_SKEW:g}x the average rows to one peer, the average to "
         "itself, the rest evenly (every rank's bytes and rows unchanged: so are the baseline "
