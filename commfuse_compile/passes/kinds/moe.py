@@ -59,7 +59,6 @@ aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 GROUPED_MM = aten._grouped_mm.default
-PERMUTED_READS = frozenset({aten.index.Tensor, aten.index_select.default})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,7 +133,7 @@ class Moe(SiteKind[MoeSite]):
         return site  # one fused computation: nothing to leave out but the whole site
 
     def work(self, site: MoeSite, n: int) -> Work:
-        flops = sum(2 * numel(mm) * dims.hint(_contracted(mm)) for mm in site.grouped)
+        flops = sum(_flops(mm) for mm in site.grouped)
         sent = [site.dispatch, *([site.combine] if site.combine is not None else [])]
         message = sum(numel(c) * val(c).element_size() for c in sent)
         return Work(self.direction, n, flops / n, message / n, len(site.grouped))
@@ -152,10 +151,14 @@ class Moe(SiteKind[MoeSite]):
 KIND = Moe()
 
 
-def _contracted(mm: Node) -> dims.Size:
+def _flops(mm: Node) -> float:
+    """A grouped matmul's: rows by a weight per group ([rows, N] from K), or a sum over
+    the rows per group ([groups, K, N]: each row in one group's sum)."""
     a = node_arg(mm, 0, "self")
     assert isinstance(a, Node)
-    return val(a).shape[-1]
+    out = val(mm)
+    per_group = out.shape[0] if out.dim() == 3 else 1
+    return 2 * numel(mm) / dims.hint(per_group) * dims.hint(val(a).shape[-1])
 
 
 # ----------------------------------------------------------------------------------------
