@@ -46,9 +46,9 @@ from ..graph import (
     node_arg,
     numel,
     op_name,
+    position,
     the_wait,
     val,
-    writes_into,
 )
 from ..rewrite import Rewrite, Taken
 from ..ring import replace_collective, start_transfers, wait_transfers
@@ -232,8 +232,13 @@ def _with_experts(site: MoeSite) -> MoeSite:
     reached = _reached(site.permuted)
     walk = _Walk(rows, [site.permuted], set(reached))
     put_back: Node | None = None
+    writes: list[Node] = []  # in-place ops on what comes from the tokens (non-functional graphs)
     for node in reached[1:]:
         inside = [arg for arg in node.all_input_nodes if arg in walk.experts]
+        if _writes(node):
+            writes.append(node)
+            walk.saved += inside  # after the site, on the values put back together
+            continue
         if not inside and not set(node.all_input_nodes) & set(walk.transposes):
             continue
         if node.op == "output":
@@ -250,7 +255,7 @@ def _with_experts(site: MoeSite) -> MoeSite:
             walk.transposes.append(node)  # an operand of a sum over the rows
         elif _row_wise(node, walk):
             walk.experts.append(node)
-        elif node.is_impure() or any(writes_into(node, arg) for arg in inside):
+        elif node.is_impure():
             raise decline("moe.side_effect", node=node.name, op=op_name(node))
         else:  # reads whole values (a transpose saved for the backward): rebuilt for it
             walk.saved += inside
@@ -268,6 +273,9 @@ def _with_experts(site: MoeSite) -> MoeSite:
     combine_wait = the_wait(combine)
     if combine_wait is None or combine_wait.target is not c10d.wait_tensor.default:
         raise decline("site.wait", node=combine.name)
+    for node in writes:  # one before the combine may change what the blocks compute
+        if position(node) < position(combine_wait):
+            raise decline("moe.side_effect", node=node.name, op=op_name(node))
     return dataclasses.replace(
         site,
         combine=combine,
@@ -346,6 +354,15 @@ class _Walk:
 
 # the buffers an expert output is put back into: each row is written once
 BUFFERS = ALLOCATE_LIKE | {aten.empty.memory_format, aten.zeros.default, aten.full.default}
+
+
+def _writes(node: Node) -> bool:
+    """Does ``node`` write into one of its arguments (an in-place op)?"""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and any(
+        a.alias_info is not None and a.alias_info.is_write
+        for a in getattr(schema, "arguments", ())
+    )
 
 
 def _put_backs(buffer: Node) -> list[Node]:
