@@ -693,7 +693,7 @@ def test_any_routing_equal_bit_for_bit(ranks, example):
 
 
 @pytest.mark.matrix
-@settings(PROPERTY, max_examples=60)
+@settings(PROPERTY, max_examples=40)
 @given(routed_examples())
 def test_any_routing_equal_bit_for_bit_thorough(ranks, example):
     n, local, routing, seed = example
