@@ -158,7 +158,7 @@ _REASONS = (
     Reason(
         "moe.side_effect",
         "unsupported",
-        "{node} ({op}) writes into the experts' values or has side effects",
+        "{node} ({op}) writes in place, or has side effects, before the combine",
     ),
     Reason(
         "moe.grouped_form",

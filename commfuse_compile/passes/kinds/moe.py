@@ -191,7 +191,7 @@ def _match(dispatch: Node) -> MoeSite | None:
         check_tensor(wait, "dispatched tokens")
         return _with_experts(site)
     except Declined as why:
-        return dataclasses.replace(site, declined=why.kept())
+        return _declined(site, why)
 
 
 def _permutation(read: Node, wait: Node) -> Node | None:
@@ -259,8 +259,14 @@ def _with_experts(site: MoeSite) -> MoeSite:
             raise decline("moe.side_effect", node=node.name, op=op_name(node))
         else:  # reads whole values (a transpose saved for the backward): rebuilt for it
             walk.saved += inside
-    if put_back is None:
-        raise decline("moe.no_put_back")
+    if put_back is None:  # (an in-place op may have taken the experts' output)
+        if not writes:
+            raise decline("moe.no_put_back")
+        back = [n for n in reached if n.target is ALL_TO_ALL and _reverses(n, site.dispatch)]
+        site = dataclasses.replace(site, combine=next(iter(back), None))
+        return _declined(
+            site, decline("moe.side_effect", node=writes[0].name, op=op_name(writes[0]))
+        )
     buffer = node_arg(put_back, 0, "self")
     combine = next(iter(data_users(put_back)), None)
     if (
@@ -270,15 +276,15 @@ def _with_experts(site: MoeSite) -> MoeSite:
         or not _reverses(combine, site.dispatch)
     ):
         raise decline("moe.no_combine", node=put_back.name)
+    site = dataclasses.replace(site, combine=combine)  # its record names both collectives
     combine_wait = the_wait(combine)
     if combine_wait is None or combine_wait.target is not c10d.wait_tensor.default:
-        raise decline("site.wait", node=combine.name)
+        return _declined(site, decline("site.wait", node=combine.name))
     for node in writes:  # one before the combine may change what the blocks compute
         if position(node) < position(combine_wait):
-            raise decline("moe.side_effect", node=node.name, op=op_name(node))
+            return _declined(site, decline("moe.side_effect", node=node.name, op=op_name(node)))
     return dataclasses.replace(
         site,
-        combine=combine,
         combine_wait=combine_wait,
         offs=walk.offs,
         experts=tuple(walk.experts[1:]),
@@ -356,12 +362,15 @@ class _Walk:
 BUFFERS = ALLOCATE_LIKE | {aten.empty.memory_format, aten.zeros.default, aten.full.default}
 
 
+def _declined(site: MoeSite, why: Declined) -> MoeSite:
+    return dataclasses.replace(site, declined=why.kept())
+
+
 def _writes(node: Node) -> bool:
     """Does ``node`` write into one of its arguments (an in-place op)?"""
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and any(
-        a.alias_info is not None and a.alias_info.is_write
-        for a in getattr(schema, "arguments", ())
+        a.alias_info is not None and a.alias_info.is_write for a in getattr(schema, "arguments", ())
     )
 
 
@@ -532,7 +541,12 @@ class _Blocks:
         self.groups = val(site.offs).shape[0]
         self.group_ids = self._iota(self.groups, index_dtype, step)
         self.expert_of = self._split(expert, self.out_splits, step)
-        self.place_of = self._split(self.inverse, self.out_splits, step)
+        # where each received row stands in the permuted order: read only to put the
+        # values saved back together or to take a paired tensor's rows (not in inference)
+        paired = set(site.paired)
+        reads_paired = any(set(node.all_input_nodes) & paired for node in site.experts)
+        self.placed = bool(site.saved) or reads_paired
+        self.place_of = self._split(self.inverse, self.out_splits, step) if self.placed else []
         self.tokens_for = self._split(self.tokens, self.in_splits, step)
         self.saved: dict[Node, list[Node]] = {node: [] for node in site.saved}
         self.places: list[Node] = []
@@ -553,19 +567,20 @@ class _Blocks:
             em(operator.getitem, (parts, j), step=step, lane="compute") for j in range(len(sizes))
         ]
 
-    def received(self, block: Node, source: int) -> tuple[Node, Node, Node, Any]:
+    def received(self, block: Node, source: int) -> tuple[Node, Node, Node | None, Any]:
         """What ``experts`` takes for the block from ``source``: its tokens, the expert
         and the place in the permuted order of each of its rows, and its row count."""
-        return block, self.expert_of[source], self.place_of[source], self.out_splits[source]
+        place_of = self.place_of[source] if self.placed else None
+        return block, self.expert_of[source], place_of, self.out_splits[source]
 
-    def own_halves(self) -> list[tuple[Node, Node, Node, Any]]:
+    def own_halves(self) -> list[tuple[Node, Node, Node | None, Any]]:
         """``received``'s for the two halves of this rank's own tokens. Their count is
         both what it sends itself and what it receives from itself, two sizes the graph
         names apart (equal when it runs): each tensor is cut by its own."""
         r = self.rank
         tokens, sent = self.cut(self.tokens_for[r], self.in_splits[r])
         experts, _ = self.cut(self.expert_of[r], self.out_splits[r])
-        places, _ = self.cut(self.place_of[r], self.out_splits[r])
+        places = self.cut(self.place_of[r], self.out_splits[r])[0] if self.placed else [None] * 2
         return [(tokens[h], experts[h], places[h], sent[h]) for h in (0, 1)]
 
     def cut(self, node: Node, rows: Any) -> tuple[list[Node], list[Any]]:
@@ -594,7 +609,9 @@ class _Blocks:
         shape = [self.in_splits[peer], *val(result).shape[1:]]
         return em(aten.new_empty.default, (result, shape), step=0, lane="comm")
 
-    def experts(self, block: Node, expert_of: Node, place_of: Node, rows: Any, step: int) -> Node:
+    def experts(
+        self, block: Node, expert_of: Node, place_of: Node | None, rows: Any, step: int
+    ) -> Node:
         """The experts' output for a block (``received``'s), in its rows' order: the
         rows sorted by expert, the experts' ops with the block's offsets (the tensors
         paired with the experts' rows, at the rows' places), unsorted."""
@@ -609,7 +626,7 @@ class _Blocks:
         offs = emit(
             aten.searchsorted.Tensor, experts_sorted, self.group_ids, out_int32=True, right=True
         )
-        places = emit(aten.index.Tensor, place_of, [order])
+        places = None if place_of is None else emit(aten.index.Tensor, place_of, [order])
         env: dict[Node, Any] = {site.permuted: emit(aten.index.Tensor, block, [order])}
         env[site.offs] = offs
         paired = set(site.paired)
@@ -624,6 +641,7 @@ class _Blocks:
             args, kwargs = map_arg(node.args, value), map_arg(node.kwargs, value)
             env[node] = em(node.target, args, kwargs, step=step, lane="compute")  # type: ignore[arg-type]
         if self.saved:  # (and the sums' operands)
+            assert places is not None
             self.places.append(places)
             for node, pieces in self.saved.items():
                 pieces.append(env[node])
