@@ -209,13 +209,16 @@ def test_dropless_dispatch_experts_combine_rewritten_as_one_site(graphs, role):
 # on gloo ranks
 
 
+DEFAULT_CELLS = (("dropless", 3, "inductor"), ("capacity", 4, "eager"))
+
+
 def cells():
     for kind in moe.MOES:
         for n in (2, 3, 4):
             for inner in ("eager", "inductor"):
                 # by default one cell per layer: dropless at 3 ranks with Inductor (its
                 # eager numbers are test_moe_kind's, bit for bit), capacity at 4 eager
-                default = (kind, n, inner) in (("dropless", 3, "inductor"), ("capacity", 4, "eager"))
+                default = (kind, n, inner) in DEFAULT_CELLS
                 marks = () if default else (pytest.mark.matrix,)
                 yield pytest.param(kind, n, inner, id=f"{kind}-n{n}-{inner}", marks=marks)
 
@@ -247,9 +250,7 @@ def test_moe_trains_equal_with_the_pass(ranks, kind, n, inner):
             assert r["routing"][0] != r["routing"][1]
 
 
-@pytest.mark.parametrize(
-    "kind", ["dropless", pytest.param("capacity", marks=pytest.mark.matrix)]
-)
+@pytest.mark.parametrize("kind", ["dropless", pytest.param("capacity", marks=pytest.mark.matrix)])
 def test_moe_trains_with_the_pass_inside_inductor(ranks, kind):
     """The route for a framework that insists on ``backend="inductor"`` (torchtitan with
     FlexAttention): ``install_inductor_pass(schedule="ring")``, each block compiled by
