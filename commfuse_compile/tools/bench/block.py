@@ -1,7 +1,8 @@
 """``commfuse bench``'s whole-block figure: a transformer block's training step (forward +
 backward), compiled with the pass and without it (the same compile with
 ``schedule="off"``), on a link whose rate makes the baseline's communication a given
-multiple of its compute."""
+multiple of its compute. The blocks are training's (``training.fronts``), and a
+capacity-MoE layer of the bench's own (:class:`CapacityMoE`, front "moe")."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import math
 import os
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
 from ... import report
 from . import figures
@@ -31,6 +36,99 @@ class BlockBench:
     reps: int
     world_size: int | None = None  # ranks of its own (None: the run's)
     key: str = "block"  # in results.json, and its profile's file name
+
+
+# ----------------------------------------------------------------------------------------
+# The capacity-MoE layer (GShard, DeepSpeed's ``MOELayer`` with ``top2gating``, Tutel)
+
+
+class _AllToAll(torch.autograd.Function):
+    """DeepSpeed's ``_AllToAll``: equal splits of dim 0 over the group, into
+    ``torch.empty_like``; the backward is the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
+        return None, _AllToAll.apply(ctx.group, grad)
+
+
+def _top2(logits: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GShard's top-2 gating without noise: ``logits [S, E]`` to (load-balancing loss,
+    combine weights ``[S, E, C]``); a token's slot in an expert is the count of tokens
+    routed to it before (every first choice before any second), dropped at ``capacity``."""
+    gates = F.softmax(logits, dim=1)
+    e = gates.shape[1]
+    mask1 = F.one_hot(gates.argmax(1), e)
+    mask2 = F.one_hot(logits.masked_fill(mask1.bool(), float("-inf")).argmax(1), e)
+    slot1 = torch.cumsum(mask1, 0) - 1
+    slot2 = torch.cumsum(mask2, 0) - 1 + mask1.sum(0, keepdim=True)
+    l_aux = (gates.mean(0) * mask1.float().mean(0)).mean() * e * e
+    mask1, mask2 = mask1 * (slot1 < capacity), mask2 * (slot2 < capacity)
+    g1, g2 = (gates * mask1).sum(1), (gates * mask2).sum(1)
+    denom = torch.clamp(g1 + g2, min=torch.finfo(gates.dtype).eps)
+    combine = torch.zeros(())
+    for g, mask, slot in ((g1, mask1, slot1), (g2, mask2, slot2)):
+        at = F.one_hot((slot * mask).sum(1), capacity).float()  # [S, C]
+        combine = combine + torch.einsum("se,sc->sec", (g / denom)[:, None] * mask, at)
+    return l_aux, combine
+
+
+class CapacityMoE(nn.Module):
+    """One pre-norm capacity-MoE layer under expert parallelism over the whole group, as
+    DeepSpeed's ``MOELayer`` writes it, and its loss: ``forward(x, target)`` = the mean
+    squared error of ``x + moe(norm(x))`` plus 0.01 x the load-balancing loss. This
+    rank routes its own tokens ``[S, D]`` (top-2 softmax router, replicated, capacity
+    ``C = 2S / E``), dispatches them by ``einsum("sec,sm->ecm")`` to ``[E, C, D]``,
+    all-to-alls them (``_AllToAll``), regroups ``[n, E_local, C, D]`` to ``[E_local, n C,
+    D]`` for its ``E_local`` experts (``bmm`` with ``w1 [E_local, D, F]``, GELU, ``bmm``
+    with ``w2``), regroups back, all-to-alls the results home and combines them with the
+    gate weights (``einsum("sec,ecm->sm")``). Every parameter from one seed: the router
+    and norm equal on every rank, rank r's experts the r-th ``E_local`` of the set."""
+
+    def __init__(self, shape: BlockShape, rank: int, n: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.n, self.local, self.experts = n, shape.experts, n * shape.experts
+        self.capacity = max(-(-2 * shape.seq // self.experts), 1)
+        self.norm = nn.LayerNorm(shape.dim)
+        self.gate = nn.Linear(shape.dim, self.experts, bias=False)
+        mine = slice(rank * self.local, (rank + 1) * self.local)
+        d, f = shape.dim, shape.hidden
+        self.w1 = nn.Parameter((torch.randn(self.experts, d, f) / math.sqrt(d))[mine].clone())
+        self.w2 = nn.Parameter((torch.randn(self.experts, f, d) / math.sqrt(f))[mine].clone())
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        group, n, e, c = dist.group.WORLD, self.n, self.local, self.capacity
+        tokens = self.norm(x)
+        d = tokens.shape[1]
+        l_aux, combine = _top2(self.gate(tokens), c)
+        dispatched = torch.einsum("sec,sm->ecm", combine.bool().type_as(tokens), tokens)
+        dispatched = _AllToAll.apply(group, dispatched)  # block j: rank j's tokens
+        h = dispatched.reshape(n, e, c, d).transpose(0, 1).reshape(e, n * c, d)
+        h = torch.bmm(F.gelu(torch.bmm(h, self.w1)), self.w2)
+        h = h.reshape(e, n, c, d).transpose(0, 1).reshape(n * e, c, d)
+        h = _AllToAll.apply(group, h)  # back to the tokens' ranks
+        out = x + torch.einsum("sec,ecm->sm", combine.type_as(tokens), h)
+        return F.mse_loss(out, target) + 0.01 * l_aux
+
+
+def _moe_setup(shape: BlockShape, rank: int, n: int) -> Any:
+    """The MoE layer as ``fronts.build`` gives a block: its loss module and this rank's
+    (tokens, target) per step."""
+    module = CapacityMoE(shape, rank, n)
+
+    def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        return torch.randn(2, shape.seq, shape.dim, generator=gen).unbind(0)  # type: ignore[return-value]
+
+    return SimpleNamespace(loss_module=module, inputs=inputs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -53,20 +151,27 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
     from ..training.loop import summarize
 
     torch._dynamo.config.recompile_limit = 64  # one entry per row, same code objects
-    cfg = TrainConfig(
-        front=job.shape.front,
-        tp=job.shape.tp,
-        blocks=1,
-        dim=job.shape.dim,
-        heads=job.shape.heads,
-        hidden=job.shape.hidden,
-        batch=job.shape.batch,
-        seq=job.shape.seq,
-        sequence_parallel=job.shape.sequence_parallel,
-    )
+    shape = job.shape
+
+    def setup_of() -> Any:
+        if shape.front == "moe":
+            return _moe_setup(shape, rank, n)
+        cfg = TrainConfig(
+            front=shape.front,
+            tp=shape.tp,
+            blocks=1,
+            dim=shape.dim,
+            heads=shape.heads,
+            hidden=shape.hidden,
+            batch=shape.batch,
+            seq=shape.seq,
+            sequence_parallel=shape.sequence_parallel,
+        )
+        return build(cfg, rank, n)
+
     sites = {}
     for row in job.rows:
-        setup = build(cfg, rank, n)
+        setup = setup_of()
         options = {**row.options(job.profile), "inner": "eager"}
         compiled = torch.compile(setup.loss_module, backend="commfuse", options=options)
         x, target = setup.inputs(0)

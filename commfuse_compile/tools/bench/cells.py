@@ -4,7 +4,9 @@ A site is a TP+SP linear's all-gather -> matmul or matmul -> reduce-scatter, a
 Ulysses projection's matmul -> all-to-all or all-to-all -> matmul, or plain tensor
 parallelism's row-parallel matmul -> all-reduce -> residual add + RMSNorm -> the next
 column-parallel matmul (``mm_ar_mm``: the pass splits it into an ``mm_rs`` and an
-``ag_mm`` site), written as DTensor or Ulysses writes it and traced to aten. Each row
+``ag_mm`` site), or a capacity MoE's dispatch all-to-all -> batched experts -> combine
+all-to-all (``a2a_experts_a2a``: an ``a2a_mm`` and an ``mm_a2a`` site, ``bmm``), written
+as DTensor, Ulysses or DeepSpeed's ``MOELayer`` writes it and traced to aten. Each row
 is the pass applied to it with one schedule; the matmul alone, the communication alone
 and both at once are measured with the rows, interleaved (A B C ... A B C ...) after a
 warm-up, each call started together on all ranks by a barrier. These are jobs fed by
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ... import report
-from .config import OVERLAP_PROBE, SiteShape, Variant
+from .config import EXPERTS_PER_RANK, MOE_KIND, OVERLAP_PROBE, SiteShape, Variant
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -49,6 +51,7 @@ class _Parts:
     program: Callable[..., tuple[torch.Tensor]]  # the site as DTensor or Ulysses writes it
     inputs: list[torch.Tensor]
     operands: tuple[torch.Tensor, torch.Tensor]  # the site's matmul alone, unsplit: a @ b
+    # (``mm``, or ``bmm`` of 3-D operands)
     collective: Callable[[], object]
     block: int  # elements of one rank's block (a shard, a partial sum, a peer's heads)
     more: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()  # the site's other matmuls
@@ -165,12 +168,50 @@ def _mm_ar_mm(
     )
 
 
+def _a2a_experts_a2a(
+    s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str
+) -> _Parts:
+    """A capacity MoE's experts under expert parallelism (GShard, DeepSpeed's
+    ``MOELayer``, Tutel): this rank's ``s = n x E_local x C`` token slots ``[s, d]`` (the
+    dispatch einsum's output, block j for rank j's ``E_local`` experts) all-to-all'd,
+    viewed ``[n, E_local, C, d]`` and regrouped to ``[E_local, n C, d]``, the batched
+    experts (``bmm`` with ``w1 [E_local, d, f]``, SiLU, ``bmm`` with ``w2 [E_local, f,
+    d]``), regrouped back and combined (all-to-all to the slots' ranks). The pass makes
+    it an ``a2a_mm`` site (the dispatched blocks are rows of the first ``bmm``) and an
+    ``mm_a2a`` site (the second ``bmm`` computed block by block)."""
+    e = EXPERTS_PER_RANK
+    c = s // (n * e)
+    slots, w1, w2 = rand(s, d), rand(e, d, f), rand(e, f, d)
+    returned = rand(s, d)
+
+    def program(slots: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor]:
+        g = _exchanged(slots, n, group)  # block j: rank j's slots for this rank's experts
+        x = g.view(n, e, c, d).permute(1, 0, 2, 3).reshape(e, n * c, d)
+        y = torch.bmm(torch.nn.functional.silu(torch.bmm(x, w1)), w2)
+        y = y.view(e, n, c, d).permute(1, 0, 2, 3).reshape(n * e * c, d)
+        return (_exchanged(y, n, group),)
+
+    def collective() -> object:
+        return _exchanged(slots, n, group), _exchanged(returned, n, group)
+
+    return _Parts(
+        program,
+        [slots, w1, w2],
+        (rand(e, n * c, d), w1),
+        collective,
+        e * c * d,  # one peer's block: its slots of this rank's experts
+        more=((rand(e, n * c, f), w2),),
+        rounds=2,  # dispatch, then combine
+    )
+
+
 _BUILDERS = {
     "ag_mm": _ag_mm,
     "mm_rs": _mm_rs,
     "mm_a2a": _mm_a2a,
     "a2a_mm": _a2a_mm,
     "mm_ar_mm": _mm_ar_mm,
+    MOE_KIND: _a2a_experts_a2a,
 }
 
 
@@ -179,7 +220,7 @@ def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
 
     group = dist.group.WORLD.group_name  # type: ignore[union-attr]
     gen = torch.Generator().manual_seed(1000 + rank)
-    shape = shape.fitted(n)  # the same shape where n divides it (n = 2)
+    shape = shape.fitted(n, kind)  # the same shape where n divides it (n = 2)
     parts = _BUILDERS[kind](
         shape.seq, shape.dim, shape.ffn, n, functools.partial(torch.randn, generator=gen), group
     )
@@ -187,11 +228,12 @@ def _build_site(kind: str, shape: SiteShape, n: int, rank: int) -> _Site:
     return _Site(
         graph=make_fx(parts.program, tracing_mode="fake")(*parts.inputs),
         inputs=parts.inputs,
-        matmul=lambda: [torch.mm(a, b) for a, b in operands],
+        matmul=lambda: [torch.matmul(a, b) for a, b in operands],  # mm, or bmm if 3-D
         collective=parts.collective,
-        # n-1 blocks leave a rank (an all-reduce's ring: twice, reduce-scatter then gather)
+        # n-1 blocks leave a rank (an all-reduce's ring: twice, reduce-scatter then gather;
+        # the MoE: the dispatch's, then the combine's)
         message=torch.randn(parts.rounds * (n - 1) * parts.block, generator=gen),
-        flops=sum(2.0 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in operands),
+        flops=sum(2.0 * a.numel() * b.shape[-1] for a, b in operands),
     )
 
 
@@ -357,10 +399,10 @@ def _bind(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[[], 
 
 def _row_record(records: list[report.SiteRecord]) -> dict[str, Any]:
     """What the pass did at the site: the schedule it ran and the cost model's times.
-    A split all-reduce (``mm_ar_mm``) gives two sites, ``mm_rs`` then ``ag_mm``: the row
-    ran their schedules ("ring", or "ring+bidir" where ``auto`` chose two), its
-    predicted times are the two sites' summed, and ``sites`` lists each with its
-    decision."""
+    A split all-reduce (``mm_ar_mm``) gives two sites, ``mm_rs`` then ``ag_mm`` (the MoE
+    cell: ``a2a_mm`` then ``mm_a2a``): the row ran their schedules ("ring", or
+    "ring+bidir" where ``auto`` chose two), its predicted times are the two sites'
+    summed, and ``sites`` lists each with its decision."""
     if not records:
         return {
             "schedule": "off",
