@@ -120,7 +120,7 @@ def test_moe_cell_and_block_rewrite_every_site_with_the_ring(ranks):
     the ring rewrites both; ``auto`` decides on the same two sites. The MoE block's step
     (one untimed step per row): 4 sites, none rewritten without the pass, all with the
     ring (forward: dispatch into the first ``bmm``, second ``bmm`` into the combine;
-    backward: the combine's gradient into dH and dW2, the dispatch's into the einsum)."""
+    backward: the gradients' two all-to-alls, each into the matmuls that read it)."""
     pool = ranks(2)
     rows = tuple(v for v in variants() if v.label in ULYSSES_ROWS)
     job = SiteJob(MOE_KIND, SiteShape(64, 16, 32), rows, None, 0, 1, breakdown_reps=1)
