@@ -5,6 +5,7 @@ out of a site): the names the ``disable`` option takes, declared once below the 
 from __future__ import annotations
 
 ROLES: dict[str, tuple[str, ...]] = {
+    "moe": (),
     "ag_mm": ("rows", "contract", "columns", "contract_left", "contract_k"),
     "mm_rs": (),
     "a2a_mm": ("rows", "contract", "columns", "contract_left"),

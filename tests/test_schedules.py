@@ -193,3 +193,17 @@ def test_all_to_all_check_catches_a_block_sent_to_the_wrong_rank():
 
     with pytest.raises(exchange.ScheduleError):
         exchange.all_to_all(Wrong, 3, "exchange_out")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_round_trip_computes_every_block_once_after_it_arrives_and_returns_it(n):
+    """The MoE site's schedule (``schedules/round_trip``): n + 1 steps, this rank's own
+    block first with nothing to wait for, every other block computed the step after it
+    arrived and sent back the step after that; only the last step waits bare."""
+    from commfuse_compile.schedules import round_trip
+
+    round_trip.check(n)
+    steps = round_trip.steps(n)
+    assert len(steps) == n + 1 and steps[0].compute == 0 and steps[-1].compute is None
+    assert [s.dispatch for s in steps if s.dispatch] == list(range(1, n))
+    assert [s.combine for s in steps if s.combine] == list(range(1, n))

@@ -153,11 +153,12 @@ def test_an_all_to_all_read_through_an_index_before_a_matmul_is_declined():
     assert "matmul mm" in record.reason
 
 
-def test_an_moe_dispatch_into_a_grouped_matmul_is_declined():
+def test_an_moe_dispatch_into_grouped_matmuls_never_combined_is_declined():
+    """The dispatched tokens, reordered, into a grouped matmul whose rows are never put
+    back and combined: the MoE kind's (``kinds/moe``) record says so."""
     gm = fx(dispatched_grouped, bf16(8, 16), torch.randperm(8), bf16(2, 16, 16), OFFS)
     record = only(gm)
-    assert (record.kind, record.decline_code) == ("a2a_mm", "site.permuted")
-    assert "matmul _grouped_mm" in record.reason
+    assert (record.kind, record.decline_code) == ("moe", "moe.no_put_back")
 
 
 def test_a_reduce_scatter_of_a_grouped_matmul_is_declined():

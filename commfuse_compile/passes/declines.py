@@ -156,6 +156,26 @@ _REASONS = (
         "the all-to-all's n blocks do not stay blocks through {node} ({op})",
     ),
     Reason(
+        "moe.side_effect",
+        "unsupported",
+        "{node} ({op}) writes into the experts' values or has side effects",
+    ),
+    Reason(
+        "moe.grouped_form",
+        "unsupported",
+        "grouped matmul {node} is not expert rows by a weight per group (3-D), with the "
+        "offsets every grouped matmul of the experts shares and no bias",
+    ),
+    Reason(
+        "moe.no_put_back", "unsupported", "the experts' output is never put back by the permutation"
+    ),
+    Reason(
+        "moe.no_combine",
+        "unsupported",
+        "{node}, the tokens put back, goes to no all-to-all that reverses the dispatch",
+    ),
+    Reason("moe.size", "unsupported", "size {node} of a replaced tensor is not its row count"),
+    Reason(
         "a2a.batch_blocks",
         "unsupported",
         "the all-to-all's n blocks are along the batch of the batched matmul {node}",

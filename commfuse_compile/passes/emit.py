@@ -78,7 +78,7 @@ class Emitter:
             return self._views[key]
         node = self.node(target, args, kwargs, before)
         node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
-        if target in MATMUL_OPS:
+        if target in MATMUL_OPS or target is aten._grouped_mm.default:
             self._matmuls.setdefault(step, []).append(node)
         if key is not None and before is None:
             self._views[key] = node

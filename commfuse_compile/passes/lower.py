@@ -41,15 +41,16 @@ def lower(rw: Rewrite, group: Group, schedule: Schedule, slices: int = 2) -> Non
 def _keep_size_readers(rw: Rewrite, nodes: Sequence[Node]) -> None:
     """Dynamic-shape graphs read sizes of the nodes the commit erases (``sym_size``): a
     size computation that only feeds erased nodes goes with them; a size reader that
-    something else uses is recomputed from the graph's inputs, where it stands. Only the
-    sizes next to the erased nodes are looked at."""
+    something else uses is recomputed from the graph's inputs, where it stands (unless
+    the kind replaced it: a size no input holds, from ``.tolist()``). Only the sizes next
+    to the erased nodes are looked at."""
     erased: set[Node] = set()
     for node in reversed(in_graph_order(nodes)):
         if node in rw.replace or all(u in erased or _is_size(u) for u in node.users):
             erased.add(node)
     replaced = set(rw.replace)  # their readers follow the replacement, of the same shape
     for node in reversed(in_graph_order(_sizes_around(erased))):
-        if node in erased or node.op != "call_function":
+        if node in erased or node in rw.replace or node.op != "call_function":
             continue
         reads = set(node.all_input_nodes) & erased
         if all(u in erased for u in node.users) and (node.users or reads):

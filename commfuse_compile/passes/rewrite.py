@@ -51,8 +51,17 @@ def transfers_digest(graph: Graph) -> int:
 
 
 def _digest(nodes: Iterable[Node]) -> int:
-    text = "\n".join(f"{node.op} {node.target} {_layout(node)}" for node in nodes)
+    text = "\n".join(f"{node.op} {_target(node)} {_layout(node)}" for node in nodes)
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def _target(node: Node) -> str:
+    """A node's target by name, the same in every process (a Python function's default
+    string holds its address: ``torch.sym_sum`` after ``.tolist()`` sizes, say)."""
+    target = node.target
+    if callable(target) and not isinstance(target, torch._ops.OpOverload):
+        return f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', target)}"
+    return str(target)
 
 
 def _layout(node: Node) -> str:

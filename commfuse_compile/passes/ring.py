@@ -42,19 +42,20 @@ def start_transfers(
     sends: Sequence[Transfer],
     recvs: Sequence[Transfer],
     held: Mapping[int, Node],
-    recv_like: Node,
+    recv_like: Node | Sequence[Node],
 ) -> Pending:
     """Start one batch of sends (of ``held`` blocks) and receives (into tensors like
-    ``recv_like``)."""
+    ``recv_like``, or each like its own: blocks of uneven sizes)."""
     if not sends and not recvs:
         return NOTHING_PENDING
     buffers = [held[t.block] for t in sends]
+    likes = [recv_like] * len(recvs) if isinstance(recv_like, Node) else list(recv_like)
     p2p = rw.emit(
         P2P,
         (
             buffers,
             [group.peer(t.peer) for t in sends],
-            [recv_like] * len(recvs),
+            likes,
             [group.peer(t.peer) for t in recvs],
             rw.tag,
             group.name,

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import Any
 
 import torch
 
 from ..runtime.groups import Group
-from ..schedules import Direction, Schedule, exchange, slicing
+from ..schedules import Direction, Schedule, exchange, round_trip, slicing
 from . import dims
 from .declines import decline
 from .emit import P2P
 from .graph import val
-from .kinds import of
+from .kinds import moe, of
 from .rewrite import Rewrite
 
 c10d = torch.ops._c10d_functional
@@ -85,14 +86,17 @@ def check_exchange(rw: Rewrite, group: Group, schedule: Schedule, slices: int = 
         _check_sliced(rw, group, slices, direction)
         return
     n = group.size
+    p2p = [node for node in rw.created if node.target is P2P]
+    emitted = [(list(node.args[1]), list(node.args[3])) for node in p2p]  # type: ignore[arg-type]
+    if isinstance(rw.site, moe.MoeSite):  # its own steps, blocks of the graph's sizes
+        _check_round_trip(emitted, moe.peers(group), n)
+        return
     steps = schedule.steps(direction, group.rank, n, slices)
     expected = [
         ([group.peer(t.peer) for t in st.sends], [group.peer(t.peer) for t in st.recvs])
         for st in steps
         if st.sends or st.recvs
     ]
-    p2p = [node for node in rw.created if node.target is P2P]
-    emitted = [(list(node.args[1]), list(node.args[3])) for node in p2p]  # type: ignore[arg-type]
     if emitted != expected:
         raise decline("internal.peers", emitted=emitted, expected=expected)
     for node in p2p:
@@ -101,6 +105,15 @@ def check_exchange(rw: Rewrite, group: Group, schedule: Schedule, slices: int = 
         if len(shapes) != 1:
             raise decline("internal.shapes", node=node.name, shapes=shapes)
     _check_schedule_all_ranks(schedule, n, direction)
+
+
+def _check_round_trip(emitted: list[Any], expected: list[Any], n: int) -> None:
+    if emitted != expected:
+        raise decline("internal.peers", emitted=emitted, expected=expected)
+    try:
+        round_trip.check(n)
+    except exchange.ScheduleError as err:
+        raise decline("internal.schedule", schedule="round_trip", n=n, error=err) from None
 
 
 @functools.cache

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ..cost.profiles import Profile, ProfileError, load
 from ..options import INNER_COMPILERS, MAX_SLICES, SCHEDULES, dump_dir_problem
 from .bench.config import CELL_KINDS, MOE_KIND
-from .sim import PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
+from .sim import MOE_GROUP_SIZES, MOE_PRESETS, MOE_TOKENS, PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
 
 if TYPE_CHECKING:
     _Commands = argparse._SubParsersAction[argparse.ArgumentParser]  # add_subparsers' result
@@ -185,18 +185,28 @@ def _add_sim(commands: _Commands) -> None:
         commands,
         "sim",
         "Simulate one layer of a real model under tensor + sequence parallelism (or, with "
-        "--parallelism up, Ulysses sequence parallelism) for every schedule on a machine "
+        "--parallelism up, Ulysses sequence parallelism; with --parallelism moe, an MoE "
+        "layer's expert parallelism, as projections) for every schedule on a machine "
         "profile: what the rewrite would buy, without a cluster.",
     )
-    sim.add_argument("--model", choices=sorted(PRESETS), default="llama3-8b", help="model shapes")
+    sim.add_argument(
+        "--model",
+        choices=sorted(PRESETS) + sorted(MOE_PRESETS),
+        help="model shapes; default: llama3-8b (tpsp, up), deepseek-v3-moe (moe: the "
+        + ", ".join(sorted(MOE_PRESETS))
+        + " presets only)",
+    )
     sim.add_argument(
         "--parallelism",
-        choices=["tpsp", "up"],
+        choices=["tpsp", "up", "moe"],
         default="tpsp",
         help="tpsp: the TP+SP layer's all-gathers and reduce-scatters; up: the Ulysses "
         "layer's all-to-alls around attention, at sequences "
         + ", ".join(map(str, UP_SEQUENCES))
-        + " unless --tokens is given",
+        + " unless --tokens is given; moe: an MoE layer's expert-parallel dispatch and "
+        "combine all-to-alls around its experts (projections), at "
+        + ", ".join(map(str, MOE_TOKENS))
+        + " tokens per rank unless --tokens is given",
     )
     sim.add_argument(
         "--profile",
@@ -209,7 +219,9 @@ def _add_sim(commands: _Commands) -> None:
         type=_group_sizes,
         help="comma-separated group sizes; default: 2,4,8,16,32,64 (tpsp), "
         + ",".join(map(str, UP_GROUP_SIZES))
-        + " (up: n must divide the k/v heads)",
+        + " (up: n must divide the k/v heads), "
+        + ",".join(map(str, MOE_GROUP_SIZES))
+        + " (moe: n must divide the experts)",
     )
     sim.add_argument(
         "--slices",
@@ -284,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "sim":
+        if args.parallelism == "moe":
+            return _sim_moe(parser, args)
+        if args.model in MOE_PRESETS:
+            parser.error(f"argument --model: {args.model} is an MoE preset: --parallelism moe")
+        args.model = args.model or "llama3-8b"
         if args.parallelism == "up":
             return _sim_ulysses(parser, args)
         return _sim(args)
@@ -390,6 +407,30 @@ def _sim_ulysses(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
             for path in write_traces(results, Path(args.out), f"trace_up_s{seq}"):
                 print(f"wrote {path} (open in https://ui.perfetto.dev)")
     print(format_ulysses_summary(PRESETS[args.model], args.profile, summary))
+    return 0
+
+
+def _sim_moe(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The MoE layer's expert parallelism: one section of projections per preset."""
+    import dataclasses
+
+    from .sim import format_moe, moe_problem, simulate_moe
+
+    name = args.model or "deepseek-v3-moe"
+    if name not in MOE_PRESETS:
+        parser.error(f"argument --model: --parallelism moe takes {', '.join(sorted(MOE_PRESETS))}")
+    sizes = args.group_size or list(MOE_GROUP_SIZES)
+    for n in sizes:
+        problem = moe_problem(MOE_PRESETS[name], n)
+        if problem:
+            parser.error(f"argument --group-size: {problem}")
+    tokens = [args.tokens] if args.tokens is not None else list(MOE_TOKENS)
+    results = [
+        simulate_moe(dataclasses.replace(MOE_PRESETS[name], tokens=t), n, args.profile)
+        for t in tokens
+        for n in sizes
+    ]
+    print(format_moe(MOE_PRESETS[name], args.profile, results))
     return 0
 
 

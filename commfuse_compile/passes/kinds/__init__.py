@@ -7,10 +7,11 @@ from typing import Any
 
 from ..site import Site
 from ..site_kind import SiteKind
-from . import a2a_mm, ag_mm, mm_a2a, mm_ar, mm_rs
+from . import a2a_mm, ag_mm, mm_a2a, mm_ar, mm_rs, moe
 
 KINDS: dict[str, SiteKind[Any]] = {
-    kind.name: kind for kind in (ag_mm.KIND, mm_rs.KIND, a2a_mm.KIND, mm_a2a.KIND, mm_ar.KIND)
+    kind.name: kind
+    for kind in (moe.KIND, ag_mm.KIND, mm_rs.KIND, a2a_mm.KIND, mm_a2a.KIND, mm_ar.KIND)
 }
 
 
