@@ -513,10 +513,16 @@ class _Blocks:
         self.groups = val(site.offs).shape[0]
         self.group_ids = self._iota(self.groups, index_dtype, step)
         self.expert_of = self._split(expert, self.out_splits, step)
-        self.place_of = self._split(self.inverse, self.out_splits, step)
+        self._place_of: list[Node] = []  # split where first read (``place_of``)
         self.tokens_for = self._split(self.tokens, self.in_splits, step)
         self.saved: dict[Node, list[Node]] = {node: [] for node in site.saved}
         self.places: list[Node] = []
+
+    def place_of(self, source: int, step: int) -> Node:
+        """Where each of ``source``'s received rows stands in the permuted order."""
+        if not self._place_of:
+            self._place_of = self._split(self.inverse, self.out_splits, step)
+        return self._place_of[source]
 
     def _iota(self, length: Any, dtype: torch.dtype, step: int) -> Node:
         """0 .. length - 1 (``arange`` as the graphs Inductor compiles spell it)."""
@@ -566,22 +572,29 @@ class _Blocks:
         offs = emit(
             aten.searchsorted.Tensor, experts_sorted, self.group_ids, out_int32=True, right=True
         )
-        places = emit(aten.index.Tensor, self.place_of[source], [order])
         env: dict[Node, Any] = {site.permuted: emit(aten.index.Tensor, block, [order])}
         env[site.offs] = offs
         paired = set(site.paired)
+        at: list[Node] = []
+
+        def places() -> Node:
+            """The block's rows' places in the permuted order, emitted only where read (a
+            graph that saves and pairs nothing, inference, reads none)."""
+            if not at:
+                at.append(emit(aten.index.Tensor, self.place_of(source, step), [order]))
+            return at[0]
 
         def value(arg: Node) -> Any:
             """The block's value of ``arg``: its rows of a paired tensor, at their places."""
             if arg in paired and arg not in env:
-                env[arg] = emit(aten.index.Tensor, arg, [places])
+                env[arg] = emit(aten.index.Tensor, arg, [places()])
             return env.get(arg, arg)
 
         for node in site.experts:
             args, kwargs = map_arg(node.args, value), map_arg(node.kwargs, value)
             env[node] = em(node.target, args, kwargs, step=step, lane="compute")  # type: ignore[arg-type]
         if self.saved:  # (and the sums' operands)
-            self.places.append(places)
+            self.places.append(places())
             for node, pieces in self.saved.items():
                 pieces.append(env[node])
         out = env[self.value]
