@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..cost.profiles import Profile, ProfileError, load
 from ..options import INNER_COMPILERS, MAX_SLICES, SCHEDULES, dump_dir_problem
-from .bench.config import CELL_KINDS, MOE_KIND
+from .bench.config import CELL_KINDS, DROPLESS_KIND, MOE_KIND
 from .sim import MOE_GROUP_SIZES, MOE_PRESETS, MOE_TOKENS, PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
 
 if TYPE_CHECKING:
@@ -275,7 +275,8 @@ def _add_bench(commands: _Commands) -> None:
         metavar="KIND[,KIND...]",
         help=f"only the preset's cells of these kinds ({', '.join(CELL_KINDS)}) and the "
         "blocks made of them (the TP+SP blocks: ag_mm or mm_rs; the plain-TP block: "
-        f"mm_ar_mm; the MoE block: {MOE_KIND}, full preset only)",
+        f"mm_ar_mm; the capacity-MoE block: {MOE_KIND}; the dropless-MoE block: "
+        f"{DROPLESS_KIND}; the MoE ones in the full preset only)",
     )
 
 

@@ -1,8 +1,9 @@
 """``commfuse bench``'s whole-block figure: a transformer block's training step (forward +
 backward), compiled with the pass and without it (the same compile with
 ``schedule="off"``), on a link whose rate makes the baseline's communication a given
-multiple of its compute. The blocks are training's (``training.fronts``), and a
-capacity-MoE layer of the bench's own (:class:`CapacityMoE`, front "moe")."""
+multiple of its compute. The blocks are training's (``training.fronts``), and its MoE
+layers (``training.moe``: the capacity one, GShard / DeepSpeed, and the dropless one,
+torchtitan; front "moe")."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -39,90 +39,35 @@ class BlockBench:
 
 
 # ----------------------------------------------------------------------------------------
-# The capacity-MoE layer (GShard, DeepSpeed's ``MOELayer`` with ``top2gating``, Tutel)
+# The MoE layers: training's (``training.moe``), one block and its loss
 
 
-class _AllToAll(torch.autograd.Function):
-    """DeepSpeed's ``_AllToAll``: equal splits of dim 0 over the group, into
-    ``torch.empty_like``; the backward is the same exchange of the gradient."""
+class _MoELoss(nn.Module):
+    """One of training's MoE blocks (``CapacityMoEBlock``: GShard / DeepSpeed; or
+    ``DroplessMoEBlock``: torchtitan) and its loss: ``forward(x, target)`` = the mean
+    squared error of the block's output plus 0.01 x its load-balancing loss (the
+    dropless block's is 0)."""
 
-    @staticmethod
-    def forward(ctx: Any, group: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.group = group
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
-        return None, _AllToAll.apply(ctx.group, grad)
-
-
-def _top2(logits: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """GShard's top-2 gating without noise: ``logits [S, E]`` to (load-balancing loss,
-    combine weights ``[S, E, C]``); a token's slot in an expert is the count of tokens
-    routed to it before (every first choice before any second), dropped at ``capacity``."""
-    gates = F.softmax(logits, dim=1)
-    e = gates.shape[1]
-    mask1 = F.one_hot(gates.argmax(1), e)
-    mask2 = F.one_hot(logits.masked_fill(mask1.bool(), float("-inf")).argmax(1), e)
-    slot1 = torch.cumsum(mask1, 0) - 1
-    slot2 = torch.cumsum(mask2, 0) - 1 + mask1.sum(0, keepdim=True)
-    l_aux = (gates.mean(0) * mask1.float().mean(0)).mean() * e * e
-    mask1, mask2 = mask1 * (slot1 < capacity), mask2 * (slot2 < capacity)
-    g1, g2 = (gates * mask1).sum(1), (gates * mask2).sum(1)
-    denom = torch.clamp(g1 + g2, min=torch.finfo(gates.dtype).eps)
-    combine = torch.zeros(())
-    for g, mask, slot in ((g1, mask1, slot1), (g2, mask2, slot2)):
-        at = F.one_hot((slot * mask).sum(1), capacity).float()  # [S, C]
-        combine = combine + torch.einsum("se,sc->sec", (g / denom)[:, None] * mask, at)
-    return l_aux, combine
-
-
-class CapacityMoE(nn.Module):
-    """One pre-norm capacity-MoE layer under expert parallelism over the whole group, as
-    DeepSpeed's ``MOELayer`` writes it, and its loss: ``forward(x, target)`` = the mean
-    squared error of ``x + moe(norm(x))`` plus 0.01 x the load-balancing loss. This
-    rank routes its own tokens ``[S, D]`` (top-2 softmax router, replicated, capacity
-    ``C = 2S / E``), dispatches them by ``einsum("sec,sm->ecm")`` to ``[E, C, D]``,
-    all-to-alls them (``_AllToAll``), regroups ``[n, E_local, C, D]`` to ``[E_local, n C,
-    D]`` for its ``E_local`` experts (``bmm`` with ``w1 [E_local, D, F]``, GELU, ``bmm``
-    with ``w2``), regroups back, all-to-alls the results home and combines them with the
-    gate weights (``einsum("sec,ecm->sm")``). Every parameter from one seed: the router
-    and norm equal on every rank, rank r's experts the r-th ``E_local`` of the set."""
-
-    def __init__(self, shape: BlockShape, rank: int, n: int) -> None:
+    def __init__(self, block: nn.Module) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.n, self.local, self.experts = n, shape.experts, n * shape.experts
-        self.capacity = max(-(-2 * shape.seq // self.experts), 1)
-        self.norm = nn.LayerNorm(shape.dim)
-        self.gate = nn.Linear(shape.dim, self.experts, bias=False)
-        mine = slice(rank * self.local, (rank + 1) * self.local)
-        d, f = shape.dim, shape.hidden
-        self.w1 = nn.Parameter((torch.randn(self.experts, d, f) / math.sqrt(d))[mine].clone())
-        self.w2 = nn.Parameter((torch.randn(self.experts, f, d) / math.sqrt(f))[mine].clone())
+        self.block = block
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        group, n, e, c = dist.group.WORLD, self.n, self.local, self.capacity
-        tokens = self.norm(x)
-        d = tokens.shape[1]
-        l_aux, combine = _top2(self.gate(tokens), c)
-        dispatched = torch.einsum("sec,sm->ecm", combine.bool().type_as(tokens), tokens)
-        dispatched = _AllToAll.apply(group, dispatched)  # block j: rank j's tokens
-        h = dispatched.reshape(n, e, c, d).transpose(0, 1).reshape(e, n * c, d)
-        h = torch.bmm(F.gelu(torch.bmm(h, self.w1)), self.w2)
-        h = h.reshape(e, n, c, d).transpose(0, 1).reshape(n * e, c, d)
-        h = _AllToAll.apply(group, h)  # back to the tokens' ranks
-        out = x + torch.einsum("sec,ecm->sm", combine.type_as(tokens), h)
+        out, l_aux = self.block(x)
         return F.mse_loss(out, target) + 0.01 * l_aux
 
 
 def _moe_setup(shape: BlockShape, rank: int, n: int) -> Any:
-    """The MoE layer as ``fronts.build`` gives a block: its loss module and this rank's
-    (tokens, target) per step."""
-    module = CapacityMoE(shape, rank, n)
+    """The MoE layer as ``fronts.build`` gives a block: its loss module (training's
+    block of ``shape.moe`` kind, from one seed: the router and norm equal on every rank,
+    rank r's experts the r-th ``shape.experts`` of the set) and this rank's (tokens,
+    target) per step."""
+    from ..training.moe import MoEConfig, build
+
+    cfg = MoEConfig(
+        moe=shape.moe, dim=shape.dim, hidden=shape.hidden, experts_per_rank=shape.experts
+    )
+    module = _MoELoss(build(cfg).blocks[0])
 
     def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(1000 * step + rank)
@@ -175,9 +120,19 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
         options = {**row.options(job.profile), "inner": "eager"}
         compiled = torch.compile(setup.loss_module, backend="commfuse", options=options)
         x, target = setup.inputs(0)
+        # the dropless layer's ``.tolist()`` splits: unbacked sizes in the graph, as
+        # torchtitan compiles it (a graph break otherwise)
+        scalars = shape.front == "moe" and shape.moe == "dropless"
 
-        def step(compiled: Any = compiled, x: Any = x, target: Any = target, setup: Any = setup):
-            compiled(x, target).backward()
+        def step(
+            compiled: Any = compiled,
+            x: Any = x,
+            target: Any = target,
+            setup: Any = setup,
+            scalars: bool = scalars,
+        ) -> None:
+            with torch._dynamo.config.patch(capture_scalar_outputs=scalars):
+                compiled(x, target).backward()
             setup.loss_module.zero_grad(set_to_none=True)
 
         first = len(report.REPORT.sites)

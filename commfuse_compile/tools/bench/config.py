@@ -17,8 +17,16 @@ OVERLAP_PROBE = "both at once"  # comm alone with the matmul run meanwhile (cell
 # (n x experts per rank x capacity), its ``ffn`` every expert's hidden size (not sharded)
 MOE_KIND = "a2a_experts_a2a"
 EXPERTS_PER_RANK = 2
-# every cell kind (``commfuse bench --kinds``): TP+SP's, Ulysses', plain TP's, the MoE's
-CELL_KINDS = ("ag_mm", "mm_rs", "mm_a2a", "a2a_mm", "mm_ar_mm", MOE_KIND)
+# The dropless-MoE cell (torchtitan: token counts exchanged, ``.tolist()`` splits, uneven
+# dispatch all-to-all -> grouped-GEMM SwiGLU experts in bfloat16 -> combine all-to-all):
+# ``SiteShape.seq`` is the rows this rank dispatches (tokens x top-k), ``ffn`` every
+# expert's hidden size; ``EXPERTS_PER_RANK`` experts per rank; the pass's ``moe`` site
+DROPLESS_KIND = "a2a_gmm_a2a"
+# skewed routing (``SiteShape.skew``): each rank sends this many times the average rows
+# to one peer (``cells.dropless_routing``)
+DROPLESS_SKEW = 2.0
+# every cell kind (``commfuse bench --kinds``): TP+SP's, Ulysses', plain TP's, the MoEs'
+CELL_KINDS = ("ag_mm", "mm_rs", "mm_a2a", "a2a_mm", "mm_ar_mm", MOE_KIND, DROPLESS_KIND)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,17 +54,21 @@ class SiteShape:
     seq: int
     dim: int
     ffn: int
+    skew: float = 1.0  # the dropless-MoE cell's routing (1: every peer the same rows)
 
     @property
     def label(self) -> str:
-        return f"S={self.seq} D={self.dim} F={self.ffn}"
+        skewed = f" skew {self.skew:g}x" if self.skew != 1.0 else ""
+        return f"S={self.seq} D={self.dim} F={self.ffn}{skewed}"
 
     def fitted(self, n: int, kind: str | None = None) -> SiteShape:
         """The shape on ``n`` ranks: the sequence and the hidden size rounded down to
         multiples of n (each rank's shard the same size; 2048 -> 2046 on 3 ranks). The
         MoE cell's slots are rounded down to n x ``EXPERTS_PER_RANK`` blocks of one
-        capacity (2048 -> 2046 on 3 ranks), its experts' hidden size kept (not sharded)."""
-        if kind == MOE_KIND:
+        capacity (2048 -> 2046 on 3 ranks), its experts' hidden size kept (not sharded);
+        the dropless cell's rows likewise (n x ``EXPERTS_PER_RANK`` equal groups when
+        balanced)."""
+        if kind in (MOE_KIND, DROPLESS_KIND):
             return dataclasses.replace(self, seq=self.seq - self.seq % (n * EXPERTS_PER_RANK))
         return dataclasses.replace(self, seq=self.seq - self.seq % n, ffn=self.ffn - self.ffn % n)
 
@@ -66,8 +78,9 @@ class BlockShape:
     """The whole-layer figure's block. The sequence stays at 256: from 384 tokens on,
     the pass declines the block's all-gather sites here ("slice sits between the
     gathered tensor and a matmul"), so a longer block would measure the collectives.
-    Front "moe": a capacity-MoE layer (``block.CapacityMoE``) on ``seq`` tokens per
-    rank, ``experts`` experts per rank of hidden size ``hidden`` (``heads`` unused)."""
+    Front "moe": one of training's MoE layers (``training.moe``, its kind ``moe``:
+    "capacity" or "dropless") on ``seq`` tokens per rank, ``experts`` experts per rank of
+    hidden size ``hidden`` (``heads`` unused)."""
 
     seq: int
     dim: int
@@ -82,6 +95,7 @@ class BlockShape:
     # token on every rank), which the pass splits into TP+SP's collectives
     sequence_parallel: bool = True
     experts: int = EXPERTS_PER_RANK  # front "moe": experts per rank
+    moe: str = "capacity"  # front "moe": training.moe's block, "capacity" or "dropless"
 
     def mesh(self, world_size: int) -> str:
         """How the block's ranks are laid out."""
@@ -96,7 +110,7 @@ class BlockShape:
     @property
     def label(self) -> str:
         if self.front == "moe":  # S: tokens per rank; top-2 of E = n x experts per rank
-            return f"S={self.seq} D={self.dim} F={self.hidden} top-2"
+            return f"S={self.seq} D={self.dim} F={self.hidden} top-2 {self.moe}"
         return f"S={self.seq} D={self.dim} H={self.heads} F={self.hidden} B={self.batch}"
 
     def fitted(self, n: int) -> BlockShape:

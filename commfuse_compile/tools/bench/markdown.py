@@ -20,7 +20,7 @@ def markdown(results: dict[str, Any]) -> str:
         if cells:
             lines += _site_table(title, cells)
     lines += _breakdown_table(results)
-    for key in ("block", "block_plain_tp", "block_moe", "block_2d"):
+    for key in ("block", "block_plain_tp", "block_moe", "block_moe_dropless", "block_2d"):
         if results.get(key) is not None:
             lines += _block_table(results[key])
     lines += _targets(results)
@@ -135,7 +135,17 @@ def _block_table(block: dict[str, Any]) -> list[str]:
     else:
         title, layout = "Whole block", "TP+SP over the ranks (DTensor)"
     what = f"One Llama-style block ({block['size']}) with final norm and head, {layout}"
-    if block["shape"].get("front") == "moe":
+    if block["shape"].get("front") == "moe" and block["shape"].get("moe") == "dropless":
+        title = "Whole dropless MoE layer, expert parallel"
+        what = (
+            f"One dropless MoE layer ({block['size']}: S tokens per rank, torchtitan's: a "
+            "top-2 softmax router, tokens sorted by expert, the token counts exchanged, "
+            "`.tolist()` splits, the uneven dispatch all-to-all, grouped-GEMM SwiGLU "
+            "experts in bfloat16, the combine all-to-all and `scatter_add`; pre-norm, "
+            "residual, loss = MSE; compiled with `capture_scalar_outputs`), expert "
+            "parallel over every rank"
+        )
+    elif block["shape"].get("front") == "moe":
         title = "Whole MoE layer, expert parallel"
         what = (
             f"One capacity-MoE layer ({block['size']}: S tokens per rank, a top-2 softmax "
@@ -201,7 +211,8 @@ def _setting(results: dict[str, Any]) -> list[str]:
         "algorithm's traffic) sent as P2P in one batch, nothing computed: the link time of "
         "the site (the plain-TP all-reduce cells: 2(n-1) blocks, the reduce-scatter's and "
         "the all-gather's, against both matmuls; the MoE cells: 2(n-1), the dispatch's and "
-        "the combine's, against both bmm); collective alone = gloo's collective "
+        "the combine's, against both bmm or the three grouped matmuls; the dropless "
+        "cells: the busiest rank's rows); collective alone = gloo's collective "
         "alone (its reduce-scatter sends every rank the whole product, twice a ring's bytes "
         "for n = 2); comm/compute = comm alone / matmul alone, set by the link rate",
         "* speedup = baseline median / row median; / limit = row median / max(matmul alone, "
