@@ -18,8 +18,14 @@ from pathlib import Path
 import pytest
 
 from commfuse_compile.tools.bench.block import BlockJob, block_compile, block_times
-from commfuse_compile.tools.bench.cells import SiteJob, measure_site
-from commfuse_compile.tools.bench.config import MOE_KIND, BlockShape, SiteShape
+from commfuse_compile.tools.bench.cells import SiteJob, dropless_routing, measure_site
+from commfuse_compile.tools.bench.config import (
+    DROPLESS_KIND,
+    DROPLESS_SKEW,
+    MOE_KIND,
+    BlockShape,
+    SiteShape,
+)
 from commfuse_compile.tools.bench.figures import (
     KIND_TITLES,
     block_result,
@@ -37,7 +43,7 @@ from commfuse_compile.tools.cli import _parser, main
 ROOT_ONLY = pytest.mark.skipif(can_throttle() is not None, reason=str(can_throttle()))
 ULYSSES = ("mm_a2a", "a2a_mm")
 ULYSSES_ROWS = ["baseline", "ring", "auto"]
-QUICK_KINDS = {"ag_mm", "mm_rs", *ULYSSES, "mm_ar_mm"}  # the MoE cell: full preset only
+QUICK_KINDS = {"ag_mm", "mm_rs", *ULYSSES, "mm_ar_mm"}  # the MoE cells: full preset only
 
 
 def _our_namespaces(pid: int) -> list[str]:
@@ -167,6 +173,99 @@ def test_moe_cell_and_block_rewrite_every_site_with_the_ring(ranks):
     assert "One capacity-MoE layer (S=32 D=16 F=32 top-2" in page and "| ring |" in page
 
 
+def test_dropless_cells_and_block_are_in_the_full_preset_and_selectable():
+    """The dropless-MoE cell (counts exchanged, ``.tolist()`` splits, dispatch ->
+    grouped SwiGLU -> combine: one ``moe`` site, the rows of an all-to-all) at the three
+    ratios, balanced, and skewed at ratio 1; its block (training's dropless layer:
+    baseline, ring, auto): the full preset only, ``--kinds`` keeps them apart from the
+    capacity MoE's. Skewed routing keeps every rank's rows; on 3 or more ranks, and on 2
+    both directions together, the rows on the link too."""
+    assert [v.label for v in kind_rows(variants(), DROPLESS_KIND)] == ULYSSES_ROWS
+    cells = [(s, r) for c in FULL.cells for k, s, r in c if k == DROPLESS_KIND]
+    assert [(s.skew, r) for s, r in cells] == [(1.0, 0.5), (1.0, 1.0), (1.0, 2.0), (2.0, 1.0)]
+    assert DROPLESS_SKEW == 2.0 and cells[-1][0].label.endswith("skew 2x")
+    assert not any(k == DROPLESS_KIND for c in QUICK.cells for k, _, _ in c)
+    size = cells[0][0]
+    assert size.dim % 16 == 0 and size.ffn % 16 == 0  # _grouped_mm's strides on CPU
+    assert size.fitted(2, DROPLESS_KIND) == size
+    assert size.fitted(3, DROPLESS_KIND).seq == size.seq - size.seq % 6
+    assert QUICK.block_dropless is None and FULL.block_dropless is not None
+    assert FULL.block_dropless.shape.moe == "dropless"
+    assert FULL.block_dropless.schedules == ("baseline", "ring", "auto")
+    assert FULL.block_moe is not None and FULL.block_moe.shape.moe == "capacity"
+    only = FULL.only((DROPLESS_KIND,))
+    assert {k for c in only.cells for k in c.kinds} == {DROPLESS_KIND}
+    assert only.block_dropless is FULL.block_dropless and only.block_moe is None
+    assert FULL.only((MOE_KIND,)).block_dropless is None
+
+    assert dropless_routing(2, 96) == [[48, 48], [48, 48]]
+    assert dropless_routing(2, 96, 2.0) == [[32, 64], [32, 64]]  # rank 1 runs 2x rank 0
+    for n in (3, 4, 5):
+        routing = dropless_routing(n, 120, 2.0)
+        assert all(sum(row) == 120 for row in routing)  # each rank's rows
+        assert [sum(col) for col in zip(*routing, strict=True)] == [120] * n  # received
+        assert all(row[(src + 1) % n] == 2 * 120 // n for src, row in enumerate(routing))
+
+
+def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
+    """The dropless cell, as ``measure_site`` runs it (tiny, unthrottled, untimed),
+    balanced and skewed: the token counts' exchange declined in every row (integers);
+    the baseline keeps the dispatch and combine (one ``moe`` site, declined), the ring
+    rewrites it, ``auto`` decides on it. The dropless block's step (training's layer,
+    one untimed step per row): without the pass nothing rewritten; with the ring the
+    ``moe`` site forward and backward."""
+    pool = ranks(2)
+    rows = tuple(v for v in variants() if v.label in ULYSSES_ROWS)
+    for skew in (1.0, DROPLESS_SKEW):
+        shape = SiteShape(96, 32, 32, skew)
+        job = SiteJob(DROPLESS_KIND, shape, rows, None, 0, 1, breakdown_reps=1)
+        per_rank = pool.run(measure_site, job)
+        records = per_rank[0]["rows"]
+        assert all(
+            r["rows"][label]["sites"] == record["sites"]
+            for r in per_rank
+            for label, record in records.items()
+        ), "ranks disagree on the sites"
+        sites = {
+            label: [(s["kind"], s["decision"]) for s in r["sites"]] for label, r in records.items()
+        }
+        counts = ("a2a_mm", "declined")
+        assert sites["baseline"] == [counts, ("moe", "declined")]
+        assert sites["ring"] == [counts, ("moe", "rewritten")]
+        assert [kind for kind, _ in sites["auto"]] == ["a2a_mm", "moe"]
+        ring = records["ring"]
+        assert (ring["schedule"], ring["decision"], ring["reason"]) == ("ring", "rewritten", "")
+        assert records["baseline"]["program"] != ring["program"]
+        assert "matmul" in per_rank[0]["breakdown"]["ring"]
+        cell = site_cell(DROPLESS_KIND, shape, 1.0, math.inf, [], per_rank, list(rows), 2)
+        assert [r["label"] for r in cell["rows"]] == ULYSSES_ROWS
+        assert f"a2a_gmm_a2a {shape.label}" in format_cell(cell)
+
+    shape = BlockShape(seq=32, dim=32, heads=1, hidden=32, front="moe", moe="dropless")
+    sites_per_rank = pool.run(block_compile, BlockJob(shape, rows[:2], None))
+    assert all(s == sites_per_rank[0] for s in sites_per_rank), "ranks disagree on the sites"
+    times = slowest(pool.run(block_times, ["baseline", "ring"], 0, 1))
+    block = block_result(shape, 1e8, 0.1, times, sites_per_rank[0], 1.0, 2, 2)
+    off, ring = block["rows"]
+    assert (off["sites"]["rewritten"], off["sites"]["found"]) == (0, 3)
+    assert (ring["sites"]["rewritten"], ring["sites"]["found"]) == (2, 3)
+    summary = {(r["graph"], r["kind"]): r for r in ring["sites"]["summary"]}
+    assert summary["forward", "a2a_mm"]["reasons"] == {"site.dtype": 1}  # the counts
+    assert {k: (r["found"], r["rewritten"]) for k, r in summary.items() if k[1] == "moe"} == {
+        ("forward", "moe"): (1, 1),
+        ("backward", "moe"): (1, 1),
+    }
+    results = {"sites": [], "targets": [], "meta": {"preset": "full", "world_size": 2}}
+    results["meta"] |= {"command": "commfuse bench", "date": "-", "warmup": 2, "reps": 9}
+    results["meta"] |= {"network": {"throttled": True, "description": "veth"}}
+    machine = {"cpu": "x", "cores": 2, "kernel": "-", "python": "-", "torch": "-"}
+    machine["load_average"] = [1.0, 1.0, 1.0]
+    results["meta"] |= {"machine_before": machine, "machine_after": machine}
+    page = markdown({**results, "block": None, "block_moe_dropless": block})
+    assert "## Whole dropless MoE layer, expert parallel: training step" in page
+    assert "One dropless MoE layer (S=32 D=32 F=32 top-2 dropless" in page
+
+
 # ``commfuse bench --quick`` as the CLI runs it, its preset shrunk for the test: the same
 # kinds of cells (TP+SP at two ratios, the Ulysses ones, the plain-TP one at ratio 1),
 # rows, blocks (TP+SP and plain TP, the latter without auto) and targets, at a smaller
@@ -251,6 +350,7 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
         assert {(s["decision"], s["schedule"]) for s in row["sites"]} == {("rewritten", row["ran"])}
     assert results["block_2d"] is None  # opt-in: --block-2d
     assert results["block_moe"] is None  # full preset only
+    assert results["block_moe_dropless"] is None
     block = results["block"]
     assert block["rows"][0]["label"] == "baseline" and len(block["rows"]) >= 2
     assert all(row["median_s"] > 0 for row in block["rows"])
@@ -352,7 +452,7 @@ def test_plot_of_synthetic_results(tmp_path: Path):
         {
             "kind": kind,
             "ratio": ratio,
-            "rows": ulysses if kind in (*ULYSSES, MOE_KIND) else rows,
+            "rows": ulysses if kind in (*ULYSSES, MOE_KIND, DROPLESS_KIND) else rows,
             "limit_s": 0.5,
             "n_block_bound_s": 0.6,
         }
