@@ -591,20 +591,17 @@ def _row_record(records: list[report.SiteRecord]) -> dict[str, Any]:
         }
     rewritten = [r for r in records if r.decision == "rewritten"]
     ran = list(dict.fromkeys(r.schedule for r in rewritten))
-    # the dropless MoE's token counts (integers, no matmul: declined in every row) are
-    # listed in ``sites`` but say nothing of the row
-    declined = [
-        r
-        for r in records
-        if r.decision != "rewritten" and not (rewritten and r.decline_code == "site.dtype")
-    ]
-    common = set.intersection(*(set(r.predicted_us) for r in records))
+    # the dropless MoE's token counts (integers, no matmul: declined in every row, before
+    # any prediction) are listed in ``sites`` but say nothing of the row
+    timed = [r for r in records if r.decline_code != "site.dtype"] or records
+    declined = [r for r in timed if r.decision != "rewritten"]
+    common = set.intersection(*(set(r.predicted_us) for r in timed))
     chosen = [r.predicted_us.get(r.schedule) for r in rewritten]
     return {
         "schedule": "+".join(ran) if rewritten else "off",
-        "decision": "rewritten" if rewritten and not declined else records[0].decision,
+        "decision": "rewritten" if rewritten and not declined else timed[0].decision,
         "reason": "; ".join(r.reason for r in declined if r.reason),
-        "predicted_us": {k: sum(r.predicted_us[k] for r in records) for k in sorted(common)},
+        "predicted_us": {k: sum(r.predicted_us[k] for r in timed) for k in sorted(common)},
         # what the row ran, predicted: each site's own schedule (``auto`` may pick two)
         "predicted_ran_us": None if None in chosen else sum(c or 0.0 for c in chosen),
         "sites": [
