@@ -18,16 +18,32 @@ from pathlib import Path
 import pytest
 
 from commfuse_compile.tools.bench.block import BlockJob, block_compile, block_times
-from commfuse_compile.tools.bench.figures import KIND_TITLES, block_result, format_block, slowest
+from commfuse_compile.tools.bench.cells import SiteJob, dropless_routing, measure_site
+from commfuse_compile.tools.bench.config import (
+    DROPLESS_KIND,
+    DROPLESS_SKEW,
+    MOE_KIND,
+    BlockShape,
+    SiteShape,
+)
+from commfuse_compile.tools.bench.figures import (
+    KIND_TITLES,
+    block_result,
+    format_block,
+    format_cell,
+    site_cell,
+    slowest,
+)
 from commfuse_compile.tools.bench.markdown import markdown
 from commfuse_compile.tools.bench.netns import PREFIX, can_throttle, remove_stale_namespaces
 from commfuse_compile.tools.bench.plot import plot_speedup
 from commfuse_compile.tools.bench.run import FULL, QUICK, kind_rows, variants
-from commfuse_compile.tools.cli import _parser
+from commfuse_compile.tools.cli import _parser, main
 
 ROOT_ONLY = pytest.mark.skipif(can_throttle() is not None, reason=str(can_throttle()))
 ULYSSES = ("mm_a2a", "a2a_mm")
 ULYSSES_ROWS = ["baseline", "ring", "auto"]
+QUICK_KINDS = {"ag_mm", "mm_rs", *ULYSSES, "mm_ar_mm"}  # the MoE cells: full preset only
 
 
 def _our_namespaces(pid: int) -> list[str]:
@@ -71,6 +87,186 @@ def test_ulysses_cells_have_the_rows_of_their_direction():
     assert [v.label for v in kind_rows(variants(), "ag_mm")] == [v.label for v in variants()]
     cells = [cell for cells in QUICK.cells for cell in cells]
     assert sorted(kind for kind, _, _ in cells if kind in ULYSSES) == sorted(ULYSSES)
+
+
+def test_moe_cells_and_block_are_in_the_full_preset_and_selectable(tmp_path, capsys):
+    """The capacity-MoE cell (dispatch -> experts -> combine: two all-to-alls, the rows
+    of the all-to-all kinds) at the three ratios and its block (baseline, ring, auto) are
+    in the full preset, not in ``--quick``; ``--kinds`` cuts a preset to the cells of
+    some kinds and the blocks made of them, and refuses a cut with no cell."""
+    assert [v.label for v in kind_rows(variants(), MOE_KIND)] == ULYSSES_ROWS
+    moe = [(size, ratio) for cells in FULL.cells for kind, size, ratio in cells if kind == MOE_KIND]
+    assert [ratio for _, ratio in moe] == [0.5, 1.0, 2.0]
+    assert not any(kind == MOE_KIND for cells in QUICK.cells for kind, _, _ in cells)
+    size = moe[0][0]  # slots in n x 2 experts' blocks of one capacity; experts unsharded
+    assert size.fitted(2, MOE_KIND) == size
+    assert (size.fitted(3, MOE_KIND).seq, size.fitted(3, MOE_KIND).ffn) == (2046, size.ffn)
+    assert QUICK.block_moe is None and FULL.block_moe is not None
+    assert FULL.block_moe.schedules == ("baseline", "ring", "auto")
+    assert FULL.block_moe.shape.mesh(2) == "ep=2, 2 experts per rank"
+
+    only = FULL.only((MOE_KIND,))
+    assert [c.kinds for c in only.cells] == [(MOE_KIND,)]
+    assert only.block_moe is FULL.block_moe
+    assert only.block is only.block_plain is only.block_2d is None
+    tp = FULL.only(("ag_mm", "mm_a2a"))
+    assert {k for c in tp.cells for k in c.kinds} == {"ag_mm", "mm_a2a"}
+    assert tp.block is FULL.block and tp.block_2d is FULL.block_2d
+    assert tp.block_plain is tp.block_moe is None
+
+    args = _parser().parse_args(["bench", "--kinds", f"{MOE_KIND},ag_mm"])
+    assert args.kinds == (MOE_KIND, "ag_mm") and _parser().parse_args(["bench"]).kinds is None
+    assert main(["bench", "--quick", "--kinds", MOE_KIND, "--out", str(tmp_path)]) == 2
+    assert f"the quick preset has no cells of {MOE_KIND}" in capsys.readouterr().err
+
+
+def test_moe_cell_and_block_rewrite_every_site_with_the_ring(ranks):
+    """The MoE cell, as ``measure_site`` runs it (tiny, unthrottled, untimed): the
+    baseline keeps both all-to-alls (an ``a2a_mm`` and an ``mm_a2a`` site, declined);
+    the ring rewrites both; ``auto`` decides on the same two sites. The MoE block's step
+    (one untimed step per row): 4 sites, none rewritten without the pass, all with the
+    ring (forward: dispatch into the first ``bmm``, second ``bmm`` into the combine;
+    backward: the gradients' two all-to-alls, each into the matmuls that read it)."""
+    pool = ranks(2)
+    rows = tuple(v for v in variants() if v.label in ULYSSES_ROWS)
+    job = SiteJob(MOE_KIND, SiteShape(64, 16, 32), rows, None, 0, 1, breakdown_reps=1)
+    per_rank = pool.run(measure_site, job)
+    records = per_rank[0]["rows"]
+    assert all(
+        r["rows"][label]["sites"] == record["sites"]
+        for r in per_rank
+        for label, record in records.items()
+    ), "ranks disagree on the sites"
+    sites = {
+        label: [(s["kind"], s["decision"]) for s in r["sites"]] for label, r in records.items()
+    }
+    assert sites["baseline"] == [("a2a_mm", "declined"), ("mm_a2a", "declined")]
+    assert sites["ring"] == [("a2a_mm", "rewritten"), ("mm_a2a", "rewritten")]
+    assert [kind for kind, _ in sites["auto"]] == ["a2a_mm", "mm_a2a"]
+    assert records["ring"]["schedule"] == "ring" and records["ring"]["decision"] == "rewritten"
+    assert {s["schedule"] for s in records["ring"]["sites"]} == {"ring"}
+    cell = site_cell(MOE_KIND, job.shape, 1.0, math.inf, [], per_rank, list(rows), 2)
+    assert [r["label"] for r in cell["rows"]] == ULYSSES_ROWS
+    assert "a2a_experts_a2a S=64 D=16 F=32" in format_cell(cell)
+
+    shape = BlockShape(seq=32, dim=16, heads=1, hidden=32, front="moe")
+    block_rows = rows[:2]
+    sites_per_rank = pool.run(block_compile, BlockJob(shape, block_rows, None))
+    assert all(s == sites_per_rank[0] for s in sites_per_rank), "ranks disagree on the sites"
+    times = slowest(pool.run(block_times, ["baseline", "ring"], 0, 1))
+    block = block_result(shape, 1e8, 0.1, times, sites_per_rank[0], 1.0, 2, 2)
+    off, ring = block["rows"]
+    assert (off["sites"]["rewritten"], off["sites"]["found"]) == (0, 4)
+    assert (ring["sites"]["rewritten"], ring["sites"]["found"]) == (4, 4)
+    assert ring["sites"]["schedules"] == ["ring"]
+    found = {(r["graph"], r["kind"]): r["found"] for r in ring["sites"]["summary"]}
+    assert found == {("forward", "a2a_mm"): 1, ("forward", "mm_a2a"): 1, ("backward", "a2a_mm"): 2}
+    assert block["mesh"] == "ep=2, 2 experts per rank"
+    results = {"sites": [], "targets": [], "meta": {"preset": "full", "world_size": 2}}
+    results["meta"] |= {"command": "commfuse bench", "date": "-", "warmup": 2, "reps": 9}
+    results["meta"] |= {"network": {"throttled": True, "description": "veth"}}
+    machine = {"cpu": "x", "cores": 2, "kernel": "-", "python": "-", "torch": "-"}
+    machine["load_average"] = [1.0, 1.0, 1.0]
+    results["meta"] |= {"machine_before": machine, "machine_after": machine}
+    page = markdown({**results, "block": None, "block_moe": block})
+    assert "## Whole MoE layer, expert parallel: training step" in page
+    assert "One capacity-MoE layer (S=32 D=16 F=32 top-2" in page and "| ring |" in page
+
+
+def test_dropless_cells_and_block_are_in_the_full_preset_and_selectable():
+    """The dropless-MoE cell (counts exchanged, ``.tolist()`` splits, dispatch ->
+    grouped SwiGLU -> combine: one ``moe`` site, the rows of an all-to-all) at the three
+    ratios, balanced, and skewed at ratio 1; its block (training's dropless layer:
+    baseline, ring, auto): the full preset only, ``--kinds`` keeps them apart from the
+    capacity MoE's. Skewed routing keeps every rank's rows; on 3 or more ranks, and on 2
+    both directions together, the rows on the link too."""
+    assert [v.label for v in kind_rows(variants(), DROPLESS_KIND)] == ULYSSES_ROWS
+    cells = [(s, r) for c in FULL.cells for k, s, r in c if k == DROPLESS_KIND]
+    assert [(s.skew, r) for s, r in cells] == [(1.0, 0.5), (1.0, 1.0), (1.0, 2.0), (2.0, 1.0)]
+    assert DROPLESS_SKEW == 2.0 and cells[-1][0].label.endswith("skew 2x")
+    assert not any(k == DROPLESS_KIND for c in QUICK.cells for k, _, _ in c)
+    size = cells[0][0]
+    assert size.dim % 16 == 0 and size.ffn % 16 == 0  # _grouped_mm's strides on CPU
+    assert size.fitted(2, DROPLESS_KIND) == size
+    assert size.fitted(3, DROPLESS_KIND).seq == size.seq - size.seq % 6
+    assert QUICK.block_dropless is None and FULL.block_dropless is not None
+    assert FULL.block_dropless.shape.moe == "dropless"
+    assert FULL.block_dropless.schedules == ("baseline", "ring", "auto")
+    assert FULL.block_moe is not None and FULL.block_moe.shape.moe == "capacity"
+    only = FULL.only((DROPLESS_KIND,))
+    assert {k for c in only.cells for k in c.kinds} == {DROPLESS_KIND}
+    assert only.block_dropless is FULL.block_dropless and only.block_moe is None
+    assert FULL.only((MOE_KIND,)).block_dropless is None
+
+    assert dropless_routing(2, 96) == [[48, 48], [48, 48]]
+    assert dropless_routing(2, 96, 2.0) == [[32, 64], [32, 64]]  # rank 1 runs 2x rank 0
+    for n in (3, 4, 5):
+        routing = dropless_routing(n, 120, 2.0)
+        assert all(sum(row) == 120 for row in routing)  # each rank's rows
+        assert [sum(col) for col in zip(*routing, strict=True)] == [120] * n  # received
+        assert all(row[(src + 1) % n] == 2 * 120 // n for src, row in enumerate(routing))
+
+
+def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
+    """The dropless cell, as ``measure_site`` runs it (tiny, unthrottled, untimed),
+    balanced and skewed: the token counts' exchange declined in every row (integers);
+    the baseline keeps the dispatch and combine (one ``moe`` site, declined), the ring
+    rewrites it, ``auto`` decides on it. The dropless block's step (training's layer,
+    one untimed step per row): without the pass nothing rewritten; with the ring the
+    ``moe`` site forward and backward."""
+    pool = ranks(2)
+    rows = tuple(v for v in variants() if v.label in ULYSSES_ROWS)
+    for skew in (1.0, DROPLESS_SKEW):
+        shape = SiteShape(96, 32, 32, skew)
+        job = SiteJob(DROPLESS_KIND, shape, rows, None, 0, 1, breakdown_reps=1)
+        per_rank = pool.run(measure_site, job)
+        records = per_rank[0]["rows"]
+        assert all(
+            r["rows"][label]["sites"] == record["sites"]
+            for r in per_rank
+            for label, record in records.items()
+        ), "ranks disagree on the sites"
+        sites = {
+            label: [(s["kind"], s["decision"]) for s in r["sites"]] for label, r in records.items()
+        }
+        counts = ("a2a_mm", "declined")
+        assert sites["baseline"] == [counts, ("moe", "declined")]
+        assert sites["ring"] == [counts, ("moe", "rewritten")]
+        assert [kind for kind, _ in sites["auto"]] == ["a2a_mm", "moe"]
+        ring = records["ring"]
+        assert (ring["schedule"], ring["decision"], ring["reason"]) == ("ring", "rewritten", "")
+        assert {"ring", "collective"} <= set(
+            ring["predicted_us"]
+        )  # the moe site's, not the counts'
+        assert records["baseline"]["program"] != ring["program"]
+        assert "matmul" in per_rank[0]["breakdown"]["ring"]
+        cell = site_cell(DROPLESS_KIND, shape, 1.0, math.inf, [], per_rank, list(rows), 2)
+        assert [r["label"] for r in cell["rows"]] == ULYSSES_ROWS
+        assert f"a2a_gmm_a2a {shape.label}" in format_cell(cell)
+
+    shape = BlockShape(seq=32, dim=32, heads=1, hidden=32, front="moe", moe="dropless")
+    sites_per_rank = pool.run(block_compile, BlockJob(shape, rows[:2], None))
+    assert all(s == sites_per_rank[0] for s in sites_per_rank), "ranks disagree on the sites"
+    times = slowest(pool.run(block_times, ["baseline", "ring"], 0, 1))
+    block = block_result(shape, 1e8, 0.1, times, sites_per_rank[0], 1.0, 2, 2)
+    off, ring = block["rows"]
+    assert (off["sites"]["rewritten"], off["sites"]["found"]) == (0, 3)
+    assert (ring["sites"]["rewritten"], ring["sites"]["found"]) == (2, 3)
+    summary = {(r["graph"], r["kind"]): r for r in ring["sites"]["summary"]}
+    assert summary["forward", "a2a_mm"]["reasons"] == {"site.dtype": 1}  # the counts
+    assert {k: (r["found"], r["rewritten"]) for k, r in summary.items() if k[1] == "moe"} == {
+        ("forward", "moe"): (1, 1),
+        ("backward", "moe"): (1, 1),
+    }
+    results = {"sites": [], "targets": [], "meta": {"preset": "full", "world_size": 2}}
+    results["meta"] |= {"command": "commfuse bench", "date": "-", "warmup": 2, "reps": 9}
+    results["meta"] |= {"network": {"throttled": True, "description": "veth"}}
+    machine = {"cpu": "x", "cores": 2, "kernel": "-", "python": "-", "torch": "-"}
+    machine["load_average"] = [1.0, 1.0, 1.0]
+    results["meta"] |= {"machine_before": machine, "machine_after": machine}
+    page = markdown({**results, "block": None, "block_moe_dropless": block})
+    assert "## Whole dropless MoE layer, expert parallel: training step" in page
+    assert "One dropless MoE layer (S=32 D=32 F=32 top-2 dropless" in page
 
 
 # ``commfuse bench --quick`` as the CLI runs it, its preset shrunk for the test: the same
@@ -128,7 +324,7 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     assert meta["reps"] >= 5 and meta["network"]["throttled"] == (can_throttle() is None)
     labels = [row["label"] for row in meta["rows"]]
     assert labels[0] == "baseline" and "ring" in labels and "auto" in labels
-    assert {c["kind"] for c in results["sites"]} == {"ag_mm", "mm_rs", *ULYSSES, "mm_ar_mm"}
+    assert {c["kind"] for c in results["sites"]} == QUICK_KINDS
     assert len({c["ratio"] for c in results["sites"]}) >= 2
     assert sorted(c["kind"] for c in results["sites"] if c["kind"] in ULYSSES) == sorted(ULYSSES)
     for cell in results["sites"]:
@@ -156,6 +352,8 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
         assert kinds == ["mm_rs", "ag_mm"], row["label"]
         assert {(s["decision"], s["schedule"]) for s in row["sites"]} == {("rewritten", row["ran"])}
     assert results["block_2d"] is None  # opt-in: --block-2d
+    assert results["block_moe"] is None  # full preset only
+    assert results["block_moe_dropless"] is None
     block = results["block"]
     assert block["rows"][0]["label"] == "baseline" and len(block["rows"]) >= 2
     assert all(row["median_s"] > 0 for row in block["rows"])
@@ -183,11 +381,11 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     markdown = (out / "results.md").read_text()
     for heading in ("## Sites", "## Whole block", "## Whole block, plain TP", "## Targets"):
         assert heading in markdown
-    for title in KIND_TITLES.values():  # a table per site kind, the Ulysses ones too
-        assert f"### {title}" in markdown
+    for kind in QUICK_KINDS:  # a table per site kind, the Ulysses ones too
+        assert f"### {KIND_TITLES[kind]}" in markdown
     assert "| ag_mm |" in markdown and "| mm_a2a |" in markdown  # where the time goes
     assert "](speedup.svg)" in markdown
-    check_plot(out / "speedup.svg", labels[1:])
+    check_plot(out / "speedup.svg", labels[1:], QUICK_KINDS)
 
 
 def test_2d_block_row_is_built_and_reported(ranks):
@@ -237,12 +435,13 @@ def test_2d_block_row_is_built_and_reported(ranks):
     assert "| ring |" in page and "sharing 2 cores" in page and "100 Mbit/s" in page
 
 
-def check_plot(path: Path, labels: list[str]) -> None:
-    """An SVG with a titled panel per site kind and a legend entry per schedule."""
+def check_plot(path: Path, labels: list[str], kinds: set[str] | None = None) -> None:
+    """An SVG with a titled panel per site kind (of ``kinds``; None: every kind) and a
+    legend entry per schedule."""
     svg = ET.fromstring(path.read_text())
     assert svg.tag == "{http://www.w3.org/2000/svg}svg"
     texts = {t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")}
-    assert set(KIND_TITLES.values()) <= texts
+    assert {KIND_TITLES[k] for k in kinds or KIND_TITLES} <= texts
     assert {*labels, "baseline", "perfect overlap", "best with 2 blocks"} <= texts
 
 
@@ -256,7 +455,7 @@ def test_plot_of_synthetic_results(tmp_path: Path):
         {
             "kind": kind,
             "ratio": ratio,
-            "rows": ulysses if kind in ULYSSES else rows,
+            "rows": ulysses if kind in (*ULYSSES, MOE_KIND, DROPLESS_KIND) else rows,
             "limit_s": 0.5,
             "n_block_bound_s": 0.6,
         }

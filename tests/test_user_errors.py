@@ -71,6 +71,11 @@ CLI_ERRORS = [
     (["calibrate", "--world-size", "0"], "argument --world-size: must be an integer >= 2"),
     (["bench", "--world-size", "1"], "argument --world-size: must be an integer >= 2"),
     (
+        ["bench", "--kinds", "ag_mm,moe"],
+        "argument --kinds: unknown cell kind 'moe': one or more of ag_mm, mm_rs, mm_a2a, "
+        "a2a_mm, mm_ar_mm, a2a_experts_a2a",
+    ),
+    (
         ["demo", "--debug-dir", "afile"],
         "argument --debug-dir: 'afile' is a file; give a directory (it is created if missing)",
     ),

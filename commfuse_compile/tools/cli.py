@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..cost.profiles import Profile, ProfileError, load
 from ..options import INNER_COMPILERS, MAX_SLICES, SCHEDULES, dump_dir_problem
+from .bench.config import CELL_KINDS, DROPLESS_KIND, MOE_KIND
 from .sim import MOE_GROUP_SIZES, MOE_PRESETS, MOE_TOKENS, PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
 
 if TYPE_CHECKING:
@@ -268,6 +269,27 @@ def _add_bench(commands: _Commands) -> None:
         help="also the 2-D block (data x tensor parallel: training's fsdp front with tp=2 "
         "on a 2 x 2 mesh), on 4 ranks of its own after the rest, with the pass and without",
     )
+    bench.add_argument(
+        "--kinds",
+        type=_kinds,
+        metavar="KIND[,KIND...]",
+        help=f"only the preset's cells of these kinds ({', '.join(CELL_KINDS)}) and the "
+        "blocks made of them (the TP+SP blocks: ag_mm or mm_rs; the plain-TP block: "
+        f"mm_ar_mm; the capacity-MoE block: {MOE_KIND}; the dropless-MoE block: "
+        f"{DROPLESS_KIND}; the MoE ones in the full preset only)",
+    )
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    """An argparse type: a comma-separated list of ``commfuse bench``'s cell kinds."""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in CELL_KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"unknown cell kind {', '.join(map(repr, unknown)) or repr(text)}: "
+            f"one or more of {', '.join(CELL_KINDS)}"
+        )
+    return kinds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from .bench.run import main as bench_main
 
-        return bench_main(args.quick, args.out, args.world_size, args.network, args.block_2d)
+        return bench_main(
+            args.quick, args.out, args.world_size, args.network, args.block_2d, args.kinds
+        )
 
     if args.command == "calibrate":
         from .calibrate import run as calibrate_run

@@ -1,7 +1,9 @@
 """``commfuse bench``'s whole-block figure: a transformer block's training step (forward +
 backward), compiled with the pass and without it (the same compile with
 ``schedule="off"``), on a link whose rate makes the baseline's communication a given
-multiple of its compute."""
+multiple of its compute. The blocks are training's (``training.fronts``), and its MoE
+layers (``training.moe``: the capacity one, GShard / DeepSpeed, and the dropless one,
+torchtitan; front "moe")."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ import math
 import os
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from ... import report
 from . import figures
@@ -31,6 +36,44 @@ class BlockBench:
     reps: int
     world_size: int | None = None  # ranks of its own (None: the run's)
     key: str = "block"  # in results.json, and its profile's file name
+
+
+# ----------------------------------------------------------------------------------------
+# The MoE layers: training's (``training.moe``), one block and its loss
+
+
+class _MoELoss(nn.Module):
+    """One of training's MoE blocks (``CapacityMoEBlock``: GShard / DeepSpeed; or
+    ``DroplessMoEBlock``: torchtitan) and its loss: ``forward(x, target)`` = the mean
+    squared error of the block's output plus 0.01 x its load-balancing loss (the
+    dropless block's is 0)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        out, l_aux = self.block(x)
+        return F.mse_loss(out, target) + 0.01 * l_aux
+
+
+def _moe_setup(shape: BlockShape, rank: int, n: int) -> Any:
+    """The MoE layer as ``fronts.build`` gives a block: its loss module (training's
+    block of ``shape.moe`` kind, from one seed: the router and norm equal on every rank,
+    rank r's experts the r-th ``shape.experts`` of the set) and this rank's (tokens,
+    target) per step."""
+    from ..training.moe import MoEConfig, build
+
+    cfg = MoEConfig(
+        moe=shape.moe, dim=shape.dim, hidden=shape.hidden, experts_per_rank=shape.experts
+    )
+    module = _MoELoss(build(cfg).blocks[0])
+
+    def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        return torch.randn(2, shape.seq, shape.dim, generator=gen).unbind(0)  # type: ignore[return-value]
+
+    return SimpleNamespace(loss_module=module, inputs=inputs)
 
 
 # ----------------------------------------------------------------------------------------
@@ -53,26 +96,43 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
     from ..training.loop import summarize
 
     torch._dynamo.config.recompile_limit = 64  # one entry per row, same code objects
-    cfg = TrainConfig(
-        front=job.shape.front,
-        tp=job.shape.tp,
-        blocks=1,
-        dim=job.shape.dim,
-        heads=job.shape.heads,
-        hidden=job.shape.hidden,
-        batch=job.shape.batch,
-        seq=job.shape.seq,
-        sequence_parallel=job.shape.sequence_parallel,
-    )
+    shape = job.shape
+
+    def setup_of() -> Any:
+        if shape.front == "moe":
+            return _moe_setup(shape, rank, n)
+        cfg = TrainConfig(
+            front=shape.front,
+            tp=shape.tp,
+            blocks=1,
+            dim=shape.dim,
+            heads=shape.heads,
+            hidden=shape.hidden,
+            batch=shape.batch,
+            seq=shape.seq,
+            sequence_parallel=shape.sequence_parallel,
+        )
+        return build(cfg, rank, n)
+
     sites = {}
     for row in job.rows:
-        setup = build(cfg, rank, n)
+        setup = setup_of()
         options = {**row.options(job.profile), "inner": "eager"}
         compiled = torch.compile(setup.loss_module, backend="commfuse", options=options)
         x, target = setup.inputs(0)
+        # the dropless layer's ``.tolist()`` splits: unbacked sizes in the graph, as
+        # torchtitan compiles it (a graph break otherwise)
+        scalars = shape.front == "moe" and shape.moe == "dropless"
 
-        def step(compiled: Any = compiled, x: Any = x, target: Any = target, setup: Any = setup):
-            compiled(x, target).backward()
+        def step(
+            compiled: Any = compiled,
+            x: Any = x,
+            target: Any = target,
+            setup: Any = setup,
+            scalars: bool = scalars,
+        ) -> None:
+            with torch._dynamo.config.patch(capture_scalar_outputs=scalars):
+                compiled(x, target).backward()
             setup.loss_module.zero_grad(set_to_none=True)
 
         first = len(report.REPORT.sites)

@@ -12,6 +12,22 @@ from typing import Any
 
 OVERLAP_PROBE = "both at once"  # comm alone with the matmul run meanwhile (cells._comm)
 
+# The capacity-MoE cell (dispatch all-to-all -> batched experts -> combine all-to-all):
+# each rank holds this many experts; its ``SiteShape.seq`` is the rank's token slots
+# (n x experts per rank x capacity), its ``ffn`` every expert's hidden size (not sharded)
+MOE_KIND = "a2a_experts_a2a"
+EXPERTS_PER_RANK = 2
+# The dropless-MoE cell (torchtitan: token counts exchanged, ``.tolist()`` splits, uneven
+# dispatch all-to-all -> grouped-GEMM SwiGLU experts in bfloat16 -> combine all-to-all):
+# ``SiteShape.seq`` is the rows this rank dispatches (tokens x top-k), ``ffn`` every
+# expert's hidden size; ``EXPERTS_PER_RANK`` experts per rank; the pass's ``moe`` site
+DROPLESS_KIND = "a2a_gmm_a2a"
+# skewed routing (``SiteShape.skew``): each rank sends this many times the average rows
+# to one peer (``cells.dropless_routing``)
+DROPLESS_SKEW = 2.0
+# every cell kind (``commfuse bench --kinds``): TP+SP's, Ulysses', plain TP's, the MoEs'
+CELL_KINDS = ("ag_mm", "mm_rs", "mm_a2a", "a2a_mm", "mm_ar_mm", MOE_KIND, DROPLESS_KIND)
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -38,14 +54,22 @@ class SiteShape:
     seq: int
     dim: int
     ffn: int
+    skew: float = 1.0  # the dropless-MoE cell's routing (1: every peer the same rows)
 
     @property
     def label(self) -> str:
-        return f"S={self.seq} D={self.dim} F={self.ffn}"
+        skewed = f" skew {self.skew:g}x" if self.skew != 1.0 else ""
+        return f"S={self.seq} D={self.dim} F={self.ffn}{skewed}"
 
-    def fitted(self, n: int) -> SiteShape:
+    def fitted(self, n: int, kind: str | None = None) -> SiteShape:
         """The shape on ``n`` ranks: the sequence and the hidden size rounded down to
-        multiples of n (each rank's shard the same size; 2048 -> 2046 on 3 ranks)."""
+        multiples of n (each rank's shard the same size; 2048 -> 2046 on 3 ranks). The
+        MoE cell's slots are rounded down to n x ``EXPERTS_PER_RANK`` blocks of one
+        capacity (2048 -> 2046 on 3 ranks), its experts' hidden size kept (not sharded);
+        the dropless cell's rows likewise (n x ``EXPERTS_PER_RANK`` equal groups when
+        balanced)."""
+        if kind in (MOE_KIND, DROPLESS_KIND):
+            return dataclasses.replace(self, seq=self.seq - self.seq % (n * EXPERTS_PER_RANK))
         return dataclasses.replace(self, seq=self.seq - self.seq % n, ffn=self.ffn - self.ffn % n)
 
 
@@ -53,21 +77,30 @@ class SiteShape:
 class BlockShape:
     """The whole-layer figure's block. The sequence stays at 256: from 384 tokens on,
     the pass declines the block's all-gather sites here ("slice sits between the
-    gathered tensor and a matmul"), so a longer block would measure the collectives."""
+    gathered tensor and a matmul"), so a longer block would measure the collectives.
+    Front "moe": one of training's MoE layers (``training.moe``, its kind ``moe``:
+    "capacity" or "dropless") on ``seq`` tokens per rank, ``experts`` experts per rank of
+    hidden size ``hidden`` (``heads`` unused)."""
 
     seq: int
     dim: int
     heads: int
     hidden: int
     batch: int = 1
-    front: str = "tp"  # training's front end: "tp" (TP+SP over every rank) or "fsdp"
+    # training's front end: "tp" (TP+SP over every rank) or "fsdp"; or "moe" (expert
+    # parallel over every rank, the bench's own capacity-MoE layer)
+    front: str = "tp"
     tp: int = 1  # front "fsdp": the tensor-parallel mesh dim, the rest data parallel
     # front "tp": False is plain TP (an all-reduce after each row-parallel linear, every
     # token on every rank), which the pass splits into TP+SP's collectives
     sequence_parallel: bool = True
+    experts: int = EXPERTS_PER_RANK  # front "moe": experts per rank
+    moe: str = "capacity"  # front "moe": training.moe's block, "capacity" or "dropless"
 
     def mesh(self, world_size: int) -> str:
         """How the block's ranks are laid out."""
+        if self.front == "moe":
+            return f"ep={world_size}, {self.experts} experts per rank"
         if self.front == "fsdp" and self.tp > 1:
             return f"dp={world_size // self.tp} x tp={self.tp}"
         if not self.sequence_parallel:
@@ -76,6 +109,8 @@ class BlockShape:
 
     @property
     def label(self) -> str:
+        if self.front == "moe":  # S: tokens per rank; top-2 of E = n x experts per rank
+            return f"S={self.seq} D={self.dim} F={self.hidden} top-2 {self.moe}"
         return f"S={self.seq} D={self.dim} H={self.heads} F={self.hidden} B={self.batch}"
 
     def fitted(self, n: int) -> BlockShape:

@@ -21,6 +21,8 @@ KIND_TITLES = {
     "mm_a2a": "matmul -> all-to-all (Ulysses q/k/v)",
     "a2a_mm": "all-to-all -> matmul (Ulysses output)",
     "mm_ar_mm": "matmul -> all-reduce -> add + RMSNorm -> matmul (plain TP)",
+    "a2a_experts_a2a": "all-to-all -> bmm -> SiLU -> bmm -> all-to-all (capacity MoE experts)",
+    "a2a_gmm_a2a": "counts, all-to-all -> grouped SwiGLU -> all-to-all (dropless MoE experts)",
 }
 
 

@@ -11,13 +11,16 @@ from .figures import KIND_TITLES, ms, ranks_text, row_name, site_counts
 def markdown(results: dict[str, Any]) -> str:
     lines = [f"# commfuse bench ({results['meta']['preset']})", "", *_setting(results), ""]
     lines += ["![speedup over the baseline against comm/compute](speedup.svg)", ""]
-    lines += ["## Sites (a TP+SP linear; a Ulysses projection; a plain-TP all-reduce)", ""]
+    lines += [
+        "## Sites (a TP+SP linear; a Ulysses projection; a plain-TP all-reduce; MoE experts)",
+        "",
+    ]
     for kind, title in KIND_TITLES.items():
         cells = [c for c in results["sites"] if c["kind"] == kind]
         if cells:
             lines += _site_table(title, cells)
     lines += _breakdown_table(results)
-    for key in ("block", "block_plain_tp", "block_2d"):
+    for key in ("block", "block_plain_tp", "block_moe", "block_moe_dropless", "block_2d"):
         if results.get(key) is not None:
             lines += _block_table(results[key])
     lines += _targets(results)
@@ -131,11 +134,29 @@ def _block_table(block: dict[str, Any]) -> list[str]:
         )
     else:
         title, layout = "Whole block", "TP+SP over the ranks (DTensor)"
+    what = f"One Llama-style block ({block['size']}) with final norm and head, {layout}"
+    if block["shape"].get("front") == "moe" and block["shape"].get("moe") == "dropless":
+        title = "Whole dropless MoE layer, expert parallel"
+        what = (
+            f"One dropless MoE layer ({block['size']}: S tokens per rank, torchtitan's: a "
+            "top-2 softmax router, tokens sorted by expert, the token counts exchanged, "
+            "`.tolist()` splits, the uneven dispatch all-to-all, grouped-GEMM SwiGLU "
+            "experts in bfloat16, the combine all-to-all and `scatter_add`; pre-norm, "
+            "residual, loss = MSE; compiled with `capture_scalar_outputs`), expert "
+            "parallel over every rank"
+        )
+    elif block["shape"].get("front") == "moe":
+        title = "Whole MoE layer, expert parallel"
+        what = (
+            f"One capacity-MoE layer ({block['size']}: S tokens per rank, a top-2 softmax "
+            "router with capacity 2S/E, einsum dispatch, DeepSpeed's `_AllToAll`, "
+            "`bmm` experts with GELU, the combine all-to-all and einsum; pre-norm, "
+            "residual, loss = MSE + 0.01 x load balancing), expert parallel over every rank"
+        )
     lines = [
         f"## {title}: training step (forward + backward)",
         "",
-        f"One Llama-style block ({block['size']}) with final norm and head, {layout}; "
-        f"{ranks_text(block)}, 1 torch thread each. "
+        f"{what}; {ranks_text(block)}, 1 torch thread each. "
         '`torch.compile(backend="commfuse")` with the eager inner compiler; '
         'without the pass = the same compile with `schedule="off"`. Link '
         + (f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled")
@@ -189,7 +210,9 @@ def _setting(results: dict[str, Any]) -> list[str]:
         "* comm alone = the bytes the collective must move (n-1 blocks per rank, the ring "
         "algorithm's traffic) sent as P2P in one batch, nothing computed: the link time of "
         "the site (the plain-TP all-reduce cells: 2(n-1) blocks, the reduce-scatter's and "
-        "the all-gather's, against both matmuls); collective alone = gloo's collective "
+        "the all-gather's, against both matmuls; the MoE cells: 2(n-1), the dispatch's and "
+        "the combine's, against both bmm or the three grouped matmuls; the dropless "
+        "cells: the busiest rank's rows); collective alone = gloo's collective "
         "alone (its reduce-scatter sends every rank the whole product, twice a ring's bytes "
         "for n = 2); comm/compute = comm alone / matmul alone, set by the link rate",
         "* speedup = baseline median / row median; / limit = row median / max(matmul alone, "

@@ -10,7 +10,8 @@ the pass that has steps for the site's direction and the two parts alone are mea
 in one run, interleaved (A B C ... A B C ...) after a warm-up, each call started
 together on all ranks by a barrier and timed as the slowest rank's (``cells``).
 The whole-layer figure is a transformer block's forward + backward, compiled with the
-pass and without it (the same compile with ``schedule="off"``; ``block``).
+pass and without it (the same compile with ``schedule="off"``; ``block``); the full
+preset adds a capacity-MoE layer's and a dropless-MoE layer's.
 
 ``auto`` gets the profile a user would calibrate on this link: ``commfuse calibrate``'s
 measurement run inside the namespaces at a reference rate, its bandwidth scaled to each
@@ -42,7 +43,16 @@ from ...schedules import Direction, by_name
 from . import figures, targets
 from .block import BlockBench, run_block
 from .cells import SiteJob, measure_site
-from .config import BlockShape, Progress, SiteShape, Variant
+from .config import (
+    CELL_KINDS,
+    DROPLESS_KIND,
+    DROPLESS_SKEW,
+    MOE_KIND,
+    BlockShape,
+    Progress,
+    SiteShape,
+    Variant,
+)
 from .link import LinkProfiles, calibrated, choose_rate
 from .markdown import markdown
 from .plot import plot_speedup
@@ -66,16 +76,24 @@ def variants(schedules: tuple[str, ...] = SCHEDULES) -> list[Variant]:
     return rows
 
 
-# A bench cell kind that is no site kind of the pass: the all-reduce between two matmuls
-# (plain TP), which the pass splits into a reduce-scatter site and an all-gather site
-SPLIT_KINDS = {"mm_ar_mm": (Direction.REDUCE, Direction.GATHER)}
+# Bench cell kinds that are no site kind of the pass, and the directions of their sites:
+# the all-reduce between two matmuls (plain TP), which the pass splits into a
+# reduce-scatter site and an all-gather site; a capacity MoE's dispatch -> experts ->
+# combine, an all-to-all -> bmm site and a bmm -> all-to-all site
+SPLIT_KINDS = {
+    "mm_ar_mm": (Direction.REDUCE, Direction.GATHER),
+    MOE_KIND: (Direction.EXCHANGE_IN, Direction.EXCHANGE_OUT),
+}
+# Bench cell kinds that are one site of another name: a dropless MoE's dispatch ->
+# grouped experts -> combine, the pass's ``moe`` site
+SITE_OF = {DROPLESS_KIND: "moe"}
 
 
 def kind_rows(rows: list[Variant], kind: str) -> list[Variant]:
     """The rows of a site kind's cells: the baseline, ``auto`` and the schedules with
     steps for the kind's direction (an all-to-all has the ring's pairwise order only;
     a split all-reduce needs both the reduce-scatter's and the all-gather's)."""
-    directions = SPLIT_KINDS.get(kind) or (SITE_KINDS[kind].direction,)
+    directions = SPLIT_KINDS.get(kind) or (SITE_KINDS[SITE_OF.get(kind, kind)].direction,)
     return [
         v
         for v in rows
@@ -99,6 +117,10 @@ class Cells:
 TP_KINDS = ("ag_mm", "mm_rs")
 ULYSSES_KINDS = ("mm_a2a", "a2a_mm")  # q/k/v projection -> all-to-all; all-to-all -> Wo
 PLAIN_TP_KINDS = ("mm_ar_mm",)  # down-projection -> all-reduce -> add + RMSNorm -> up
+MOE_KINDS = (MOE_KIND,)  # dispatch all-to-all -> bmm -> SiLU -> bmm -> combine all-to-all
+# counts exchanged, .tolist() splits, dispatch -> grouped-GEMM SwiGLU -> combine
+DROPLESS_KINDS = (DROPLESS_KIND,)
+assert set(CELL_KINDS) == {*TP_KINDS, *ULYSSES_KINDS, *PLAIN_TP_KINDS, *MOE_KINDS, *DROPLESS_KINDS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,11 +129,36 @@ class Preset:
     cells: tuple[Cells, ...]
     warmup: int
     reps: int
-    block: BlockBench
+    block: BlockBench | None  # None only in a preset cut by ``only``
     calibrate_reps: int
     rate_reps: int = 5  # calls per try while choosing a link rate
     block_2d: BlockBench | None = None  # measured with ``--block-2d`` only
     block_plain: BlockBench | None = None  # the block under plain TP (the pass splits it)
+    block_moe: BlockBench | None = None  # a capacity-MoE layer (expert parallel)
+    block_dropless: BlockBench | None = None  # a dropless-MoE layer (expert parallel)
+
+    def only(self, kinds: tuple[str, ...]) -> Preset:
+        """The preset cut to the cells of ``kinds`` (``--kinds``) and the blocks whose
+        sites they are: the TP+SP blocks (1-D and 2-D) with ``ag_mm`` or ``mm_rs``, the
+        plain-TP block with ``mm_ar_mm``, the capacity-MoE block with its cell, the
+        dropless-MoE block with its; none with the Ulysses kinds alone."""
+        cells = tuple(
+            dataclasses.replace(c, kinds=tuple(k for k in c.kinds if k in kinds))
+            for c in self.cells
+        )
+
+        def kept(block: BlockBench | None, *of: str) -> BlockBench | None:
+            return block if set(of) & set(kinds) else None
+
+        return dataclasses.replace(
+            self,
+            cells=tuple(c for c in cells if c.kinds),
+            block=kept(self.block, *TP_KINDS),
+            block_2d=kept(self.block_2d, *TP_KINDS),
+            block_plain=kept(self.block_plain, *PLAIN_TP_KINDS),
+            block_moe=kept(self.block_moe, *MOE_KINDS),
+            block_dropless=kept(self.block_dropless, *DROPLESS_KINDS),
+        )
 
 
 # The 2-D block (data x tensor parallel): training's "fsdp" front with tp=2 on a 2 x 2
@@ -157,6 +204,22 @@ QUICK = Preset(
     ),
 )
 FULL_BLOCK = BlockShape(seq=256, dim=512, heads=8, hidden=1536, batch=4)
+# The MoE cell: S = 2048 token slots per rank (n x 2 experts x capacity 512 at n = 2),
+# D = 1024, every expert's hidden F = 1024: the plain-TP cell's FLOPs and bytes per rank
+# at the quick size (two matmuls of 2 x 2048 x 1024 x 1024; 2(n-1) blocks of S/n x D).
+# Not in ``--quick``: three cells of the heaviest kind would add about 2 minutes to it.
+MOE_SIZE = SiteShape(2048, 1024, 1024)
+# The MoE block: 512 tokens per rank, top-2 of 2 experts per rank (capacity 256 at n = 2)
+MOE_BLOCK = BlockShape(seq=512, dim=256, heads=1, hidden=1024, front="moe")
+# The dropless-MoE cell: 1024 rows per rank (tokens x top-k), D=256, every expert's
+# hidden F=128, bfloat16: the CPU's _grouped_mm runs about 1 GFLOP/s here, so this is
+# about 0.2 s of experts, the other cells' compute; balanced at the three ratios, and
+# skewed routing (one peer 2x the average rows) at comm/compute 1
+DROPLESS_SIZE = SiteShape(1024, 256, 128)
+DROPLESS_SKEWED = dataclasses.replace(DROPLESS_SIZE, skew=DROPLESS_SKEW)
+# The dropless-MoE block (torchtitan's): 256 tokens per rank, top-2 of 2 experts per
+# rank, SwiGLU experts of hidden 256 in bfloat16 (grouped matmuls: slow on this CPU)
+DROPLESS_BLOCK = BlockShape(seq=256, dim=256, heads=1, hidden=256, front="moe", moe="dropless")
 FULL = Preset(
     name="full",
     cells=(
@@ -167,6 +230,9 @@ FULL = Preset(
         ),
         Cells(ULYSSES_KINDS, (QUICK_SIZE,), (0.5, 1.0, 2.0)),
         Cells(PLAIN_TP_KINDS, (SiteShape(1024, 512, 1024), QUICK_SIZE), (0.5, 1.0, 2.0)),
+        Cells(MOE_KINDS, (MOE_SIZE,), (0.5, 1.0, 2.0)),
+        Cells(DROPLESS_KINDS, (DROPLESS_SIZE,), (0.5, 1.0, 2.0)),
+        Cells(DROPLESS_KINDS, (DROPLESS_SKEWED,), (1.0,)),
     ),
     warmup=2,
     reps=9,
@@ -179,6 +245,16 @@ FULL = Preset(
         schedules=None,
         reps=7,
         key="block_plain_tp",
+    ),
+    block_moe=BlockBench(
+        MOE_BLOCK, ratio=1.0, schedules=("baseline", "ring", "auto"), reps=7, key="block_moe"
+    ),
+    block_dropless=BlockBench(
+        DROPLESS_BLOCK,
+        ratio=1.0,
+        schedules=("baseline", "ring", "auto"),
+        reps=7,
+        key="block_moe_dropless",
     ),
 )
 PRESETS = {p.name: p for p in (QUICK, FULL)}
@@ -226,8 +302,12 @@ def run(
     rows = variants()
     cells = [cell for cells in preset.cells for cell in cells]
     extra = preset.block_2d if block_2d else None
-    plain = preset.block_plain
-    progress = Progress(len(cells) + 3 + (plain is not None) + 2 * (extra is not None), echo)
+    blocks = [
+        b
+        for b in (preset.block, preset.block_plain, preset.block_moe, preset.block_dropless)
+        if b is not None
+    ]
+    progress = Progress(len(cells) + 1 + len(blocks) + 2 * (extra is not None), echo)
     results = _results(preset, world_size, rows)
     with throttled_ranks(world_size, out / "logs", topology) as (network, ranks, description):
         results["meta"]["network"] = _network(network, description, echo)
@@ -236,10 +316,8 @@ def run(
         results["meta"]["profile_unthrottled"] = base.free.as_json()
         progress.advance()
         results["sites"] = _measure_cells(preset, cells, rows, network, ranks, base, out, progress)
-        results["block"] = run_block(preset.block, network, ranks, base, rows, out, progress)
-        progress.advance()
-        if plain is not None:
-            results[plain.key] = run_block(plain, network, ranks, base, rows, out, progress)
+        for spec in blocks:
+            results[spec.key] = run_block(spec, network, ranks, base, rows, out, progress)
             progress.advance()
         results["meta"]["qdisc"] = network.qdisc_stats()
     if extra is not None:
@@ -269,6 +347,8 @@ def _results(preset: Preset, world_size: int, rows: list[Variant]) -> dict[str, 
         "sites": [],
         "block": None,
         "block_plain_tp": None,
+        "block_moe": None,
+        "block_moe_dropless": None,
         "block_2d": None,
     }
 
@@ -299,7 +379,7 @@ def _measure_cells(
     sites = []
     tries: list[dict[str, float]]
     for index, (kind, size, ratio) in enumerate(cells):
-        shape = size.fitted(ranks.world_size)  # the same shape where n divides it
+        shape = size.fitted(ranks.world_size, kind)  # the same shape where n divides it
         rate, tries = math.inf, []
         if network.topology != "none":
             progress.stage(f"{kind} {shape.label} ratio {ratio:g}: choosing the link rate")
@@ -359,7 +439,17 @@ def main(
     world_size: int = 2,
     network: str | None = None,
     block_2d: bool = False,
+    kinds: tuple[str, ...] | None = None,
 ) -> int:
     preset = QUICK if quick else FULL
+    if kinds is not None:
+        preset = preset.only(kinds)
+        if not preset.cells:
+            print(
+                f"commfuse bench: error: the {preset.name} preset has no cells of "
+                f"{', '.join(kinds)} (every kind: the full preset)",
+                file=sys.stderr,
+            )
+            return 2
     results = run(preset, Path(out), world_size, network, block_2d=block_2d)
     return 0 if results["sites"] else 1
