@@ -1,7 +1,8 @@
 """All-to-all -> experts -> all-to-all: a dropless MoE layer with expert parallelism
 (torchtitan's token dispatcher), one site for both all-to-alls. The tokens peer j sends
 are run through the experts as soon as they arrive and sent straight back to j, while
-the next peer's arrive; this rank's own tokens go first, under the first transfer.
+the next peer's arrive; this rank's own tokens, which travel nowhere, run in two halves,
+under the first transfer and under the last (``schedules/round_trip.py``).
 
 What the graph holds (the splits are the graph's own sizes, from ``.tolist()``):
     recv = wait(all_to_all_single(x, out_splits, in_splits))    # dispatch, uneven
@@ -37,6 +38,7 @@ from ..declines import Declined, decline
 from ..graph import (
     ALL_TO_ALL,
     ALLOCATE_LIKE,
+    CONVERT,
     SIZE_READERS,
     cast_to,
     check_tensor,
@@ -539,10 +541,7 @@ class _Blocks:
         self.inverse = em(
             aten.index_put.default, (empty, [perm], positions), step=step, lane="compute"
         )
-        offs = em(
-            torch.ops.prims.convert_element_type.default, (site.offs, index_dtype),
-            step=step, lane="compute",
-        )  # fmt: skip
+        offs = em(CONVERT, (site.offs, index_dtype), step=step, lane="compute")
         expert = em(
             aten.bucketize.Tensor, (self.inverse, offs), {"right": True}, step=step, lane="compute"
         )
