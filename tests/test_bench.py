@@ -120,6 +120,7 @@ def test_moe_cells_and_block_are_in_the_full_preset_and_selectable(tmp_path, cap
     assert f"the quick preset has no cells of {MOE_KIND}" in capsys.readouterr().err
 
 
+@pytest.mark.matrix  # the capacity layer's sites: test_moe and test_numerics by default
 def test_moe_cell_and_block_rewrite_every_site_with_the_ring(ranks):
     """The MoE cell, as ``measure_site`` runs it (tiny, unthrottled, untimed): the
     baseline keeps both all-to-alls (an ``a2a_mm`` and an ``mm_a2a`` site, declined);

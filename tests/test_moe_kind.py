@@ -16,8 +16,10 @@ splits, so every rank traces one graph), and the layer compiled with
 ``backend="commfuse"`` (splits from the exchanged token counts) under routings with a peer
 sending nothing, an expert with no tokens, a rank with no tokens and all tokens to one
 rank, forward and backward (saved activations paired by rows, weight gradients summed);
-3 and 4 ranks (2 under ``-m matrix``), one Inductor cell at 3 ranks (bf16 tolerance), and
-a property test over routings.
+the compiled layer at 3 and 4 ranks, the static programs at 3 (the rest, 2 ranks and
+Inductor, bf16 tolerance, under ``-m matrix``; the front end's dropless block runs with
+Inductor at 3 in ``test_moe``), and a property test over routings (6 examples, 40 under
+``-m matrix``).
 """
 
 from __future__ import annotations
@@ -494,7 +496,7 @@ def run_static(rank: int, n: int, names: list[str], rows: int, seed: int) -> dic
 
 def static_cells():
     for n in (2, 3, 4):
-        yield pytest.param(n, id=f"n{n}", marks=() if n > 2 else (pytest.mark.matrix,))
+        yield pytest.param(n, id=f"n{n}", marks=() if n == 3 else (pytest.mark.matrix,))
 
 
 @pytest.mark.parametrize("n", list(static_cells()))
@@ -632,7 +634,8 @@ def check_routed(results: list[dict], n: int, inner: str) -> None:
 
 def routed_cells():
     for n, inner in itertools.product((2, 3, 4), ("eager", "inductor")):
-        default = (n, inner) in ((3, "eager"), (4, "eager"), (3, "inductor"))
+        # Inductor at 3 ranks is test_moe's default cell (the front end's dropless block)
+        default = (n, inner) in ((3, "eager"), (4, "eager"))
         marks = () if default else (pytest.mark.matrix,)
         yield pytest.param(n, inner, id=f"n{n}-{inner}", marks=marks)
 
@@ -647,7 +650,7 @@ def test_routed_layer_equal_under_every_routing(ranks, n, inner):
 
 
 PROPERTY = settings(
-    max_examples=12,
+    max_examples=6,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
