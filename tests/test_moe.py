@@ -250,7 +250,8 @@ def test_moe_trains_equal_with_the_pass(ranks, kind, n, inner):
             assert r["routing"][0] != r["routing"][1]
 
 
-@pytest.mark.parametrize("kind", ["dropless", pytest.param("capacity", marks=pytest.mark.matrix)])
+@pytest.mark.matrix  # the route itself: test_inductor_pass by default
+@pytest.mark.parametrize("kind", moe.MOES)
 def test_moe_trains_with_the_pass_inside_inductor(ranks, kind):
     """The route for a framework that insists on ``backend="inductor"`` (torchtitan with
     FlexAttention): ``install_inductor_pass(schedule="ring")``, each block compiled by

@@ -650,7 +650,7 @@ def test_routed_layer_equal_under_every_routing(ranks, n, inner):
 
 
 PROPERTY = settings(
-    max_examples=6,
+    max_examples=3,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],

@@ -246,7 +246,7 @@ def test_fused_qkv_projection_matches(ranks, side, n, inner, bias):
     ("side", "n", "inner", "dtype"),
     [
         ("backward", 3, "inductor", torch.float32),
-        ("forward", 4, "eager", torch.bfloat16),
+        pytest.param("forward", 4, "eager", torch.bfloat16, marks=pytest.mark.matrix),
         pytest.param("forward", 3, "inductor", torch.float32, marks=pytest.mark.matrix),
         pytest.param("backward", 4, "eager", torch.float32, marks=pytest.mark.matrix),
         pytest.param("forward", 2, "eager", torch.float32, marks=pytest.mark.matrix),
