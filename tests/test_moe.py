@@ -12,9 +12,9 @@ backward; its token counts are declined for their dtype.
 
 On gloo ranks: forward, backward and 2 SGD steps of a block with the pass (ring) and
 without, losses and gradients compared: by default the dropless layer at 3 ranks with
-Inductor (its eager numbers are ``test_moe_kind``'s, bit for bit) and under the
-Inductor-pass route, the capacity layer at 4 ranks eager; 2, 3 and 4 ranks x eager and
-Inductor, and the capacity layer's Inductor-pass route, under ``-m matrix``. The dropless
+Inductor (its eager numbers are ``test_moe_kind``'s, bit for bit), the capacity layer at
+4 ranks eager; 2, 3 and 4 ranks x eager and Inductor, and both layers under the
+Inductor-pass route, under ``-m matrix``. The dropless
 block compiles once though its routing (the all-to-all's splits) changes every step.
 """
 

@@ -18,7 +18,7 @@ sending nothing, an expert with no tokens, a rank with no tokens and all tokens 
 rank, forward and backward (saved activations paired by rows, weight gradients summed);
 the compiled layer at 3 and 4 ranks, the static programs at 3 (the rest, 2 ranks and
 Inductor, bf16 tolerance, under ``-m matrix``; the front end's dropless block runs with
-Inductor at 3 in ``test_moe``), and a property test over routings (6 examples, 40 under
+Inductor at 3 in ``test_moe``), and a property test over routings (3 examples, 40 under
 ``-m matrix``).
 """
 
