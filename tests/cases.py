@@ -8,6 +8,7 @@ real gloo ranks, with the same builders.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import math
@@ -17,6 +18,8 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import commfuse_compile
+from commfuse_compile.passes import rewrite_graph
+from commfuse_compile.passes.kinds.unclaimed import COLLECTIVES as ALL_COLLECTIVES
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -449,3 +452,17 @@ def run_case(
         "collectives_left": collectives_left,
         "p2p": p2p,
     }
+
+
+def collective_names(gm: torch.fx.GraphModule) -> list[str]:
+    every = ALL_COLLECTIVES
+    return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in every]
+
+
+def records_of(gm: torch.fx.GraphModule) -> list[commfuse_compile.report.SiteRecord]:
+    """The graph rewritten (ring, eager); every collective it had named by one record."""
+    names = collective_names(gm)
+    records = rewrite_graph(gm, "forward", commfuse_compile.Options(schedule="ring", inner="eager"))
+    named = collections.Counter(n for r in records for n in r.match["collectives"])
+    assert named == collections.Counter(names), [(r.kind, r.reason) for r in records]
+    return records

@@ -24,7 +24,6 @@ Inductor at 3 in ``test_moe``), and a property test over routings (3 examples, 4
 
 from __future__ import annotations
 
-import collections
 import copy
 import itertools
 
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from cases import records_of
 from functorch.compile import make_boxed_func
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,8 +43,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse_compile
 from commfuse_compile import Options, report
-from commfuse_compile.passes import rewrite_graph
-from commfuse_compile.passes.kinds.unclaimed import COLLECTIVES
 
 N, RANK = 4, 1
 RING = Options(schedule="ring", inner="eager")
@@ -246,19 +244,6 @@ def tensors(rows: int, sent: int, seed: int = 0, local: int = E) -> list[torch.T
 def traced(fn, o=OUT, i=IN, seed=0) -> GraphModule:
     args = tensors(sum(o), sum(i), seed)
     return make_fx(lambda *xs: fn(o, i, *xs), tracing_mode="fake")(*args)
-
-
-def collective_names(gm: GraphModule) -> list[str]:
-    return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]
-
-
-def records_of(gm: GraphModule) -> list[report.SiteRecord]:
-    """The graph rewritten (ring, eager); every collective it had named by one record."""
-    names = collective_names(gm)
-    records = rewrite_graph(gm, "forward", RING)
-    named = collections.Counter(n for r in records for n in r.match["collectives"])
-    assert named == collections.Counter(names), [(r.kind, r.reason) for r in records]
-    return records
 
 
 def targets(gm: GraphModule) -> list[object]:

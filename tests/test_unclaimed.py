@@ -7,20 +7,29 @@ Graph level, on torch's fake process group (rank 1 of 4).
 
 from __future__ import annotations
 
-import collections
 import inspect
 
 import pytest
 import torch
 import torch.distributed as dist
-from cases import AgMm, FusedQkv, MmRs, Ulysses, exchanged, gathered, scattered, trace
+from cases import (
+    AgMm,
+    FusedQkv,
+    MmRs,
+    Ulysses,
+    collective_names,
+    exchanged,
+    gathered,
+    records_of,
+    scattered,
+    trace,
+)
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commfuse_compile import Options, report
 from commfuse_compile.passes import match, rewrite_graph
-from commfuse_compile.passes.kinds.unclaimed import COLLECTIVES
 
 N, RANK = 4, 1
 RING = Options(schedule="ring", inner="eager")
@@ -36,19 +45,6 @@ def fake_world():
 
 def fx(fn, *inputs: torch.Tensor) -> GraphModule:
     return make_fx(fn, tracing_mode="fake")(*inputs)
-
-
-def collective_names(gm: GraphModule) -> list[str]:
-    return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVES]
-
-
-def records_of(gm: GraphModule) -> list[report.SiteRecord]:
-    """The graph rewritten (ring, eager); every collective it had named by one record."""
-    names = collective_names(gm)
-    records = rewrite_graph(gm, "forward", RING)
-    named = collections.Counter(n for r in records for n in r.match["collectives"])
-    assert named == collections.Counter(names), [(r.kind, r.reason) for r in records]
-    return records
 
 
 def only(gm: GraphModule) -> report.SiteRecord:
