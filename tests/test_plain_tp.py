@@ -79,7 +79,7 @@ def test_all_reduce_split_into_reduce_scatter_norm_on_shard_and_gather(fake_worl
     ]
     split = records[0].match
     assert split["from"] == "all_reduce"
-    assert split["gathered_for"] == {"mm_1": "matmul", "mm_2": "matmul", "output": "graph output"}
+    assert split["gathered_for"] == {"mm_1": "matmul", "mm_2": "matmul", "output": "split.output"}
     assert split["token_sums"] == 0
     # moved: the all-reduce's 16x16 floats; gathered: the residual (output) and the
     # normed input of q and k, each 16x16 (a value returned keeps its full value)
@@ -138,12 +138,12 @@ def test_all_reduce_value_returned_whole_is_gathered_once(fake_world):
 
 
 def test_split_that_fails_leaves_the_all_reduce_to_its_site(fake_world, monkeypatch):
-    from commfuse_compile.passes import shard_tokens
+    from commfuse_compile.passes.shard_tokens import build
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(shard_tokens, "_moved", broken)
+    monkeypatch.setattr(build, "_moved", broken)
     gm = traced(residual_norm_qk, SHAPES)
     with pytest.warns(UserWarning, match="all-reduces left whole .*RuntimeError: boom"):
         records = rewrite_graph(gm, "forward", RING)
@@ -188,7 +188,7 @@ def test_graph_output_alone_is_left_to_the_all_reduce_site(fake_world):
     gm = traced(no_matmul_after, SHAPES[:4])
     records = rewrite_graph(gm, "forward", RING)
     assert [(r.kind, r.decision) for r in records] == [("mm_ar", "rewritten")]
-    assert records[0].match["not_split"] == "no matmul reads a value after it"
+    assert records[0].match["not_split"] == "split.no_matmul_after"
 
 
 def test_dropout_mask_is_drawn_whole_and_the_shard_takes_its_rows(fake_world):
@@ -266,7 +266,8 @@ def test_auto_counts_the_gather_of_a_returned_residual(fake_world):
     stays one site (its own reduce-scatter ring and all-gather)."""
     records = rewrite_graph(traced(residual_norm_qk, prefill_sized(8192)), "forward", H100)
     assert [(r.kind, r.decision) for r in records] == [("mm_ar", "rewritten")]
-    assert records[0].match["not_split"].startswith("auto: the split predicted to save")
+    assert records[0].match["not_split"] == "split.not_profitable"
+    assert records[0].match["not_split_reason"].startswith("auto: the split predicted to save")
 
 
 def test_auto_keeps_a_few_tokens_all_reduce(fake_world):

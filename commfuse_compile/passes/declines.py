@@ -111,6 +111,33 @@ _REASONS = (
         "rs.product_shared", "unsupported", "product {node} is also used outside the reduce-scatter"
     ),
     Reason("site.empty", "unsupported", "{node} has a zero-size dim: nothing to overlap"),
+    # plain TP's all-reduces split into sequence parallelism (shard_tokens): what stays
+    # whole, and what it costs (the bytes in the record's match)
+    Reason("split.output", "unsupported", "the value leaves the graph: it is read whole"),
+    Reason(
+        "split.random",
+        "unsupported",
+        "{op} is random: a draw on the shard would not be the rows of the whole draw",
+    ),
+    Reason("split.whole_reader", "unsupported", "{op} {why}: it reads every token"),
+    Reason("split.indivisible", "unsupported", "the tokens cannot be shared out: {why}"),
+    Reason(
+        "split.no_matmul_after",
+        "unsupported",
+        "no matmul reads a value after it: no gather to hide, the all-reduce stays one site",
+    ),
+    Reason(
+        "split.not_profitable",
+        "not_profitable",
+        "auto: the split predicted to save {split_us:.1f} us, the all-reduce sites "
+        "{whole_us:.1f} us",
+    ),
+    Reason("split.site", "unsupported", "its all-reduce site is declined: {why}"),
+    Reason("split.planned", "unsupported", "its all-reduce site is not to be rewritten: {why}"),
+    Reason(
+        "split.unwaited", "unsupported", "the all-reduce is saved for the backward before its wait"
+    ),
+    Reason("split.ranks", "compiler", "the ranks' joint graphs or splits differ: {detail}"),
     Reason(
         "ar.not_matmul",
         "unsupported",
