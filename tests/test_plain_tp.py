@@ -334,18 +334,33 @@ class Layer(torch.nn.Module):
 
 
 class Decoder(torch.nn.Module):
-    def __init__(self) -> None:
+    """The layers and a final norm; with ``checkpointing`` each layer under selective
+    activation checkpointing (torchtitan's op-level policy: matmuls and attention saved,
+    the rest recomputed)."""
+
+    def __init__(self, checkpointing: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
         self.norm = Norm()
+        self.checkpointing = checkpointing
         with torch.no_grad():
             for p in self.parameters():
                 p.add_(0.1 * torch.randn_like(p))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        from commfuse_compile.tools.training.checkpointing import (
+            save_matmuls_and_reduce_scatters,
+        )
+
         for layer in self.layers:
-            h = layer(h)
+            if self.checkpointing:
+                policy = save_matmuls_and_reduce_scatters
+                h = checkpoint(layer, h, use_reentrant=False, context_fn=policy)
+            else:
+                h = layer(h)
         return self.norm(h)
 
 
@@ -417,38 +432,73 @@ def megatron_parallel(model: Decoder, n: int) -> Decoder:
 PROGRAMS = {"dtensor": tensor_parallel, "megatron": megatron_parallel}
 
 
-def train_steps(rank: int, n: int, program: str, inner: str, steps: int = 2) -> dict:
-    """``steps`` SGD steps of the decoder sharded by ``program``, uncompiled and compiled
-    (``ring``): the losses and the sites of the compiled run."""
+def compiled_with(model: torch.nn.Module, route: str, schedule: str, inner: str):
+    """``model`` compiled the way ``route`` names: ``backend="commfuse"`` with ``inner``,
+    or ``backend="inductor"`` with the pass installed in Inductor (``schedule`` "off":
+    Inductor alone)."""
+    from commfuse_compile import install_inductor_pass, uninstall_inductor_pass
+
+    if route == "backend":
+        options = {"schedule": schedule, "inner": inner}
+        return torch.compile(model, backend="commfuse", options=options)
+    uninstall_inductor_pass()
+    if schedule != "off":
+        install_inductor_pass(schedule=schedule)
+    return torch.compile(model, backend="inductor")
+
+
+def train_steps(
+    rank: int,
+    n: int,
+    program: str,
+    inner: str,
+    route: str = "backend",
+    checkpointing: bool = False,
+    steps: int = 2,
+) -> dict:
+    """``steps`` SGD steps of the decoder sharded by ``program`` (its layers under
+    selective activation checkpointing with ``checkpointing``), uncompiled, compiled with
+    the pass (``ring``) and compiled without it (``schedule="off"``, or Inductor alone):
+    the losses, the sites of the run with the pass, and per compiled run the bytes the
+    first step saves for the backward (``saved_tensors_hooks``)."""
     import torch._inductor.config
+
+    from commfuse_compile import uninstall_inductor_pass
 
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1
-    torch._dynamo.reset()
-    report.reset()
-    losses = []
-    for compiled in (False, True):
-        model = PROGRAMS[program](Decoder(), n)
-        options = {"schedule": "ring", "inner": inner}
-        run = torch.compile(model, backend="commfuse", options=options) if compiled else model
+    losses, saved, sites = {}, {}, []
+    for run_as in ("uncompiled", "ring", "off"):
+        torch._dynamo.reset()
+        report.reset()
+        model = PROGRAMS[program](Decoder(checkpointing), n)
+        run = model if run_as == "uncompiled" else compiled_with(model, route, run_as, inner)
         sgd = torch.optim.SGD(model.parameters(), lr=0.1)
         torch.manual_seed(1)
-        runs = []
-        for _ in range(steps):
+        losses[run_as], saved[run_as] = [], 0
+        for step in range(steps):
             x = torch.randn(*TOKENS, HIDDEN)
-            loss = run(x).pow(2).mean()
+            with torch.autograd.graph.saved_tensors_hooks(
+                lambda t, first=step == 0: _counted(saved, run_as, t, first), lambda t: t
+            ):
+                loss = run(x).pow(2).mean()
             loss.backward()
             sgd.step()
             sgd.zero_grad()
-            runs.append(loss.item())
-        losses.append(runs)
-    return {
-        "losses": losses,
-        "sites": [
-            (r.graph, r.kind, r.decision, r.decline_code, r.match.get("from", ""))
-            for r in report.REPORT.sites
-        ],
-    }
+            losses[run_as].append(loss.item())
+        if run_as == "ring":
+            sites = [
+                (r.graph, r.kind, r.decision, r.decline_code, r.match.get("from", ""))
+                for r in report.REPORT.sites
+            ]
+    uninstall_inductor_pass()
+    return {"losses": losses, "sites": sites, "saved": saved}
+
+
+def _counted(saved: dict, run_as: str, t: torch.Tensor, first: bool) -> torch.Tensor:
+    if first:
+        saved[run_as] += t.numel() * t.element_size()
+    return t
 
 
 def split_sites(sites: list[tuple]) -> dict[str, dict[str, int]]:
@@ -505,9 +555,9 @@ EXPECTED = {
 )
 def test_decoder_trains_equal_with_sequence_parallel_split(ranks, program, n, inner):
     for r in ranks(n).run(train_steps, program, inner):
-        plain, compiled = r["losses"]
-        print(program, n, inner, "losses", plain, compiled, split_sites(r["sites"]))
-        assert compiled == pytest.approx(plain, rel=1e-5, abs=1e-6)
+        losses = r["losses"]
+        print(program, n, inner, losses, r["saved"], split_sites(r["sites"]))
+        assert losses["ring"] == pytest.approx(losses["uncompiled"], rel=1e-5, abs=1e-6)
         assert split_sites(r["sites"]) == EXPECTED
 
 

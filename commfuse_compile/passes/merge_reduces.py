@@ -24,7 +24,7 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 
 from .emit import JOINT_MARKS, Emitter
-from .graph import val
+from .graph import VIEWS, val
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -48,8 +48,11 @@ def merge_summed(graph: Graph, waits: set[Node], before_change: Callable[[], Non
 
 
 def _reduced(node: object, waits: set[Node]) -> Node | None:
-    """The all-reduce whose waited value ``node`` (one of ``waits``) is, read by one node
-    only."""
+    """The all-reduce whose waited value (one of ``waits``) ``node`` is, or views of (an
+    in-place ``dist.all_reduce`` in Megatron's autograd functions is read through the
+    views of its buffer), each read by the next alone."""
+    while isinstance(node, Node) and node.target in VIEWS and len(node.users) == 1:
+        node = node.args[0]
     if not isinstance(node, Node) or node not in waits:
         return None
     reduce = node.args[0]
@@ -66,25 +69,31 @@ def _reduced_pair(add: Node, waits: set[Node]) -> tuple[Node, Node] | None:
     first, second = (_reduced(a, waits) for a in add.args)
     if first is None or second is None or first is second:
         return None
-    same = first.args[1:] == second.args[1:]
-    a, b = val(first.args[0]), val(second.args[0])  # type: ignore[arg-type]
-    if not same or a.dtype != b.dtype or a.shape != b.shape or a.shape != val(add).shape:
+    a, b, out = (val(n) for n in (first.args[0], second.args[0], add))  # type: ignore[arg-type]
+    same = first.args[1:] == second.args[1:] and a.dtype == b.dtype == out.dtype
+    if not same or a.numel() != out.numel() or b.numel() != out.numel():
         return None
     return first, second
 
 
 def _merge(graph: Graph, add: Node, first: Node, second: Node) -> Node:
-    """One all-reduce of the operands' sum where the later all-reduce started; its wait
-    (returned) where the add was."""
+    """One all-reduce of the operands' sum (in the add's shape) where the later
+    all-reduce started; its wait (returned) where the add was."""
     later = max(first, second, key=lambda n: n._sort_key)
     em = Emitter(graph, later, detect_fake_mode([val(add)]), inherit=JOINT_MARKS)
-    summed = em.node(aten.add.Tensor, (first.args[0], second.args[0]))
-    reducing = em.node(c10d.all_reduce.default, (summed, *later.args[1:]))
+    shape = em.shape(val(add).shape, 0)
+    a, b = (em.node(aten.reshape.default, (r.args[0], shape)) for r in (first, second))
+    reducing = em.node(c10d.all_reduce.default, (em.node(aten.add.Tensor, (a, b)), *later.args[1:]))
     waited = em.node(c10d.wait_tensor.default, (reducing,), before=add)
     add.replace_all_uses_with(waited)
     graph.erase_node(add)
     for reduce in (first, second):
-        (wait,) = reduce.users
-        graph.erase_node(wait)
+        node = next(iter(reduce.users))
+        chain = [node]
+        while node.users:  # the wait's views, down to the erased add
+            node = next(iter(node.users))
+            chain.append(node)
+        for dead in reversed(chain):
+            graph.erase_node(dead)
         graph.erase_node(reduce)
     return waited

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ...runtime.groups import Group
 from .. import dims
@@ -33,6 +34,8 @@ COLLECTIVES = frozenset(
         c10d.wait_tensor.default,
     }
 )
+# a joint graph node's half (AOTAutograd's partitioner tag), as a collective is pinned to it
+PINNED = {"is_forward": "must_be_in_forward", "is_backward": "must_be_in_backward"}
 # node.meta key on a split's collectives, or on an all-reduce left whole: what the
 # report shows of it
 META = "commfuse_split"
@@ -85,7 +88,34 @@ def emit_split(graph: Graph, region: Region, group: Group) -> bool:
             graph.erase_node(node)
     for scatter in scatters:
         scatter.meta[META] = note
+    for node in em.created:
+        if node.graph is graph and node.target in COLLECTIVES:
+            _pinned(node)
     return True
+
+
+def _pinned(collective: Node) -> None:
+    """A collective of the split, on a joint graph: saved where its original would have
+    been (``force_save_collectives``), and then pinned to its half, so that the
+    partitioner neither copies it into the other half (a dead gather of a returned value
+    in the backward) nor recomputes it there. Under activation checkpointing a
+    reduce-scatter that would be recomputed (the policy's default for an op it does not
+    name) is saved instead: its value is 1/n of the all-reduce's, and saving it keeps the
+    backward from running it again (hand-written sequence parallelism's policies save
+    ``reduce_scatter_tensor``); a gather follows the policy (recomputed: gathered again
+    from the saved shard, as Megatron's sequence parallelism does)."""
+    recompute = collective.meta.get("recompute")
+    scatter = collective.target is c10d.reduce_scatter_tensor.default or (
+        collective.target is c10d.wait_tensor.default
+        and getattr(collective.args[0], "target", None) is c10d.reduce_scatter_tensor.default
+    )
+    if recompute is CheckpointPolicy.PREFER_RECOMPUTE and scatter:
+        collective.meta["recompute"] = recompute = CheckpointPolicy.MUST_SAVE
+    if recompute in (CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.MUST_RECOMPUTE):
+        return
+    half = collective.meta.get("partitioner_tag")
+    if isinstance(half, str):
+        collective.meta["partitioner_tag"] = PINNED.get(half, half)
 
 
 def _recomputed(region: Region) -> set[Node]:
@@ -159,7 +189,7 @@ def _built(
         full = _gathered(em, shard[root], root, group, readers, region)
         for value, its_readers in values.items():
             before = min(its_readers, key=_order)
-            value_full = _reshaped(em, full, val(value).shape, before)
+            value_full = _reshaped(em, full, val(value).shape, before, like=value)
             replacements.update(((reader, value), value_full) for reader in its_readers)
     return scatters, replacements
 
@@ -285,16 +315,23 @@ def _full_sized(em: Emitter, node: Node, shard: dict[Node, Node]) -> Node:
 def _gathered(
     em: Emitter, shard: Node, value: Node, group: Group, readers: list[Node], region: Region
 ) -> Node:
-    """``value`` rebuilt from every rank's shard: one all-gather of the token rows, before
-    its first reader. It is marked with whether a matmul reads it (the all-reduce's second
-    half), or else why its readers need every token and what that costs."""
+    """``value`` rebuilt from every rank's shard: one all-gather of the token rows,
+    before its first reader, with ``value``'s marks (it stands for the value). It is
+    marked with whether a matmul reads it (the all-reduce's second half), or else why its
+    readers need every token and what that costs. A value only the graph returns is
+    gathered as soon as its shard is computed (on a joint graph, in the forward, not
+    after the backward)."""
     before = min(readers, key=_order)
+    if before.op == "output":
+        before = shard.next
     if not val(shard).is_contiguous():
-        shard = em.node(
-            aten.clone.default, (shard,), {"memory_format": torch.contiguous_format}, before=before
-        )
+        contiguous = {"memory_format": torch.contiguous_format}
+        shard = em.node(aten.clone.default, (shard,), contiguous, before=before, like=value)
     gathering = em.node(
-        c10d.all_gather_into_tensor.default, (shard, group.size, group.name), before=before
+        c10d.all_gather_into_tensor.default,
+        (shard, group.size, group.name),
+        before=before,
+        like=value,
     )
     note: dict[str, Any] = {"from": "all_reduce", "for_matmul": any(map(for_matmul, readers))}
     if not note["for_matmul"]:
@@ -303,12 +340,14 @@ def _gathered(
         note["kept_whole_for"] = sorted({why.reason for why in whys if why is not None})
         note["kept_whole_bytes"] = nbytes(value)
     gathering.meta[META] = note
-    gathered = em.node(c10d.wait_tensor.default, (gathering,), before=before)
-    return _reshaped(em, gathered, list(val(value).shape), before)
+    gathered = em.node(c10d.wait_tensor.default, (gathering,), before=before, like=value)
+    return _reshaped(em, gathered, list(val(value).shape), before, like=value)
 
 
-def _reshaped(em: Emitter, node: Node, shape: Iterable[dims.Size], before: Node) -> Node:
+def _reshaped(
+    em: Emitter, node: Node, shape: Iterable[dims.Size], before: Node, like: Node | None = None
+) -> Node:
     shape = list(shape)
     if dims.same_shape(val(node).shape, shape):
         return node
-    return em.node(aten.reshape.default, (node, em.shape(shape, 0)), before=before)
+    return em.node(aten.reshape.default, (node, em.shape(shape, 0)), before=before, like=like)
