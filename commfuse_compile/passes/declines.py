@@ -124,7 +124,8 @@ _REASONS = (
     Reason(
         "split.no_matmul_after",
         "unsupported",
-        "no matmul reads a value after it: no gather to hide, the all-reduce stays one site",
+        "no matmul reads a value after it (read whole: {read}): no gather to hide, the "
+        "all-reduce stays one site",
     ),
     Reason(
         "split.not_profitable",

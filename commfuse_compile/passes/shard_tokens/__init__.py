@@ -115,10 +115,11 @@ def split_all_reduces(
     changed = False
     for (_, tokens), members in together.items():
         region = region_after(graph, tokens, {s.wait: s for s, _ in members})
-        readers = [r for rs in region.gathered.values() for r in rs]
-        if not any(region.whole[r].why is None for r in readers if r in region.whole):
+        whys = [region.whole[r].why for rs in region.gathered.values() for r in rs]
+        if None not in whys:
+            read = sorted({f"{w.code}: {w.reason}" for w in whys if w is not None})
+            why = decline("split.no_matmul_after", read="; ".join(read) or "nothing")
             for site, _ in members:
-                why = decline("split.no_matmul_after")
                 site.collective.meta[META] = not_split(why, site.collective)
             continue
         before_change()
@@ -149,7 +150,7 @@ def _tokens(site: MmArSite) -> dims.Size | Declined:
         return decline("split.unwaited")
     if site.declined is None:
         return site.product_shape[0]
-    if site.declined.code in ("rs.indivisible", "rs.not_provably_divisible"):
+    if site.declined.code in ("ar.indivisible", "ar.not_provably_divisible"):
         return decline("split.indivisible", why=site.declined.reason)
     waited = site.wait.target is c10d.wait_tensor.default and bool(site.wait.users)
     if site.declined.code != "ar.not_matmul" or site.reduce_op not in REDUCE_OPS or not waited:
