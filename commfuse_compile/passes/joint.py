@@ -46,6 +46,7 @@ from .declines import Declined, decline
 from .rewrite import graph_digest
 
 SLOT = "joint_custom_pre_pass"  # Inductor's config: passes on the joint graph, first
+META = shard_tokens.META
 DONE = "commfuse_joint"  # GraphModule.meta key: the joint graph was seen (the split's count)
 
 
@@ -70,8 +71,6 @@ def split_joint(gm: GraphModule, options: Options) -> int:
         return 0  # nothing to split (in-place spellings traced as a functional all-reduce)
     came = copy.deepcopy(gm.graph)
     identity = (graph_digest(gm.graph), agree.graph_ops(gm.graph))
-    index = REPORT.new_graph(options.described())
-    dump_code(options.debug_dir, index, "joint", "before", lambda: gm.code)
     try:
         gm.meta[DONE] = _split_agreed(gm, options, identity)
     except Exception as err:  # noqa: BLE001 - never break the user's compile
@@ -84,24 +83,30 @@ def split_joint(gm: GraphModule, options: Options) -> int:
         )
         return 0
     gm.recompile()
-    dump_code(options.debug_dir, index, "joint", "after", lambda: gm.code)
+    if gm.meta[DONE]:
+        index = REPORT.new_graph(options.described())
+        dump_code(options.debug_dir, index, "joint", "before", lambda: came.python_code("self").src)
+        dump_code(options.debug_dir, index, "joint", "after", lambda: gm.code)
     return gm.meta[DONE]
 
 
 def _split_agreed(gm: GraphModule, options: Options, identity: tuple[int, list[str]]) -> int:
     """Canonical form, then the split; kept if every rank split alike, else the canonical
-    graph with every all-reduce marked as left whole."""
+    graph with every all-reduce marked as left whole. The ranks exchange only where this
+    one split: a rank that split waits for its peers' split; one whose peers compiled
+    another graph is seen waiting on another exchange (``agree``)."""
     canonicalize(gm.graph, before_change=lambda: None)
     canonical = copy.deepcopy(gm.graph)
     candidates = [n.name for n in _all_reduces(gm.graph)]
-    shard_tokens.split_planned(gm, options, lambda: None)
-    left = {n.name for n in _all_reduces(gm.graph) if "not_split" in n.meta[shard_tokens.META]}
+    if not shard_tokens.split_planned(gm, options, lambda: None):
+        return 0  # every rank with this graph and these options leaves it so
+    left = {n.name for n in _all_reduces(gm.graph) if "not_split" in n.meta.get(META, {})}
     split = [name for name in candidates if name not in left]
     why = _disagreement(gm.graph, candidates, split, options, identity)
     if why is not None:
         gm.graph = canonical
         for node in _all_reduces(canonical):
-            node.meta.setdefault(shard_tokens.META, shard_tokens.not_split(why, node))
+            node.meta.setdefault(META, shard_tokens.not_split(why, node))
         split = []
     log.info(
         "commfuse: joint graph: %d of %d all-reduces split into sequence parallelism%s",
