@@ -10,10 +10,10 @@ under ``no_grad``) and the head column-wise with its logits all-gathered. The pa
 the row-parallel all-reduces into a reduce-scatter, the residual add and the norm on
 this rank's tokens and an all-gather that the next matmuls read
 (``passes/shard_tokens``, on the joint graph when training: ``passes/joint.py``): ``mm_rs``
-sites whose match says ``from: all_reduce``, and ``ag_mm`` sites. Per cell (ranks, compiler after the pass), one job on the ranks: two SGD
-steps with the loss transformers computes from ``labels``, compiled and uncompiled (each
-a fresh load), and a prefill under ``no_grad``; one test compares the numbers, the other
-the sites per graph.
+sites whose match says ``from: all_reduce``, and ``ag_mm`` sites. Per cell (ranks,
+compiler after the pass), one job on the ranks: two SGD steps with the loss transformers
+computes from ``labels``, compiled and uncompiled (each a fresh load), and a prefill
+under ``no_grad``; one test compares the numbers, the other the sites per graph.
 """
 
 from __future__ import annotations
