@@ -415,7 +415,6 @@ def _group(site: Site) -> groups.Group:
         group = groups.resolve(site.group_name, site.group_size)
     except groups.GroupError as err:
         raise decline("site.group", error=err) from None
-    agree.check_group(group.name)
     return group
 
 
