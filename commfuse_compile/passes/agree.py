@@ -16,8 +16,9 @@ are still compared and rewritten, on every rank alike:
   sets the verdict in the store and every rank that compiled the graph takes it, then
   or later; one warning per group says what differed and how to find it;
 * a recompiled graph (another digest) with the decisions and transfers of a graph the
-  group agreed on (a float that became an input) runs as the group agreed then,
-  without waiting for peers that never compile it.
+  group agreed on (a float that became an input) runs as the group agreed then once
+  its peers are seen running that one (``exchange.AGREED``), or is compared with theirs
+  if they recompile it too.
 """
 
 from __future__ import annotations
