@@ -21,6 +21,11 @@ running), so that a wait that cannot end is given up soon rather than at the tim
   runs the code uncompiled);
 * else after the wait the caller gives (its ``exchange_timeout``).
 
+A graph with the transfers of one the group agreed on (a recompile on this rank only) is
+taken as agreed (``AGREED``) once the ranks waited for were seen running, not compiling,
+for ``GRACE_S``: they run that graph, blocked in it until this rank comes; not on a group
+given up on before, where they may as well be blocked in a graph that fell back.
+
 A key's verdict is set once, with the store's compare-and-set, by the first rank that
 decides it, and every rank that reads the key, then or later, takes it.
 """
@@ -101,11 +106,10 @@ def exchanging() -> bool:
 
 def _publish(doing: str, key: str | None = None, ranks: tuple[int, ...] = ()) -> None:
     """Tell the peers what this rank does now; never fails a compile."""
-    if not exchanging():
-        return
-    state = json.dumps([next(_here.epochs), doing, key, list(ranks)])
     with contextlib.suppress(Exception):  # a store that fails now fails the exchange
-        dist.distributed_c10d._get_default_store().set(f"{STATE}/{dist.get_rank()}", state)
+        if exchanging():
+            state = json.dumps([next(_here.epochs), doing, key, list(ranks)])
+            dist.distributed_c10d._get_default_store().set(f"{STATE}/{dist.get_rank()}", state)
 
 
 def _compile_started(_: CallbackArgs) -> None:
