@@ -194,9 +194,9 @@ def test_a_graph_break_on_one_rank_keeps_the_graphs_after_it(ranks, n, inner):
 
 @pytest.mark.parametrize(("n", "inner"), CELLS)
 def test_a_recompile_on_one_rank_runs_with_its_peers_graph(ranks, n, inner):
-    """Rank 0 recompiles B (a float it reads changed), its peers keep running theirs: the
-    recompiled graph has the transfers the group agreed on, so it runs rewritten without
-    waiting for peers that never compile it."""
+    """Rank 0 recompiles B and its backward (a float it reads changed), its peers keep
+    running theirs: each recompiled graph has the transfers the group agreed on, so once
+    its peers are seen running (``exchange.GRACE_S``), it runs rewritten with them."""
     runs_per_rank = ranks(n).run(diverging_job, "recompile", inner, {})
     _check_numbers(runs_per_rank)
     _check_bounded(runs_per_rank, 60)
