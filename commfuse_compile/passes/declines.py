@@ -295,14 +295,7 @@ _REASONS = (
     Reason(
         "compiler.rank_absent",
         "compiler",
-        "ranks {ranks} of {group} did not compile this graph within {wait_s:.0f} s "
-        "(the option exchange_timeout)",
-    ),
-    Reason(
-        "site.ranks_diverged",
-        "compiler",
-        "the ranks of group {group!r} compiled different graphs before, so its sites keep "
-        "their collectives ({why})",
+        "ranks {ranks} of {group} did not compile this graph: {why}",
     ),
     # faults of the pass itself (each one also warns)
     Reason("internal.error", "internal", "internal error: {error}"),

@@ -105,16 +105,11 @@ def _loaded(name_or_path: str) -> Profile:
 
 
 def site_group(site: Site) -> groups.Group:
-    """The site's process group; declined where this process cannot know it, or where
-    its ranks compiled different graphs earlier."""
+    """The site's process group; declined where this process cannot know it."""
     try:
-        group = groups.resolve(site.group_name, site.group_size)
+        return groups.resolve(site.group_name, site.group_size)
     except groups.GroupError as err:
         raise decline("site.group", error=err) from None
-    why = groups.diverged(group.name)
-    if why is not None:
-        raise decline("site.ranks_diverged", group=group.name, why=why)
-    return group
 
 
 def predicted(
