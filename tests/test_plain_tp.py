@@ -459,3 +459,64 @@ def test_prefill_under_no_grad_splits_every_all_reduce(ranks):
         assert list(table) == ["inference"], table
         # the forward's sites; the one value returned (the final norm's) gathered whole
         assert table["inference"] == EXPECTED["forward"], table
+
+
+class RankBranch(Decoder):
+    """The decoder with one op more on rank 0 (a branch on the rank inside the compiled
+    region): rank 0's graphs are not its peers'."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if dist.get_rank() == 0:
+            h = h * 1.0
+        return super().forward(h)
+
+
+def diverging_steps(rank: int, n: int) -> dict:
+    """Two SGD steps of :class:`RankBranch` under DTensor's plain TP, uncompiled and
+    compiled (eager, ``ring``): the losses, the wall time of the compiled run, and what
+    became of the all-reduces."""
+    import time
+    import warnings
+
+    torch.set_num_threads(1)
+    torch._dynamo.reset()
+    report.reset()
+    losses, took = [], 0.0
+    for compiled in (False, True):
+        model = tensor_parallel(RankBranch(), n)
+        options = {"schedule": "ring", "inner": "eager"}
+        run = torch.compile(model, backend="commfuse", options=options) if compiled else model
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        start, runs = time.perf_counter(), []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                loss = run(torch.randn(*TOKENS, HIDDEN)).pow(2).mean()
+                loss.backward()
+                sgd.step()
+                sgd.zero_grad()
+                runs.append(loss.item())
+        took = time.perf_counter() - start
+        losses.append(runs)
+    return {
+        "losses": losses,
+        "seconds": took,
+        "warned": [str(w.message) for w in caught if "commfuse" in str(w.message)],
+        "all_reduces": sorted(
+            {r.match.get("not_split", r.match.get("from", "")) for r in report.REPORT.sites}
+        ),
+    }
+
+
+def test_ranks_whose_joint_graphs_differ_split_none_and_match(ranks):
+    """Rank 0's joint graph is not its peers': no rank keeps its split (``split.ranks``),
+    so no rank runs a reduce-scatter whose peers run the all-reduce; the graphs, which
+    differ, keep their collectives; the numbers are the uncompiled model's, soon."""
+    for r in ranks(3).run(diverging_steps):
+        plain, compiled = r["losses"]
+        assert compiled == pytest.approx(plain, rel=1e-5, abs=1e-6)
+        assert "all_reduce" not in r["all_reduces"], r["all_reduces"]
+        assert "split.ranks" in r["all_reduces"], r["all_reduces"]
+        assert r["warned"], "the ranks' different graphs are said"
+        assert r["seconds"] < 60, r["seconds"]
