@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from ..cost.profiles import Profile, for_device, load
-from ..cost.simulator import Timeline, Work, collective_model, predict
+from ..cost.simulator import Timeline, Work, collective_model, matmuls_s, predict
 from ..options import Options
 from ..report import SiteRecord
 from ..runtime import groups
@@ -159,14 +159,30 @@ def plannable(site: Site, options: Options) -> groups.Group | Declined:
     return group
 
 
-def gain(site: Site, options: Options) -> float:
-    """Seconds the plan predicts rewriting ``site`` saves (0 where it keeps it)."""
+@dataclasses.dataclass(frozen=True)
+class SiteTimes:
+    """A site's predicted seconds as written (its collective and its matmuls, one after
+    the other), as the plan would run it, and of its matmuls alone."""
+
+    written_s: float
+    planned_s: float
+    matmuls_s: float
+
+
+def site_times(site: Site, options: Options) -> SiteTimes | None:
+    """The site's predicted times (``planned_s`` = ``written_s`` where the plan keeps the
+    collective); None where it has no prediction (declined, or its planning fails)."""
     try:
-        _, timelines = predicted(site, site_group(site), options, profile_for(site, options))
-        chosen = plan(timelines, options)
+        group, profile = site_group(site), profile_for(site, options)
+        _, timelines = predicted(site, group, options, profile)
     except Exception:  # noqa: BLE001 - declined, or its own planning fails
-        return 0.0
-    return timelines["collective"].end_s - timelines[chosen.schedule].end_s
+        return None
+    written = timelines["collective"].end_s
+    try:
+        planned = timelines[plan(timelines, options).schedule].end_s
+    except Declined:
+        planned = written
+    return SiteTimes(written, planned, matmuls_s(site_work(site, group.size), profile))
 
 
 def decision_inputs(options: Options, profile: Profile) -> dict[str, Any]:

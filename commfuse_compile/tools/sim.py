@@ -48,7 +48,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..cost.profiles import Profile
-from ..cost.simulator import SCHEDULES, Event, Timeline, Work, _overlapped, predict, simulate
+from ..cost.simulator import (
+    SCHEDULES,
+    Event,
+    Timeline,
+    Work,
+    _overlapped,
+    matmuls_s,
+    predict,
+    simulate,
+)
 from ..passes.plan import auto_choice
 from ..schedules import Direction, by_name
 from .trace import Process, Span, chrome_trace
@@ -257,12 +266,6 @@ class PlainTpResult:
         return self.split.auto_s() + self.token_wise_shard_s
 
 
-def _matmuls_s(work: Work, p: Profile) -> float:
-    """A site's matmuls alone, unsplit (all n blocks in each call)."""
-    calls = work.matmuls_per_block
-    return calls * p.matmul_s(work.block_flops * work.n / calls)
-
-
 def simulate_plain_tp(
     model: ModelShape, n: int, profile: Profile, slices: int, split: LayerResult | None = None
 ) -> PlainTpResult:
@@ -272,7 +275,7 @@ def simulate_plain_tp(
     split = split or simulate_layer(model, n, profile, slices)
     sites = [w for _, w in layer_sites(model, n)]
     reduces = [dataclasses.replace(w, then_gather=True) for w in sites if w.direction == "reduce"]
-    free = sum(_matmuls_s(w, profile) for w in sites if w.direction == "gather")  # no comm
+    free = sum(matmuls_s(w, profile) for w in sites if w.direction == "gather")  # no comm
     whole = [predict(w, profile, slices) for w in reduces]
     tokens_whole = len(reduces) * token_wise_s(model, model.tokens, profile)
     return PlainTpResult(

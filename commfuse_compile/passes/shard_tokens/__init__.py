@@ -61,26 +61,23 @@ def split_planned(gm: GraphModule, options: Options, before_change: Change) -> b
     """Split plain tensor parallelism's all-reduces into sequence parallelism's
     reduce-scatter and all-gathers where the all-reduce's own site could be rewritten;
     did the graph change? Under ``auto`` the split stays only if the plan predicts its
-    sites (the reduce-scatter's ring and the gathers' rings into the next matmuls) save
-    more than the all-reduces' own sites would: a few tokens' all-reduce (decode) stays.
-    An all-reduce decided on before (the joint graph's, in its forward or backward
-    graph) keeps that decision."""
+    sites (the reduce-scatters' rings and the gathers' rings into the next matmuls) take
+    less time than the all-reduces' own sites would, each as the plan would run it
+    (``_split_faster``): a few tokens' all-reduce (decode) stays. An all-reduce decided
+    on before (the joint graph's, in its forward or backward graph) keeps that
+    decision."""
     sites = [s for s in KINDS["mm_ar"].find(gm.graph) if META not in s.collective.meta]
     sites = [s for s in sites if isinstance(s, MmArSite)]
     if not sites:
         return False
     planned = {site.collective: plan.plannable(site, options) for site in sites}
-    unsplit = copy.deepcopy(gm.graph) if options.schedule == "auto" else None
-    whole = sum(
-        plan.gain(s, options)
-        for s in sites
-        if not isinstance(planned[s.collective], Declined) and not s.declined
-    )
+    auto = options.schedule == "auto"
+    unsplit = copy.deepcopy(gm.graph) if auto else None
+    whole = {site.collective: plan.site_times(site, options) for site in sites} if auto else {}
     if not split_all_reduces(gm.graph, sites, planned.__getitem__, before_change):
         return False
-    gain = _split_gain(gm.graph, options) if unsplit is not None else 0.0
-    if unsplit is not None and gain <= whole:
-        why = decline("split.not_profitable", split_us=gain * 1e6, whole_us=whole * 1e6)
+    why = _split_faster(gm.graph, whole, options) if unsplit is not None else None
+    if unsplit is not None and why is not None:
         for node in unsplit.find_nodes(op="call_function", target=ALL_REDUCE):
             if META not in node.meta:
                 node.meta[META] = not_split(why, node)
@@ -165,17 +162,31 @@ def _tokens(site: MmArSite) -> dims.Size | Declined:
     return rows
 
 
-def _split_gain(graph: Graph, options: Options) -> float:
-    """Seconds the split's sites are predicted to save, less the time of the gathers no
-    matmul reads (values the graph returns whole: bytes the all-reduce did not move)."""
+def _split_faster(
+    graph: Graph, whole: dict[Any, plan.SiteTimes | None], options: Options
+) -> Declined | None:
+    """Why the split is not kept (``split.not_profitable``), or None: the split's sites
+    as planned, plus the gathers no matmul reads (values read whole: bytes the
+    all-reduce did not move), less the matmuls of the gathers' sites (which the
+    all-reduces' alternative runs outside any site), against the split all-reduces' own
+    sites as planned (``whole``: by all-reduce, predicted before the split). Times, not
+    gains: merged all-reduces (one reduce-scatter for q, k and v's input gradients) save
+    the collectives they remove."""
     split = [s for s in match.find_sites(graph) if META in s.anchor.meta]
-    if not split:
-        return 0.0
-    profile = plan.profile_for(split[0], options)
-    extra = 0.0
-    for gather in graph.find_nodes(op="call_function", target=GATHER):
-        if not gather.meta.get(META, {"for_matmul": True})["for_matmul"]:
-            n = int(gather.args[1])  # type: ignore[arg-type, call-overload]
-            block = nbytes(gather.args[0])  # type: ignore[arg-type]
-            extra += collective_s(Work(Direction.GATHER, n, 0.0, block), profile)
-    return sum(plan.gain(site, options) for site in split) - extra
+    gone = [t for c, t in whole.items() if c not in graph.nodes and t is not None]
+    whole_s = sum(t.planned_s for t in gone)
+    split_s = 0.0
+    for site in split:
+        times = plan.site_times(site, options)
+        if times is not None:
+            split_s += times.planned_s - (times.matmuls_s if site.kind == "ag_mm" else 0.0)
+    if split:
+        profile = plan.profile_for(split[0], options)
+        for gather in graph.find_nodes(op="call_function", target=GATHER):
+            if not gather.meta.get(META, {"for_matmul": True})["for_matmul"]:
+                n = int(gather.args[1])  # type: ignore[arg-type, call-overload]
+                block = nbytes(gather.args[0])  # type: ignore[arg-type]
+                split_s += collective_s(Work(Direction.GATHER, n, 0.0, block), profile)
+    if split_s < whole_s:
+        return None
+    return decline("split.not_profitable", split_us=split_s * 1e6, whole_us=whole_s * 1e6)

@@ -203,7 +203,8 @@ def _block_target(block: dict[str, Any] | None) -> dict[str, Any]:
 
 def _plain_tp_target(block: dict[str, Any] | None) -> dict[str, Any]:
     """Plain TP with the pass against TP+SP with the pass, row by row (``ring``,
-    ``auto``): the speedup over its own baseline, the bytes sent, the bytes saved."""
+    ``auto``): the step's speedup over the program as written (plain TP without the
+    pass, the one baseline of the three layouts), the bytes sent, the bytes saved."""
     from .config import COMPARED
 
     checked, misses = [], []
@@ -213,20 +214,22 @@ def _plain_tp_target(block: dict[str, Any] | None) -> dict[str, Any]:
         if plain is None or sp is None or "saved_bytes" not in plain:
             continue
         line = (
-            f"plain TP {label} {plain['speedup']:.2f}x, {plain['sent_bytes'] / 1e6:.2f} MB "
-            f"sent, {plain['saved_bytes'] / 1e6:.2f} MB saved; TP+SP {sp['speedup']:.2f}x, "
-            f"{sp['sent_bytes'] / 1e6:.2f} MB, {sp['saved_bytes'] / 1e6:.2f} MB"
+            f"plain TP {label} {plain['vs_first']:.2f}x, {plain['sent_bytes'] / 1e6:.2f} MB "
+            f"sent, {plain['saved_bytes'] / 1e6:.2f} MB saved; TP+SP {sp['vs_first']:.2f}x "
+            f"({sp['speedup']:.2f}x over its own baseline), {sp['sent_bytes'] / 1e6:.2f} MB, "
+            f"{sp['saved_bytes'] / 1e6:.2f} MB"
         )
         checked.append(line)
         if (
-            plain["speedup"] < (1 - PLAIN_SPEEDUP) * sp["speedup"]
+            plain["vs_first"] < (1 - PLAIN_SPEEDUP) * sp["vs_first"]
             or plain["sent_bytes"] > sp["sent_bytes"]
             or plain["saved_bytes"] > (1 + PLAIN_SAVED) * sp["saved_bytes"]
         ):
             misses.append(line)
     return _target(
-        f"plain TP with the pass: speedup within {PLAIN_SPEEDUP:.0%} of TP+SP's, bytes sent "
-        f"not above TP+SP's, bytes saved within {PLAIN_SAVED:.0%} of TP+SP's",
+        f"plain TP with the pass: its step's speedup over plain TP without it within "
+        f"{PLAIN_SPEEDUP:.0%} of TP+SP's with the pass, bytes sent not above TP+SP's, bytes "
+        f"saved within {PLAIN_SAVED:.0%} of TP+SP's",
         checked,
         misses,
     )
