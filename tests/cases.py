@@ -237,7 +237,9 @@ class Ulysses:
     (+ b), heads scattered and the sequence gathered (matmul -> all-to-all); ``"out"``:
     attention output [B, S, h/n, d], the sequence scattered and the heads gathered, then
     @ Wo (all-to-all -> matmul, contracting over the heads); ``"grad"``: the weight
-    gradient x^T @ dQ of a gathered dQ (all-to-all -> matmul, columns)."""
+    gradient x^T @ dQ of a gathered dQ (all-to-all -> matmul, columns).
+    ``sequence_first``: "in" sends its blocks laid out [s, b, h/n, d] (DeepSpeed's, from
+    a batch-first model's [b, s] rows: each block is copied before it is sent)."""
 
     side: str = "in"
     batch: int = 2
@@ -247,6 +249,7 @@ class Ulysses:
     dim: int = 5
     bias: bool = False
     dtype: torch.dtype = torch.float32
+    sequence_first: bool = False
 
     def inputs(self, rank: int, seed: int, n: int = 1) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -277,8 +280,12 @@ class Ulysses:
         def program(*xs):
             if self.side == "in":
                 q = torch.addmm(xs[2], xs[0], xs[1]) if self.bias else xs[0] @ xs[1]
-                v = q.view(b, s, n, hl, d).permute(2, 0, 1, 3, 4).contiguous()
-                o = exchanged(v, n).permute(1, 0, 2, 3, 4).reshape(b, n * s, hl, d)
+                first = self.sequence_first  # sends [n, s, b, ...], else [n, b, s, ...]
+                v = q.view(b, s, n, hl, d).permute((2, 1, 0, 3, 4) if first else (2, 0, 1, 3, 4))
+                o = exchanged(v.contiguous(), n).permute(
+                    (2, 0, 1, 3, 4) if first else (1, 0, 2, 3, 4)
+                )
+                o = o.reshape(b, n * s, hl, d)
                 return (o * 2,)
             if self.side == "out":
                 return (heads_gathered(xs[0]) @ xs[1],)

@@ -30,7 +30,7 @@ import commfuse_compile
 from commfuse_compile import CommfuseOptionError, Options, report
 from commfuse_compile.cost.profiles import BUILTIN, save
 from commfuse_compile.options import DEBUG_DIR_ENV
-from commfuse_compile.passes import rewrite_and_compile, rewrite_graph, unfuse
+from commfuse_compile.passes import rewrite_and_compile, rewrite_graph, ring, unfuse
 from commfuse_compile.passes.kinds import mm_a2a
 
 N, RANK = 4, 1
@@ -1026,6 +1026,23 @@ def test_all_to_all_next_to_a_projection_becomes_pairwise_steps(side, kind, layo
     peers = [(list(p.args[1]), list(p.args[3])) for p in calls(gm, P2P)]
     assert peers == [([(RANK + s) % N], [(RANK - s) % N]) for s in range(1, N)]
     gm.graph.lint()
+
+
+def test_a_block_copied_into_its_layout_is_sent_from_one_buffer():
+    """A batch-first model's [b, s] rows sent as DeepSpeed lays them out ([s, b], each
+    block copied): the copy goes through ``inductor_force_stride_order``, which Inductor
+    computes once, so the transfer and the wait of its buffer hold the same buffer (a
+    plain ``clone`` Inductor computes for each reader: the send's buffer would be free
+    before its wait, and ``program.check`` declined the site)."""
+    gm = ulysses("in", sequence_first=True)
+    record = rewrite_one(gm)
+    assert (record.kind, record.decision) == ("mm_a2a", "rewritten")
+    forced = calls(gm, ring.FORCE_STRIDES)
+    assert len(forced) == N - 1 and [f.args[0].target for f in forced] == [aten.clone.default] * 3
+    for p2p in calls(gm, P2P):
+        (sent,) = p2p.args[0]
+        assert sent in forced
+        assert [u.target for u in sent.users if u is not p2p] == [c10d.wait_tensor.default]
 
 
 @pytest.mark.parametrize("bias", [False, True])

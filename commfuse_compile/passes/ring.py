@@ -18,17 +18,21 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401 (prims.inductor_force_stride_order)
 from torch.fx import Node
 
 from ..runtime.groups import Group
 from ..schedules import Direction, Schedule, Transfer
 from .blocks import accumulate, finish_sum, viewed
 from .emit import P2P
-from .graph import Matmul, saved_unwaited, val
+from .graph import LAYOUT_OPS, Matmul, is_matmul, saved_unwaited, val
 from .rewrite import Rewrite
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+# the tensor itself if it has these strides, else a copy that has them: what Inductor
+# computes once, into a buffer of its own
+FORCE_STRIDES = torch.ops.prims.inductor_force_stride_order.default
 
 # a started batch: (its p2p node, the receives with their tensors, the buffers sent)
 Pending = tuple[Node | None, list[tuple[Transfer, Node]], list[Node]]
@@ -48,7 +52,7 @@ def start_transfers(
     ``recv_like``, or each like its own: blocks of uneven sizes)."""
     if not sends and not recvs:
         return NOTHING_PENDING
-    buffers = [held[t.block] for t in sends]
+    buffers = [one_buffer(rw, held[t.block], step) for t in sends]
     likes = [recv_like] * len(recvs) if isinstance(recv_like, Node) else list(recv_like)
     p2p = rw.emit(
         P2P,
@@ -69,6 +73,23 @@ def start_transfers(
         rw.emit(operator.getitem, (p2p, i), step=step, lane="comm") for i in range(len(recvs))
     ]
     return p2p, list(zip(recvs, received, strict=True)), list(dict.fromkeys(buffers))
+
+
+def one_buffer(rw: Rewrite, node: Node, step: int) -> Node:
+    """``node`` as a buffer to send. Inductor computes a value that a copy, a cast or an
+    element-wise op of one tensor makes (``clone`` into a block's layout) where each
+    reader reads it, not once: the transfer and the wait of its buffer would get two
+    buffers, and the one the transfer reads would be free to reuse before its wait.
+    Such a value goes through ``inductor_force_stride_order`` (in eager, the tensor
+    itself), whose result Inductor computes into one buffer; an input, a matmul's
+    product, a received tensor and views of them are buffers already."""
+    base = node
+    while base.target in LAYOUT_OPS - {aten.clone.default} | {aten.slice.Tensor}:
+        base = base.args[0]  # type: ignore[assignment]
+    if base.op == "placeholder" or is_matmul(base) or base.target is operator.getitem:
+        return node
+    strides = [rw.emit.size(stride, step) for stride in val(node).stride()]
+    return rw.emit(FORCE_STRIDES, (node, strides), step=step, lane="comm")
 
 
 def wait_transfers(rw: Rewrite, step: int, pending: Pending) -> tuple[list[Node], list[Node]]:
