@@ -53,6 +53,17 @@ _REASONS = (
     Reason("site.lost", "unsupported", "no longer next to a matmul"),
     Reason("site.no_kind", "unsupported", "no site kind rewrites {pattern}"),
     Reason(
+        "site.custom_op",
+        "unsupported",
+        "{node} calls {op}, which takes a process group ({argument}) and is no collective "
+        "the pass knows (commfuse_compile.register_collective_op says which one it is)",
+    ),
+    Reason(
+        "site.custom_op_unfit",
+        "unsupported",
+        "{node} calls {op}, known as a collective, but {problem}",
+    ),
+    Reason(
         "site.permuted",
         "unsupported",
         "{node} ({op}) reorders rows by an index between the collective and matmul {mm}: "
