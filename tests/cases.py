@@ -347,6 +347,81 @@ class Experts:
 
 
 @dataclasses.dataclass(frozen=True)
+class Uneven:
+    """An all-to-all of uneven blocks next to a matmul: rank r sends ``base[(j - r) % n]``
+    rows to rank j (heads, or tokens, that the group does not divide evenly), so every
+    rank sends and receives ``sum(base)`` and the ranks' graphs have one shape.
+
+    a2a -> matmul (``a2a_mm``): ``"rows"`` o @ W; ``"contract"`` o^T @ W (a weight
+    gradient); ``"columns"`` X @ o^T; ``"contract_left"`` Y @ o; ``"heads_out"``: o
+    [H, t, d] of uneven head blocks, laid out [t, H*d], @ Wo (contracting the heads).
+    matmul -> a2a (``mm_a2a``): ``"in"`` the product's rows; ``"heads"``: x @ Wq [t, H*d]
+    laid out [H, t, d] (DeepSpeed's uneven-heads scatter), uneven column blocks."""
+
+    side: str = "rows"
+    base: tuple[int, ...] = (1, 2, 3)  # one size per offset: the n of the group
+    width: int = 3  # columns of a row, or head_dim
+    tokens: int = 4  # t of the head sides
+    m: int = 5
+    dtype: torch.dtype = torch.float32
+
+    def splits(self, rank: int) -> tuple[list[int], list[int]]:
+        """(received, sent) by this rank."""
+        n = len(self.base)
+        return (
+            [self.base[(rank - j) % n] for j in range(n)],
+            [self.base[(j - rank) % n] for j in range(n)],
+        )
+
+    def inputs(self, rank: int, seed: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        wgen = torch.Generator().manual_seed(seed * 1000 + 999)
+        rows, c, m, t = sum(self.base), self.width, self.m, self.tokens
+        shapes = {
+            "rows": ((rows, c), (c, m)),
+            "contract": ((rows, c), (rows, m)),
+            "columns": ((rows, c), (m, c)),
+            "contract_left": ((rows, c), (m, rows)),
+            "heads_out": ((rows, t, c), (rows * c, m)),
+            "in": ((rows, m), (m, c)),
+            "heads": ((t, m), (m, rows * c)),
+        }[self.side]
+        x, other = shapes
+        return [
+            torch.randn(x, generator=gen).to(self.dtype),
+            torch.randn(other, generator=wgen).to(self.dtype),
+        ]
+
+    def fn(self, n: int):
+        assert n == len(self.base), "one size per rank"
+        rows, c, t = sum(self.base), self.width, self.tokens
+
+        def exchange(x: torch.Tensor) -> torch.Tensor:
+            received, sent = self.splits(dist.get_rank())
+            group = dist.group.WORLD.group_name
+            return c10d.wait_tensor(c10d.all_to_all_single(x, received, sent, group))
+
+        def program(x, w):
+            if self.side == "in":
+                return (exchange(x @ w) * 2,)
+            if self.side == "heads":
+                q = (x @ w).view(t, rows, c).permute(1, 0, 2).contiguous()
+                return (exchange(q) * 2,)
+            o = exchange(x)
+            if self.side == "rows":
+                return (o @ w,)
+            if self.side == "contract":
+                return (o.t() @ w,)
+            if self.side == "columns":
+                return (w @ o.t(),)
+            if self.side == "contract_left":
+                return (w @ o,)
+            return (o.permute(1, 0, 2).reshape(t, rows * c) @ w,)  # heads_out
+
+        return program
+
+
+@dataclasses.dataclass(frozen=True)
 class FusedQkv(Ulysses):
     """One projection for q, k and v (``kv_heads`` k/v heads per rank: GQA when fewer):
     ``side="in"``: x @ Wqkv split on its columns, each part's heads scattered by its own

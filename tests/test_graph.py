@@ -1120,17 +1120,18 @@ def test_fused_qkv_left_fused_when_no_site_is_rewritten():
 
 
 def test_all_to_all_declines_say_why():
-    """A schedule with no all-to-all steps, uneven blocks, and blocks that a reshape
-    interleaves (no longer one block of the product) are declined with their codes."""
+    """A schedule with no all-to-all steps, uneven blocks that give the ranks graphs of
+    different shapes (12 rows sent, 8 received: tests/test_uneven_a2a.py has the rest),
+    and blocks that a reshape interleaves (no longer one block of the product) are
+    declined with their codes."""
     bidir = rewrite_one(ulysses("in"), Options(schedule="bidir", inner="eager"))
     assert bidir.decline_code == "plan.schedule_not_for_kind"
 
     def uneven(x, w):
         group = dist.group.WORLD.group_name
-        sizes = [2, 2, 2, 6]
-        return (c10d.wait_tensor(c10d.all_to_all_single(x @ w, sizes, sizes, group)),)
+        return (c10d.wait_tensor(c10d.all_to_all_single(x @ w, [2] * N, [2, 2, 2, 6], group)),)
 
-    assert rewrite_one(fx(uneven, (12, 5), (5, 4))).decline_code == "a2a.uneven"
+    assert rewrite_one(fx(uneven, (12, 5), (5, 4))).decline_code == "a2a.rank_shapes"
 
     def interleaved(x, w):  # rows of the product interleaved across the blocks
         p = (x @ w).view(2, N, 3).permute(1, 0, 2).reshape(N * 2, 3)
