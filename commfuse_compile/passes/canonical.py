@@ -48,8 +48,8 @@ buffer they wrote into. A read of a region that only overlaps the one written is
 as it is: the site kinds decline it (``ag.buffer_region``).
 
 Only such custom ops, copies of a collective's result (or of slices or views of it), and
-read-backs of one, are touched; the pipeline restores the graph as it came when no site is then
-rewritten.
+read-backs of one, are touched; the pipeline restores the graph as it came when no site
+is then rewritten.
 """
 
 from __future__ import annotations
@@ -92,11 +92,10 @@ Change = Callable[[], None]
 def canonicalize(graph: Graph, before_change: Change) -> bool:
     """Replace every call of a custom op known to compute a collective by that functional
     collective (``_as_functional``); then every value-preserving copy of a collective's
-    result, and every ``cat`` that reassembles one from its slices, by the value itself (a
-    copy into a buffer that lives on: in its readers but the output); then every
-    read-back of the region a
-    collective's value was written into (``_read_back``) by that value. Did anything
-    change?
+    result, and every ``cat`` that reassembles one from its slices, by the value itself
+    (a copy into a buffer that lives on: in its readers but the output); then every
+    read-back of the region a collective's value was written into (``_read_back``) by
+    that value. Did anything change?
 
     Two passes: a copy left unread is dropped in the first, with the views of the buffer
     it wrote into, so that the second rewrites reads, not the slices a later copy writes

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Node
 
 from ..options import CommfuseOptionError
@@ -145,8 +146,8 @@ def functional(entry: CollectiveOp, node: Node) -> tuple[Any, tuple[Any, ...]] |
     if not n:
         return f"process group {group!r} is unknown in this process"
     value, out = (x.meta.get("val") if isinstance(x, Node) else None for x in (tensor, node))
-    if not isinstance(value, torch.Tensor) or not isinstance(out, torch.Tensor):
-        return "its tensors have no metadata (meta['val'])"
+    if not isinstance(value, FakeTensor) or not isinstance(out, FakeTensor):
+        return "its tensors are not fake tensors (meta['val']): no new value can be computed"
     shape: list[dims.Size] = list(value.shape)
     if entry.collective in ("all_to_all_single", "reduce_scatter_tensor") and not (
         shape and dims.divisible(shape[0], n)
