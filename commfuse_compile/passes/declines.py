@@ -53,6 +53,17 @@ _REASONS = (
     Reason("site.lost", "unsupported", "no longer next to a matmul"),
     Reason("site.no_kind", "unsupported", "no site kind rewrites {pattern}"),
     Reason(
+        "site.custom_op",
+        "unsupported",
+        "{node} calls {op}, which takes a process group ({argument}) and is no collective "
+        "the pass knows (commfuse_compile.register_collective_op says which one it is)",
+    ),
+    Reason(
+        "site.custom_op_unfit",
+        "unsupported",
+        "{node} calls {op}, known as a collective, but {problem}",
+    ),
+    Reason(
         "site.permuted",
         "unsupported",
         "{node} ({op}) reorders rows by an index between the collective and matmul {mm}: "
@@ -176,7 +187,21 @@ _REASONS = (
     Reason(
         "a2a.uneven",
         "unsupported",
-        "{node} splits dim 0 unevenly ({splits}): the blocks are not one shape",
+        "{node} splits dim 0 into sizes the graph computes that are not one size ({splits}): "
+        "where its blocks begin is known only at run time",
+    ),
+    Reason("a2a.splits", "unsupported", "{node}'s split sizes {splits} do not fit: {problem}"),
+    Reason(
+        "a2a.empty_block",
+        "unsupported",
+        "{node} sends or receives an empty block ({splits}): nothing to overlap it with",
+    ),
+    Reason(
+        "a2a.rank_shapes",
+        "unsupported",
+        "{node} sends {sent} rows and receives {received} (splits {splits}): the ranks' "
+        "graphs differ in shape, and the ranks agree on a rewrite only for graphs of one "
+        "shape",
     ),
     Reason(
         "a2a.not_a_block",
