@@ -97,8 +97,7 @@ class BlockJob:
 
 def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]:
     """Job: build the block once per row, compile it (eager inner compiler) and run one
-    step (which compiles forward and backward), then measure one (``footprint``);
-    returns the pass's sites and the step's footprint per row."""
+    step (which compiles forward and backward); returns the pass's sites per row."""
     from ..training.fronts import TrainConfig, build
     from ..training.loop import summarize
 
@@ -152,9 +151,21 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
             "found": len(found),
             "schedules": sorted({s["schedule"] for s in found if s["decision"] == "rewritten"}),
             "summary": [dataclasses.asdict(r) for r in summarize(found)],
-            "footprint": dataclasses.asdict(measure(step, n)),
         }
     return sites
+
+
+def block_footprints(rank: int, n: int, labels: list[str]) -> dict[str, dict[str, int]]:
+    """Job: one more step of each compiled row, measured (``footprint``)."""
+    return {label: dataclasses.asdict(measure(_BLOCK[label], n)) for label in labels}
+
+
+def _largest(per_rank: list[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Per row, each figure of the footprint at its largest over the ranks."""
+    return {
+        label: {k: max(rank[label][k] for rank in per_rank) for k in figures}
+        for label, figures in per_rank[0].items()
+    }
 
 
 def block_times(rank: int, n: int, labels: list[str], warmup: int, reps: int) -> dict[str, Any]:
@@ -220,6 +231,8 @@ def run_block(
         job = BlockJob(compared, tuple(block_rows), profile, COMPARED)
         sites.update(ranks.run(block_compile, job)[0])
         labels += [COMPARED + v.label for v in block_rows]
+    for label, footprint in _largest(ranks.run(block_footprints, labels)).items():
+        sites[label]["footprint"] = footprint
     progress.stage(f"{spec.key}: {len(labels)} rows x 1+{spec.reps} at {rate / 1e6:.0f} Mbit/s")
     times = figures.slowest(ranks.run(block_times, labels, 1, spec.reps))
     block = figures.block_result(

@@ -122,7 +122,8 @@ COMPARED_NOTE = (
     f"against `{COMPARED}baseline`. sent = the bytes a rank's collectives and P2P steps "
     "send per step (a collective counted as a ring sends it); saved = the bytes saved for "
     "the backward per rank (`saved_tensors_hooks`); peak = the most CPU memory allocated "
-    "during the step above what was live before it (the profiler's events)."
+    "during the step above what was live before it (the profiler's events); each the "
+    "largest over the ranks."
 )
 
 
