@@ -27,6 +27,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 from torch.fx import Graph
 
+from . import deferred_logging
 from .options import CommfuseOptionError, Options, given_options
 from .passes import PASSED, decline_graph, rewrite_graph
 from .passes.declines import decline
@@ -114,6 +115,7 @@ def install_inductor_pass(
             "use torch.compile(model, backend='commfuse', options={'inner': ...})"
         )
     installed = CommfuseInductorPass(Options.from_mapping({**given, "inner": "inductor"}))
+    deferred_logging.install()  # as the backend's import does: rank-only logging, one graph
     current = _passes(getattr(inductor_config, SLOT))
     if any(isinstance(p, CommfuseInductorPass) for p in current):
         slot = [installed if isinstance(p, CommfuseInductorPass) else p for p in current]
