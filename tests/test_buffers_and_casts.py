@@ -9,8 +9,10 @@ site is rewritten and the buffer receives the tensor rebuilt from the ring's blo
 write into the gathered tensor (``copy_`` into it, ``add_``) still declines.
 Megatron-Core gathers into a view of its flat global memory buffer: the eager inner
 compiler's graph writes the value into a region of the buffer and the matmul reads the
-region back (``slice(slice_scatter(buffer, gathered, R), R)``): rewritten the same way;
-a read of another region that overlaps the one written declines (``ag.buffer_region``).
+region back (``slice(slice_scatter(buffer, gathered, R), R)``): rewritten the same way.
+A read of a part of R is that part of the gathered tensor; a read reaching past R (old
+bytes of the buffer with gathered ones) declines (``ag.buffer_region``); a region that a
+``beta=0`` matmul ignores (Megatron-Core's attention ``baddbmm``) is not read at all.
 
 A dtype cast between the matmul and its collective joins the site (SimpleFSDP's mixed
 precision: bfloat16 parameters gathered, the bfloat16 weight gradient cast to float32 and
@@ -174,22 +176,13 @@ def test_reads_back_past_a_write_into_another_region_of_the_buffer(fake_world):
     assert len(calls(gm, aten.slice_scatter.default)) == 2
 
 
-@pytest.mark.parametrize(
-    ("read", "message"),
-    [
-        pytest.param(
-            lambda buffer: buffer[8:72].view(8, 8), "[8:72] of dim 0", id="shifted-region"
-        ),
-        pytest.param(lambda buffer: buffer[0:32].view(4, 8), "[0:32] of dim 0", id="a-part"),
-    ],
-)
-def test_a_read_of_another_region_of_the_buffer_declines(fake_world, read, message):
+def test_a_read_reaching_past_the_region_written_declines(fake_world):
     """The matmul reads rows of the buffer's old values with gathered ones: not the
     gathered tensor, so the site is declined with its code, never skipped in silence."""
 
     def program(x, w, buffer):
         buffer[0:64].view(8, 8).copy_(gathered(x))
-        return read(buffer) @ w
+        return buffer[8:72].view(8, 8) @ w
 
     gm = functional_fx(program, (2, 8), (8, 6), (80,))
     before = gm.code
@@ -197,8 +190,49 @@ def test_a_read_of_another_region_of_the_buffer_declines(fake_world, read, messa
     assert [(r.kind, r.decision, r.decline_code) for r in records] == [
         ("ag_mm", "declined", "ag.buffer_region")
     ]
-    assert message in records[0].reason and "[0:64] of dim 0" in records[0].reason
+    assert "[8:72] of dim 0" in records[0].reason and "[0:64] of dim 0" in records[0].reason
     assert gm.code == before
+
+
+def test_a_read_of_a_part_of_the_region_written_is_that_part_of_the_gathered_tensor(
+    fake_world,
+):
+    """Bytes of the gathered tensor only: read as its slice, so the decline is the site
+    kind's (a matmul of a part of the gathered rows), not the buffer's."""
+
+    def program(x, w, buffer):
+        buffer[0:64].view(8, 8).copy_(gathered(x))
+        return buffer[0:32].view(4, 8) @ w
+
+    gm = functional_fx(program, (2, 8), (8, 6), (80,))
+    before = gm.code
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
+        ("ag_mm", "declined", "ag.matmuls_left_out")
+    ]
+    assert "sits between the gathered tensor and a matmul" in records[0].reason
+    assert gm.code == before
+
+
+def megatron_core_attention(x, w, q, k, buffer):
+    """Megatron-Core's column-parallel linear gathers into the global buffer, and its
+    ``DotProductAttention`` hands ``baddbmm`` a region of the same buffer as the input
+    that ``beta=0.0`` ignores (its preallocated output)."""
+    buffer[0:64].view(8, 8).copy_(gathered(x))
+    product = buffer[0:64].view(8, 8) @ w
+    scores = torch.baddbmm(buffer[0:32].view(2, 4, 4), q, k, beta=0.0, alpha=0.5)
+    return product, scores
+
+
+def test_a_buffer_region_that_beta_0_ignores_is_not_a_read_of_the_buffer(fake_world):
+    gm = functional_fx(megatron_core_attention, (2, 8), (8, 6), (2, 4, 3), (2, 3, 4), (80,))
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision) for r in records] == [("ag_mm", "rewritten")], [
+        r.reason for r in records
+    ]
+    (baddbmm,) = calls(gm, aten.baddbmm.default)
+    assert baddbmm.args[0].target is aten.empty_strided.default  # its layout, not its values
+    assert len(calls(gm, P2P)) == N - 1
 
 
 def test_writes_into_tells_a_copys_source_from_its_destination(fake_world):

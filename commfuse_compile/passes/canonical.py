@@ -41,6 +41,14 @@ stays, one more reader of it. Copies left unread are dropped with the views of t
 buffer they wrote into. A read of a region that only overlaps the one written is left
 as it is: the site kinds decline it (``ag.buffer_region``).
 
+A matmul that ignores an operand does not read the buffer region it is given: with
+``beta=0``, ``addmm``, ``baddbmm`` and ``addbmm`` ignore their input (torch's documented
+semantics: not read, NaN and inf not propagated). Megatron-Core's attention hands
+``baddbmm(buffer_region, q, k, beta=0.0)`` a region of the same global buffer the
+column-parallel linear gathered into, as a preallocated output, overlapping the region
+written. That operand is replaced by a new tensor of its layout (``empty_strided``): the
+same result, and the buffer is no longer read there.
+
 Only copies of a collective's result (or of slices or views of it), and read-backs of
 one, are touched; the pipeline restores the graph as it came when no site is then
 rewritten.
@@ -50,14 +58,17 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
+from torch._guards import detect_fake_mode
 from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, node_arg, region, writes_into
+from . import dims
+from .emit import fake_eval
+from .graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, Region, node_arg, region, writes_into
 from .sequence import WAIT_TENSOR
 
 aten = torch.ops.aten
@@ -76,6 +87,8 @@ FRESH = frozenset(
 )
 # pure: dropped when nothing reads them any more
 UNREAD_DROPPED = FRESH | VIEWS | {aten.copy.default, aten.slice.Tensor}
+# matmuls whose input operand (args[0]) is not read when their ``beta`` is 0
+IGNORE_INPUT_AT_BETA_0 = frozenset({aten.addmm.default, aten.baddbmm.default, aten.addbmm.default})
 
 Change = Callable[[], None]
 
@@ -103,10 +116,53 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
         _drop_unread(graph, node)
         changed = True
     for node in list(graph.nodes):
-        value = _read_back(node)
-        if value is not None:
+        if _ignored_buffer_region(node):
+            before_change()
+            _give_fresh_input(graph, node)
+            changed = True
+    for node in list(graph.nodes):
+        read_back = _read_back(node)
+        if read_back is not None:
+            value, part = read_back
+            if part is not None:  # a part of the region written: that part of the value
+                before_change()
+                value = _part(graph, node, value, part)
             changed |= _read_as(graph, node, value, before_change)
     return changed
+
+
+def _ignored_buffer_region(node: Node) -> bool:
+    """Is ``node`` a matmul that ignores its input (``beta=0``), given a region of a buffer
+    something was written into (``slice(slice_scatter(...))``, through views)?"""
+    if node.target not in IGNORE_INPUT_AT_BETA_0 or node.kwargs.get("beta", 1) != 0:
+        return False
+    source = node.args[0]
+    while isinstance(source, Node) and source.target in VIEWS:
+        source = source.args[0]
+    if not isinstance(source, Node) or source.target is not aten.slice.Tensor:
+        return False
+    buffer = _unviewed(source.args[0])
+    return buffer is not None and buffer.target is SLICE_SCATTER
+
+
+def _give_fresh_input(graph: Graph, matmul: Node) -> None:
+    """``matmul``'s ignored input replaced by a new tensor of its sizes, strides, dtype and
+    device (``empty_like`` of it where a size is symbolic: that reads its sizes only);
+    the region's slice and views go when nothing else reads them."""
+    region_read = matmul.args[0]
+    assert isinstance(region_read, Node)
+    value = region_read.meta["val"]
+    layout = (*value.shape, *value.stride())
+    args: tuple[Any, ...] = (region_read,)
+    target, kwargs = aten.empty_like.default, {}
+    if all(isinstance(d, int) for d in layout):
+        target, args = aten.empty_strided.default, (list(value.shape), list(value.stride()))
+        kwargs = {"dtype": value.dtype, "device": value.device}
+    with graph.inserting_before(matmul):
+        fresh = graph.call_function(target, args, kwargs)
+    fresh.meta["val"] = fake_eval(detect_fake_mode([value]), target, args, kwargs)
+    matmul.replace_input_with(region_read, fresh)
+    _drop_unread(graph, region_read)
 
 
 def _read_as(graph: Graph, node: Node, value: Node, before_change: Change) -> bool:
@@ -134,19 +190,21 @@ def _drop_unread(graph: Graph, node: Node) -> None:
         graph.erase_node(current)
 
 
-def _read_back(node: Node) -> Node | None:
+def _read_back(node: Node) -> tuple[Node, Region | None] | None:
     """``src`` of ``slice(slice_scatter(buffer, src, R), R)``: the region just written,
     read back, is ``src`` (a collective's value, as Megatron-LM's gather into its global
     buffer reads under the eager inner compiler), also through views that give the
     buffer its shape back and past writes into regions of the buffer disjoint from R
-    (``slice(slice_scatter(b, x, R2), R)`` reads ``b``). A value whose layout a view of
-    the slice might need is kept unless ``src`` is contiguous."""
+    (``slice(slice_scatter(b, x, R2), R)`` reads ``b``). A read of a part of R is that
+    part of ``src`` (the part returned, as a region of ``src``); a read reaching past R
+    reads the buffer's old bytes too and stays. A value whose layout a view of the slice
+    might need is kept unless ``src`` is contiguous."""
     if node.target is not aten.slice.Tensor:
         return None
     read, scatter = region(node), _unviewed(node.args[0])
     while read is not None and scatter is not None and scatter.target is SLICE_SCATTER:
         written = region(scatter)
-        if written is None or not (written.same(read) or written.disjoint(read)):
+        if written is None or not (written.covers(read) or written.disjoint(read)):
             return None
         if written.disjoint(read):
             scatter = _unviewed(scatter.args[0])
@@ -157,9 +215,28 @@ def _read_back(node: Node) -> Node | None:
             return None
         if not isinstance(out, torch.Tensor) or not isinstance(value, torch.Tensor):
             return None
-        same_layout = _equal(tuple(out.stride()), tuple(value.stride()))
-        return src if same_layout or is_contiguous_or_false(value) else None
+        if not (
+            _equal(tuple(out.stride()), tuple(value.stride())) or is_contiguous_or_false(value)
+        ):
+            return None
+        if written.same(read):
+            return src, None
+        # elements of src: a slice of it (its bounds as FX takes them: plain ints)
+        bounds = (read.start - written.start, read.end - written.start, read.step)
+        if not all(isinstance(b, int) for b in bounds) or not dims.equal(written.step, 1):
+            return None
+        return src, Region(read.dim, *bounds, written.end - written.start)
     return None
+
+
+def _part(graph: Graph, read: Node, src: Node, part: Region) -> Node:
+    """A slice of ``src`` (of its ``part``), for ``read``, which reads that part of it."""
+    fake_mode = detect_fake_mode([src.meta.get("val")])
+    args = (src, part.dim, part.start, part.end, part.step)
+    with graph.inserting_before(read):
+        sliced = graph.call_function(aten.slice.Tensor, args)
+    sliced.meta["val"] = fake_eval(fake_mode, aten.slice.Tensor, args, {})
+    return sliced
 
 
 def _unviewed(node: object) -> Node | None:
