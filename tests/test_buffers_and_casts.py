@@ -214,18 +214,30 @@ def test_a_read_of_a_part_of_the_region_written_is_that_part_of_the_gathered_ten
     assert gm.code == before
 
 
-def megatron_core_attention(x, w, q, k, buffer):
+def megatron_core_attention(x, w, q, k, buffer, scores):
     """Megatron-Core's column-parallel linear gathers into the global buffer, and its
-    ``DotProductAttention`` hands ``baddbmm`` a region of the same buffer as the input
-    that ``beta=0.0`` ignores (its preallocated output)."""
+    ``DotProductAttention`` hands ``baddbmm`` ``scores`` elements of the same buffer as
+    the input that ``beta=0.0`` ignores (its preallocated output)."""
     buffer[0:64].view(8, 8).copy_(gathered(x))
     product = buffer[0:64].view(8, 8) @ w
-    scores = torch.baddbmm(buffer[0:32].view(2, 4, 4), q, k, beta=0.0, alpha=0.5)
-    return product, scores
+    # all of it: as Inductor's clean-up leaves it (a view, the no-op slice dropped)
+    region = (buffer if scores == buffer.numel() else buffer[0:scores]).view(2, 4, scores // 8)
+    return product, torch.baddbmm(region, q, k, beta=0.0, alpha=0.5)
 
 
-def test_a_buffer_region_that_beta_0_ignores_is_not_a_read_of_the_buffer(fake_world):
-    gm = functional_fx(megatron_core_attention, (2, 8), (8, 6), (2, 4, 3), (2, 3, 4), (80,))
+@pytest.mark.parametrize("scores", [32, 80], ids=["a-region", "the-whole-buffer"])
+def test_a_buffer_region_that_beta_0_ignores_is_not_a_read_of_the_buffer(fake_world, scores):
+    """A region of the buffer, or all of it (the scores outgrow the gathered input, as at
+    real sequence lengths; Inductor's clean-up then leaves a view of the whole buffer)."""
+
+    def program(x, w, q, k, buffer):
+        return megatron_core_attention(x, w, q, k, buffer, scores)
+
+    shape = (2, 4, scores // 8)
+    gm = functional_fx(program, (2, 8), (8, 6), (2, 4, 3), (2, 3, scores // 8), (80,))
+    (baddbmm,) = calls(gm, aten.baddbmm.default)
+    assert baddbmm.meta["val"].shape == shape
+    assert (baddbmm.args[0].args[0].target is aten.slice_scatter.default) == (scores == 80)
     records = rewrite_graph(gm, "forward", RING)
     assert [(r.kind, r.decision) for r in records] == [("ag_mm", "rewritten")], [
         r.reason for r in records

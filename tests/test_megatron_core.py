@@ -45,7 +45,10 @@ pytestmark = pytest.mark.skipif(
     reason="megatron-core is not installed (pip install '.[megatron]')",
 )
 
-HIDDEN, STEPS = 48, 2
+# TOKENS per rank: the attention's scores [b * heads/n, s, s] outgrow the gathered input
+# [s, b, h] in the global memory buffer (heads/n * s > h), as at any real sequence length,
+# so every gather writes a part of the buffer
+HIDDEN, TOKENS, STEPS = 48, 16, 2
 WARNING = "tp_group is None, using default tp group"
 
 # (model, inner) -> {(graph, kind): sites per rank}: every collective of the graphs
@@ -159,7 +162,7 @@ def build(model: str, n: int):
         submodules.input_layernorm = SequenceParallelLayerNorm
         submodules.pre_mlp_layernorm = SequenceParallelLayerNorm
         module = TransformerLayer(config, submodules, layer_number=1)
-        tokens = 4 * n
+        tokens = TOKENS * n
         mask = torch.triu(torch.ones(1, 1, tokens, tokens, dtype=torch.bool), diagonal=1)
 
         def forward(x):
@@ -196,7 +199,7 @@ def megatron_job(rank: int, n: int, model: str, inner: str) -> dict:
         module, forward = build(model, n)
         start = [p.detach().clone() for p in module.parameters()]
         torch.manual_seed(rank)
-        x = torch.randn(4, 2, HIDDEN, requires_grad=True)
+        x = torch.randn(TOKENS, 2, HIDDEN, requires_grad=True)
         uncompiled = train(module, forward, x)
         with torch.no_grad():
             for p, value in zip(module.parameters(), start, strict=True):

@@ -132,17 +132,17 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
 
 
 def _ignored_buffer_region(node: Node) -> bool:
-    """Is ``node`` a matmul that ignores its input (``beta=0``), given a region of a buffer
-    something was written into (``slice(slice_scatter(...))``, through views)?"""
+    """Is ``node`` a matmul that ignores its input (``beta=0``), given (a region of) a
+    buffer something was written into: a ``slice_scatter``, through slices and views
+    (Inductor's clean-up leaves a view of the whole buffer)?"""
     if node.target not in IGNORE_INPUT_AT_BETA_0 or node.kwargs.get("beta", 1) != 0:
         return False
     source = node.args[0]
-    while isinstance(source, Node) and source.target in VIEWS:
+    while isinstance(source, Node) and (
+        source.target in VIEWS or source.target is aten.slice.Tensor
+    ):
         source = source.args[0]
-    if not isinstance(source, Node) or source.target is not aten.slice.Tensor:
-        return False
-    buffer = _unviewed(source.args[0])
-    return buffer is not None and buffer.target is SLICE_SCATTER
+    return isinstance(source, Node) and source.target is SLICE_SCATTER
 
 
 def _give_fresh_input(graph: Graph, matmul: Node) -> None:
