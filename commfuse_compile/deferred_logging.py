@@ -100,10 +100,9 @@ class DeferredCall:
     ``frames`` are the traced frames from the call's (first) to the compiled frame
     (last); levels above them are the real callers of the compiled frame at run time.
     A logger call is given its logger when it runs (rebuilt from its source, as Dynamo
-    guards it); the other calls carry their function."""
+    guards it); a ``logging`` module function's is the root logger."""
 
     what: str  # "print", "warn", or the logging level name / "log"
-    fn: Callable[..., Any] | None  # print / warnings.warn / a logging module function
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     frames: tuple[Frame, ...]
@@ -227,7 +226,6 @@ def _why_not(what: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | 
 def _defer(
     tx: Any,
     what: str,
-    fn: Callable[..., Any] | None,
     args_vt: list[Any],
     kwargs_vt: dict[str, Any],
     logger_vt: Any = None,
@@ -245,7 +243,7 @@ def _defer(
     from torch._dynamo.source import GlobalSource
     from torch._dynamo.variables.misc import DebuggingVariable
 
-    call = DeferredCall(what, fn, args, kwargs, _frames(tx))
+    call = DeferredCall(what, args, kwargs, _frames(tx))
     name = tx.output.install_global_by_id("__commfuse_deferred_log", call)
     runs = DebuggingVariable(call, source=GlobalSource(name))
     tx.output.root_tx.debug_locals.append((runs, [] if logger_vt is None else [logger_vt]))
@@ -285,8 +283,10 @@ def _graph_break(what: str, why: str) -> None:
 
 
 def install() -> None:
-    """Take the calls over in Dynamo (once per process)."""
+    """Take the calls over in Dynamo (once per process). A bad ``COMMFUSE_DEFER_LOGGING``
+    raises here, at the import, rather than first inside Dynamo's trace."""
     global _installed
+    enabled()
     if _installed:
         return
     _installed = True
@@ -302,7 +302,7 @@ def install() -> None:
         what = DEFERRED.get(self.value) if not tx.export else None
         if what is None:
             return debugging_call(self, tx, args, kwargs)
-        why = _defer(tx, what, self.value, args, kwargs) if enabled() else f"{ENV} is off"
+        why = _defer(tx, what, args, kwargs) if enabled() else f"{ENV} is off"
         if why is None:
             from torch._dynamo.variables import ConstantVariable
 
@@ -322,7 +322,7 @@ def install() -> None:
         ):
             return logger_call(self, tx, name, args, kwargs)
         why = _logger_why_not(self, name) or (
-            _defer(tx, name, None, args, kwargs, logger_vt=self) if enabled() else f"{ENV} is off"
+            _defer(tx, name, args, kwargs, logger_vt=self) if enabled() else f"{ENV} is off"
         )
         if why is None:
             from torch._dynamo.variables import ConstantVariable
