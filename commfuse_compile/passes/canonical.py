@@ -1,4 +1,10 @@
-"""Canonical form before matching: the in-place c10d spellings read as the functional one.
+"""Canonical form before matching: the in-place c10d spellings, and the collectives
+frameworks wrap in custom ops, read as the functional one.
+
+A framework's custom op that computes a collective (DeepSpeed's
+``deepspeed::dim_zero_all_to_all``; the table and the ops users register:
+``custom_ops.py``) is replaced by that functional collective and its ``wait_tensor``,
+first, so that what follows reads it as any other collective.
 
 Training code written as Megatron-LM and DeepSpeed write it calls the in-place c10d API
 into a preallocated buffer (``out = torch.empty(...)``, then
@@ -49,9 +55,9 @@ column-parallel linear gathered into, as a preallocated output, overlapping the 
 written. That operand is replaced by a new tensor of its layout (``empty_strided``): the
 same result, and the buffer is no longer read there.
 
-Only copies of a collective's result (or of slices or views of it), and read-backs of
-one, are touched; the pipeline restores the graph as it came when no site is then
-rewritten.
+Only such custom ops, copies of a collective's result (or of slices or views of it),
+read-backs of one and operands a matmul ignores are touched; the pipeline restores the
+graph as it came when no site is then rewritten.
 """
 
 from __future__ import annotations
@@ -66,9 +72,9 @@ from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import dims
-from .emit import fake_eval
-from .graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, Region, node_arg, region, writes_into
+from . import custom_ops, dims
+from .emit import Emitter
+from .graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, Region, node_arg, region, val, writes_into
 from .sequence import WAIT_TENSOR
 
 aten = torch.ops.aten
@@ -94,16 +100,18 @@ Change = Callable[[], None]
 
 
 def canonicalize(graph: Graph, before_change: Change) -> bool:
-    """Replace every value-preserving copy of a collective's result, and every ``cat``
-    that reassembles one from its slices, by the value itself (a copy into a buffer that
-    lives on: in its readers but the output); then every read-back of the region a
-    collective's value was written into (``_read_back``) by that value. Did anything
-    change?
+    """Replace every call of a custom op known to compute a collective by that functional
+    collective (``_as_functional``); then every value-preserving copy of a collective's
+    result, and every ``cat`` that reassembles one from its slices, by the value itself
+    (a copy into a buffer that lives on: in its readers but the output); then each
+    buffer a ``beta=0`` matmul is given and ignores by a new tensor
+    (``_give_fresh_input``); then every read-back of the region a collective's value was
+    written into (``_read_back``) by that value. Did anything change?
 
     Two passes: a copy left unread is dropped in the first, with the views of the buffer
     it wrote into, so that the second rewrites reads, not the slices a later copy writes
     through (``copy(slice(buffer), gathered_2)``)."""
-    changed = False
+    changed = _as_functional(graph, before_change)
     for node in list(graph.nodes):
         value = _copied_value(node) if node.target in COPIES else _reassembled(node)
         if value is None:
@@ -128,6 +136,27 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
                 before_change()
                 value = _part(graph, node, value, part)
             changed |= _read_as(graph, node, value, before_change)
+    return changed
+
+
+def _as_functional(graph: Graph, before_change: Change) -> bool:
+    """Replace each call of a known collective custom op that fits what it is said to
+    compute by ``wait_tensor(collective(...))`` (one that does not stays, and is
+    recorded: ``kinds/unclaimed.py``). Did anything change?"""
+    changed = False
+    for node in [n for n in graph.nodes if n.op == "call_function"]:
+        entry = custom_ops.collective_of(node.target)
+        call = custom_ops.functional(entry, node) if entry is not None else None
+        if call is None or isinstance(call, str):
+            continue
+        before_change()
+        em = Emitter(graph, node, detect_fake_mode([val(node)]))
+        op, args = call
+        args = tuple([em.size(s, 0) for s in a] if isinstance(a, list) else a for a in args)
+        waited = em.node(WAIT_TENSOR, (em.node(op, args),))
+        node.replace_all_uses_with(waited)
+        graph.erase_node(node)
+        changed = True
     return changed
 
 
@@ -158,9 +187,7 @@ def _give_fresh_input(graph: Graph, matmul: Node) -> None:
     if all(isinstance(d, int) for d in layout):
         target, args = aten.empty_strided.default, (list(value.shape), list(value.stride()))
         kwargs = {"dtype": value.dtype, "device": value.device}
-    with graph.inserting_before(matmul):
-        fresh = graph.call_function(target, args, kwargs)
-    fresh.meta["val"] = fake_eval(detect_fake_mode([value]), target, args, kwargs)
+    fresh = Emitter(graph, matmul, detect_fake_mode([value])).node(target, args, kwargs)
     matmul.replace_input_with(region_read, fresh)
     _drop_unread(graph, region_read)
 
@@ -231,12 +258,8 @@ def _read_back(node: Node) -> tuple[Node, Region | None] | None:
 
 def _part(graph: Graph, read: Node, src: Node, part: Region) -> Node:
     """A slice of ``src`` (of its ``part``), for ``read``, which reads that part of it."""
-    fake_mode = detect_fake_mode([src.meta.get("val")])
     args = (src, part.dim, part.start, part.end, part.step)
-    with graph.inserting_before(read):
-        sliced = graph.call_function(aten.slice.Tensor, args)
-    sliced.meta["val"] = fake_eval(fake_mode, aten.slice.Tensor, args, {})
-    return sliced
+    return Emitter(graph, read, detect_fake_mode([val(src)])).node(aten.slice.Tensor, args)
 
 
 def _unviewed(node: object) -> Node | None:
