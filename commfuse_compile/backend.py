@@ -19,13 +19,16 @@ import torch
 from torch._dynamo.exc import ShortenTraceback
 from torch.fx import GraphModule
 
-from . import async_collectives
+from . import async_collectives, deferred_logging
 from .options import CommfuseOptionError, Options
 from .passes import joint, rewrite_and_compile, rewrite_graph
 
-# hand-overlapped collectives (async_op=True, .wait() later) traced into the graph: Dynamo
-# traces the model before it calls a backend, so this is done when the backend is imported
+# Dynamo traces the model before it calls a backend, so these are done when the backend is
+# imported: hand-overlapped collectives (async_op=True, .wait() later) traced into the
+# graph, and print / warnings / logging calls run after the graph instead of splitting it
+# (logging on rank 0 only would give the ranks different graphs; COMMFUSE_DEFER_LOGGING=0)
 async_collectives.install()
+deferred_logging.install()
 
 
 class BackendOptionError(ShortenTraceback, CommfuseOptionError):

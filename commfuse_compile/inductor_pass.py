@@ -27,6 +27,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 from torch.fx import Graph
 
+from . import deferred_logging
 from .options import CommfuseOptionError, Options, given_options
 from .passes import PASSED, decline_graph, joint, rewrite_graph
 from .passes.declines import decline
@@ -118,6 +119,7 @@ def install_inductor_pass(
     installed = CommfuseInductorPass(fixed)
     _install(SLOT, installed)
     _install(joint.SLOT, JointPass(fixed))
+    deferred_logging.install()  # as the backend's import does: rank-only logging, one graph
     return installed
 
 

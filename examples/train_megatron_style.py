@@ -20,8 +20,10 @@ scaled matmul of inputs and weights cast with amax scaling; the column-parallel 
 quantized before it is gathered, as its uint8 bytes). ``--core``: Megatron-Core's linears
 (the column-parallel gather into the persistent global memory buffer inside the linear's
 own function, whose backward overlaps its gather and reduce-scatter by hand with
-``async_op=True``); ``--rank0-warning`` adds a warning on rank 0 only on the row-parallel
-path (the ranks' graphs then differ and fall back together).
+``async_op=True``); ``--rank0-warning`` adds Megatron-Core's warning on rank 0 only on the
+row-parallel path (a DeprecationWarning: run with ``-W default`` to see it; it runs after
+the graph, so the ranks still compile the same graphs; ``COMMFUSE_DEFER_LOGGING=0``: they
+differ and fall back together).
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ site is rewritten and the buffer receives the tensor rebuilt from the ring's blo
 write into the gathered tensor (``copy_`` into it, ``add_``) still declines.
 Megatron-Core gathers into a view of its flat global memory buffer: the eager inner
 compiler's graph writes the value into a region of the buffer and the matmul reads the
-region back (``slice(slice_scatter(buffer, gathered, R), R)``): rewritten the same way;
-a read of another region that overlaps the one written declines (``ag.buffer_region``).
+region back (``slice(slice_scatter(buffer, gathered, R), R)``): rewritten the same way.
+A read of a part of R is that part of the gathered tensor; a read reaching past R (old
+bytes of the buffer with gathered ones) declines (``ag.buffer_region``); a region that a
+``beta=0`` matmul ignores (Megatron-Core's attention ``baddbmm``) is not read at all.
 
 A dtype cast between the matmul and its collective joins the site (SimpleFSDP's mixed
 precision: bfloat16 parameters gathered, the bfloat16 weight gradient cast to float32 and
@@ -175,17 +177,27 @@ def test_reads_back_past_a_write_into_another_region_of_the_buffer(fake_world):
 
 
 @pytest.mark.parametrize(
-    ("read", "message"),
+    ("read", "code", "message"),
     [
         pytest.param(
-            lambda buffer: buffer[8:72].view(8, 8), "[8:72] of dim 0", id="shifted-region"
+            lambda buffer: buffer[8:72].view(8, 8),
+            "ag.buffer_region",
+            "reads [8:72] of dim 0 of the buffer the gathered tensor is written into at [0:64]",
+            id="reaching-past-the-region",
         ),
-        pytest.param(lambda buffer: buffer[0:32].view(4, 8), "[0:32] of dim 0", id="a-part"),
+        pytest.param(
+            lambda buffer: buffer[0:32].view(4, 8),
+            "ag.matmuls_left_out",
+            "sits between the gathered tensor and a matmul",
+            id="a-part-of-the-region",
+        ),
     ],
 )
-def test_a_read_of_another_region_of_the_buffer_declines(fake_world, read, message):
-    """The matmul reads rows of the buffer's old values with gathered ones: not the
-    gathered tensor, so the site is declined with its code, never skipped in silence."""
+def test_a_read_of_another_region_of_the_buffer_declines(fake_world, read, code, message):
+    """A region reaching past the one written reads the buffer's old bytes with gathered
+    ones: ``ag.buffer_region``. A part of the region written holds gathered bytes only:
+    read as that slice of the gathered tensor, the decline is the site kind's (a matmul
+    of a part of the gathered rows). Declined with its code, never skipped in silence."""
 
     def program(x, w, buffer):
         buffer[0:64].view(8, 8).copy_(gathered(x))
@@ -194,11 +206,42 @@ def test_a_read_of_another_region_of_the_buffer_declines(fake_world, read, messa
     gm = functional_fx(program, (2, 8), (8, 6), (80,))
     before = gm.code
     records = rewrite_graph(gm, "forward", RING)
-    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
-        ("ag_mm", "declined", "ag.buffer_region")
-    ]
-    assert message in records[0].reason and "[0:64] of dim 0" in records[0].reason
+    assert [(r.kind, r.decision, r.decline_code) for r in records] == [("ag_mm", "declined", code)]
+    assert message in records[0].reason
     assert gm.code == before
+
+
+def megatron_core_attention(x, w, q, k, buffer, scores):
+    """Megatron-Core's column-parallel linear gathers into the global buffer, and its
+    ``DotProductAttention`` hands ``baddbmm`` ``scores`` elements of the same buffer as
+    the input that ``beta=0.0`` ignores (its preallocated output)."""
+    buffer[0:64].view(8, 8).copy_(gathered(x))
+    product = buffer[0:64].view(8, 8) @ w
+    # all of it: as Inductor's clean-up leaves it (a view, the no-op slice dropped)
+    region = (buffer if scores == buffer.numel() else buffer[0:scores]).view(2, 4, scores // 8)
+    return product, torch.baddbmm(region, q, k, beta=0.0, alpha=0.5)
+
+
+@pytest.mark.parametrize("scores", [32, 80], ids=["a-region", "the-whole-buffer"])
+def test_a_buffer_region_that_beta_0_ignores_is_not_a_read_of_the_buffer(fake_world, scores):
+    """A region of the buffer, or all of it (the scores outgrow the gathered input, as at
+    real sequence lengths; Inductor's clean-up then leaves a view of the whole buffer)."""
+
+    def program(x, w, q, k, buffer):
+        return megatron_core_attention(x, w, q, k, buffer, scores)
+
+    shape = (2, 4, scores // 8)
+    gm = functional_fx(program, (2, 8), (8, 6), (2, 4, 3), (2, 3, scores // 8), (80,))
+    (baddbmm,) = calls(gm, aten.baddbmm.default)
+    assert baddbmm.meta["val"].shape == shape
+    assert (baddbmm.args[0].args[0].target is aten.slice_scatter.default) == (scores == 80)
+    records = rewrite_graph(gm, "forward", RING)
+    assert [(r.kind, r.decision) for r in records] == [("ag_mm", "rewritten")], [
+        r.reason for r in records
+    ]
+    (baddbmm,) = calls(gm, aten.baddbmm.default)
+    assert baddbmm.args[0].target is aten.empty_strided.default  # its layout, not its values
+    assert len(calls(gm, P2P)) == N - 1
 
 
 def test_writes_into_tells_a_copys_source_from_its_destination(fake_world):

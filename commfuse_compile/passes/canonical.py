@@ -47,16 +47,24 @@ stays, one more reader of it. Copies left unread are dropped with the views of t
 buffer they wrote into. A read of a region that only overlaps the one written is left
 as it is: the site kinds decline it (``ag.buffer_region``).
 
-Only such custom ops, copies of a collective's result (or of slices or views of it), and
-read-backs of one, are touched; the pipeline restores the graph as it came when no site
-is then rewritten.
+A matmul that ignores an operand does not read the buffer region it is given: with
+``beta=0``, ``addmm``, ``baddbmm`` and ``addbmm`` ignore their input (torch's documented
+semantics: not read, NaN and inf not propagated). Megatron-Core's attention hands
+``baddbmm(buffer_region, q, k, beta=0.0)`` a region of the same global buffer the
+column-parallel linear gathered into, as a preallocated output, overlapping the region
+written. That operand is replaced by a new tensor of its layout (``empty_strided``): the
+same result, and the buffer is no longer read there.
+
+Only such custom ops, copies of a collective's result (or of slices or views of it),
+read-backs of one and operands a matmul ignores are touched; the pipeline restores the
+graph as it came when no site is then rewritten.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch._guards import detect_fake_mode
@@ -64,9 +72,9 @@ from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import custom_ops
+from . import custom_ops, dims
 from .emit import Emitter
-from .graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, node_arg, region, val, writes_into
+from .graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, Region, node_arg, region, val, writes_into
 from .sequence import WAIT_TENSOR
 
 aten = torch.ops.aten
@@ -85,6 +93,8 @@ FRESH = frozenset(
 )
 # pure: dropped when nothing reads them any more
 UNREAD_DROPPED = FRESH | VIEWS | {aten.copy.default, aten.slice.Tensor}
+# matmuls whose input operand (args[0]) is not read when their ``beta`` is 0
+IGNORE_INPUT_AT_BETA_0 = frozenset({aten.addmm.default, aten.baddbmm.default, aten.addbmm.default})
 
 Change = Callable[[], None]
 
@@ -93,9 +103,10 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
     """Replace every call of a custom op known to compute a collective by that functional
     collective (``_as_functional``); then every value-preserving copy of a collective's
     result, and every ``cat`` that reassembles one from its slices, by the value itself
-    (a copy into a buffer that lives on: in its readers but the output); then every
-    read-back of the region a collective's value was written into (``_read_back``) by
-    that value. Did anything change?
+    (a copy into a buffer that lives on: in its readers but the output); then each
+    buffer a ``beta=0`` matmul is given and ignores by a new tensor
+    (``_give_fresh_input``); then every read-back of the region a collective's value was
+    written into (``_read_back``) by that value. Did anything change?
 
     Two passes: a copy left unread is dropped in the first, with the views of the buffer
     it wrote into, so that the second rewrites reads, not the slices a later copy writes
@@ -113,8 +124,17 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
         _drop_unread(graph, node)
         changed = True
     for node in list(graph.nodes):
-        value = _read_back(node)
-        if value is not None:
+        if _ignored_buffer_region(node):
+            before_change()
+            _give_fresh_input(graph, node)
+            changed = True
+    for node in list(graph.nodes):
+        read_back = _read_back(node)
+        if read_back is not None:
+            value, part = read_back
+            if part is not None:  # a part of the region written: that part of the value
+                before_change()
+                value = _part(graph, node, value, part)
             changed |= _read_as(graph, node, value, before_change)
     return changed
 
@@ -138,6 +158,38 @@ def _as_functional(graph: Graph, before_change: Change) -> bool:
         graph.erase_node(node)
         changed = True
     return changed
+
+
+def _ignored_buffer_region(node: Node) -> bool:
+    """Is ``node`` a matmul that ignores its input (``beta=0``), given (a region of) a
+    buffer something was written into: a ``slice_scatter``, through slices and views
+    (Inductor's clean-up leaves a view of the whole buffer)?"""
+    if node.target not in IGNORE_INPUT_AT_BETA_0 or node.kwargs.get("beta", 1) != 0:
+        return False
+    source = node.args[0]
+    while isinstance(source, Node) and (
+        source.target in VIEWS or source.target is aten.slice.Tensor
+    ):
+        source = source.args[0]
+    return isinstance(source, Node) and source.target is SLICE_SCATTER
+
+
+def _give_fresh_input(graph: Graph, matmul: Node) -> None:
+    """``matmul``'s ignored input replaced by a new tensor of its sizes, strides, dtype and
+    device (``empty_like`` of it where a size is symbolic: that reads its sizes only);
+    the region's slice and views go when nothing else reads them."""
+    region_read = matmul.args[0]
+    assert isinstance(region_read, Node)
+    value = region_read.meta["val"]
+    layout = (*value.shape, *value.stride())
+    args: tuple[Any, ...] = (region_read,)
+    target, kwargs = aten.empty_like.default, {}
+    if all(isinstance(d, int) for d in layout):
+        target, args = aten.empty_strided.default, (list(value.shape), list(value.stride()))
+        kwargs = {"dtype": value.dtype, "device": value.device}
+    fresh = Emitter(graph, matmul, detect_fake_mode([value])).node(target, args, kwargs)
+    matmul.replace_input_with(region_read, fresh)
+    _drop_unread(graph, region_read)
 
 
 def _read_as(graph: Graph, node: Node, value: Node, before_change: Change) -> bool:
@@ -165,19 +217,21 @@ def _drop_unread(graph: Graph, node: Node) -> None:
         graph.erase_node(current)
 
 
-def _read_back(node: Node) -> Node | None:
+def _read_back(node: Node) -> tuple[Node, Region | None] | None:
     """``src`` of ``slice(slice_scatter(buffer, src, R), R)``: the region just written,
     read back, is ``src`` (a collective's value, as Megatron-LM's gather into its global
     buffer reads under the eager inner compiler), also through views that give the
     buffer its shape back and past writes into regions of the buffer disjoint from R
-    (``slice(slice_scatter(b, x, R2), R)`` reads ``b``). A value whose layout a view of
-    the slice might need is kept unless ``src`` is contiguous."""
+    (``slice(slice_scatter(b, x, R2), R)`` reads ``b``). A read of a part of R is that
+    part of ``src`` (the part returned, as a region of ``src``); a read reaching past R
+    reads the buffer's old bytes too and stays. A value whose layout a view of the slice
+    might need is kept unless ``src`` is contiguous."""
     if node.target is not aten.slice.Tensor:
         return None
     read, scatter = region(node), _unviewed(node.args[0])
     while read is not None and scatter is not None and scatter.target is SLICE_SCATTER:
         written = region(scatter)
-        if written is None or not (written.same(read) or written.disjoint(read)):
+        if written is None or not (written.covers(read) or written.disjoint(read)):
             return None
         if written.disjoint(read):
             scatter = _unviewed(scatter.args[0])
@@ -188,9 +242,24 @@ def _read_back(node: Node) -> Node | None:
             return None
         if not isinstance(out, torch.Tensor) or not isinstance(value, torch.Tensor):
             return None
-        same_layout = _equal(tuple(out.stride()), tuple(value.stride()))
-        return src if same_layout or is_contiguous_or_false(value) else None
+        if not (
+            _equal(tuple(out.stride()), tuple(value.stride())) or is_contiguous_or_false(value)
+        ):
+            return None
+        if written.same(read):
+            return src, None
+        # elements of src: a slice of it (its bounds as FX takes them: plain ints)
+        bounds = (read.start - written.start, read.end - written.start, read.step)
+        if not all(isinstance(b, int) for b in bounds) or not dims.equal(written.step, 1):
+            return None
+        return src, Region(read.dim, *bounds, written.end - written.start)
     return None
+
+
+def _part(graph: Graph, read: Node, src: Node, part: Region) -> Node:
+    """A slice of ``src`` (of its ``part``), for ``read``, which reads that part of it."""
+    args = (src, part.dim, part.start, part.end, part.step)
+    return Emitter(graph, read, detect_fake_mode([val(src)])).node(aten.slice.Tensor, args)
 
 
 def _unviewed(node: object) -> Node | None:

@@ -102,7 +102,8 @@ class TrainConfig:
     # "logits"); the MSE is computed on the shards and averaged over the ranks (one scalar
     # all-reduce), as torchtitan's loss_parallel does for the cross-entropy
     loss_parallel: bool = False
-    # "megatron_core": a warnings.warn on rank 0 only in every row-parallel linear's forward
+    # "megatron_core": Megatron-Core's DeprecationWarning on rank 0 only in every
+    # row-parallel linear's forward (styles.group_if_none)
     rank0_warning: bool = False
 
 

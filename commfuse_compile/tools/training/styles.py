@@ -22,8 +22,10 @@ preallocated buffers inside ``autograd.Function``s:
   input inside its own ``autograd.Function`` into the persistent global memory buffer
   (:func:`get_global_memory_buffer`), and its backward gathers the input again and
   reduce-scatters the input gradient with ``async_op=True``, waiting only after the next
-  matmul (overlap by hand); linears return ``(output, bias)``. Optionally, a warning on
-  rank 0 only on the row-parallel path (``rank0_warning``).
+  matmul (overlap by hand); linears return ``(output, bias)``. Optionally, Megatron-Core's
+  warning on rank 0 only on the row-parallel path (``rank0_warning``: its
+  ``RowParallelLinear`` passes no group, and ``get_tensor_model_parallel_group_if_none``
+  warns on rank 0).
 * :func:`simple_fsdp`: torchtitan's SimpleFSDP: every parameter a DTensor sharded on dim 0
   over the data-parallel mesh, read through a parametrization whose forward redistributes
   it to replicated (the all-gather, in ``param_dtype``) with gradients reduced to
@@ -353,12 +355,29 @@ class CoreColumnParallelLinear(nn.Module):
         return output, None
 
 
+def group_if_none(group: Any, default: Any) -> Any:
+    """Megatron-Core's ``get_tensor_model_parallel_group_if_none``: no group given is the
+    default one, with a ``DeprecationWarning`` on rank 0 only (``stacklevel=2``: the
+    caller's line)."""
+    if group is None:
+        if dist.get_rank() == 0:
+            warnings.warn(
+                "Warning: tp_group is None, using default tp group. Passing tp_group will be "
+                "mandatory soon",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return default
+    return group
+
+
 class CoreRowParallelLinear(nn.Module):
     """Megatron-Core's ``RowParallelLinear`` with sequence parallelism: the matmul through
     the same function (no communication), then ``reduce_scatter_to_sequence_parallel_region``
-    and the bias; returns ``(output, None)``. ``rank0_warning``: a ``warnings.warn`` on rank
-    0 only in its forward (a rank-0-only warning on this path: rank 0's graph breaks
-    there and the others' do not)."""
+    and the bias; returns ``(output, None)``. ``rank0_warning``: its matmul is given no
+    group (Megatron-Core's ``tp_group=None``), which warns on rank 0 only
+    (:func:`group_if_none`): without ``deferred_logging``, rank 0's graph breaks there
+    and the others' do not."""
 
     def __init__(
         self, inputs: int, outputs: int, group: Any, bias: bool, rank0_warning: bool = False
@@ -371,10 +390,9 @@ class CoreRowParallelLinear(nn.Module):
         self.rank0_warning = rank0_warning
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, None]:
-        if self.rank0_warning and dist.get_rank() == 0:
-            warnings.warn("RowParallelLinear: sequence parallelism is on", stacklevel=2)
+        group = group_if_none(None if self.rank0_warning else self.group, self.group)
         output_parallel = LinearWithAsyncCommunication.apply(
-            input_, self.weight, None, False, self.group
+            input_, self.weight, None, False, group
         )
         output = ReduceScatterToSequenceParallelRegion.apply(output_parallel, self.group)
         return (output if self.bias is None else output + self.bias), None
