@@ -1,4 +1,4 @@
-"""The ``moe`` site kind on its own (``passes/kinds/moe.py``): a dropless MoE layer's
+"""The ``moe`` site kind on its own (``passes/kinds/moe/``): a dropless MoE layer's
 dispatch all-to-all -> experts (``_grouped_mm`` with offsets, element-wise ops, casts) ->
 put-back by the permutation -> combine all-to-all, one site.
 
