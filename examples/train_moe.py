@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from commfuse_compile.options import SCHEDULES
 from commfuse_compile.tools.training import examples as training_examples
-from commfuse_compile.tools.training import moe
+from commfuse_compile.tools.training import moe, moe_loop
 from commfuse_compile.tools.training.loop import format_summary, max_relative_diff, summarize
 
 
@@ -62,7 +62,7 @@ def main() -> None:
 
     if rank == 0:
         print(f"with commfuse ({options}), {world_size} ranks:\n{cfg}", flush=True)
-    fused = moe.train(cfg, options, on_step=show)
+    fused = moe_loop.train(cfg, options, on_step=show)
     if rank == 0:
         print("\nsites (rank 0):\n" + format_summary(summarize(fused.sites)))
         print("\nevery collective (rank 0): graph, kind, decision, decline code")
@@ -73,7 +73,7 @@ def main() -> None:
     if args.compare:
         if rank == 0:
             print("\nwithout the pass (uncompiled):", flush=True)
-        plain = moe.train(cfg, None, on_step=show)
+        plain = moe_loop.train(cfg, None, on_step=show)
         # every rank's largest difference; rank 0 prints the largest of them
         diff = [max_relative_diff(fused.losses, plain.losses)]
         every: list[list[float] | None] = [None] * world_size
