@@ -267,6 +267,7 @@ def test_dispatch_experts_combine_is_one_rewritten_site(fake_world):
         "saved": ["_to_copy_1"],  # the activation the program returns
         "summed": [],
         "exchanged_shape": [sum(OUT), D],
+        "padded_rows": 0,  # torchtitan's alignment padding: test_moe_padding
     }
     kinds = targets(gm)
     assert A2A not in kinds and kinds.count(P2P) == record.p2p_ops == P2P_BATCHES[N]
@@ -535,11 +536,14 @@ def routed_layer(x, counts, w1, w2, local: int):
     return funcol.all_to_all_single_autograd(back, in_splits, out_splits, group)
 
 
-def run_routed(rank: int, n: int, local: int, routings: list, inner: str, seed: int) -> dict:
-    """On one gloo rank: ``routed_layer`` compiled once (``backend="commfuse"``, ring) and
-    run under each routing (``routing[r][e]``: rank r's tokens for global expert e),
-    forward and backward, against the uncompiled layer; the outputs and the gradients of
-    the tokens and both weights, and the records of the one compile."""
+def run_routed(
+    rank: int, n: int, local: int, routings: list, inner: str, seed: int, layer=None
+) -> dict:
+    """On one gloo rank: ``layer`` (``routed_layer``) compiled once (``backend="commfuse"``,
+    ring) and run under each routing (``routing[r][e]``: rank r's tokens for global expert
+    e), forward and backward, against the uncompiled layer; the outputs and the gradients
+    of the tokens and both weights, and the records of the one compile."""
+    layer = layer or routed_layer
     torch.set_num_threads(1)
     if inner == "inductor":
         from torch._inductor import config
@@ -548,7 +552,7 @@ def run_routed(rank: int, n: int, local: int, routings: list, inner: str, seed: 
     report.reset()
     torch._dynamo.reset()
     options = {"schedule": "ring", "inner": inner}
-    compiled = torch.compile(routed_layer, backend="commfuse", options=options, fullgraph=True)
+    compiled = torch.compile(layer, backend="commfuse", options=options, fullgraph=True)
     gen = torch.Generator().manual_seed(seed * 100 + rank)
     w1, w2 = bf16(local, D, H, gen=gen), bf16(local, H, D, gen=gen)
     runs = []
@@ -557,7 +561,7 @@ def run_routed(rank: int, n: int, local: int, routings: list, inner: str, seed: 
             counts = torch.tensor(routing[rank], dtype=torch.int64)
             x, dy = bf16(int(counts.sum()), D, gen=gen), bf16(int(counts.sum()), D, gen=gen)
             both = []
-            for fn in (routed_layer, compiled):
+            for fn in (layer, compiled):
                 leaves = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
                 if fn is compiled:
                     torch._dynamo.decorators.mark_unbacked(leaves[0], 0)

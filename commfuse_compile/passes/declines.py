@@ -176,6 +176,12 @@ _REASONS = (
     ),
     Reason("moe.size", "unsupported", "size {node} of a replaced tensor is not its row count"),
     Reason(
+        "moe.pad_kept",
+        "unsupported",
+        "the rows appended to the dispatched tokens are not dropped after the put-back "
+        "{node} ({why})",
+    ),
+    Reason(
         "a2a.batch_blocks",
         "unsupported",
         "the all-to-all's n blocks are along the batch of the batched matmul {node}",

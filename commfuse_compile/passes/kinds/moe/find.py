@@ -27,6 +27,7 @@ from ...graph import (
     the_wait,
     val,
 )
+from .padding import padded, unpadded
 from .site import GROUPED_MM, MoeSite
 
 aten = torch.ops.aten
@@ -40,14 +41,20 @@ def match(dispatch: Node) -> MoeSite | None:
     readers = data_users(wait) if wait is not None else []
     if wait is None or wait.target is not c10d.wait_tensor.default or len(readers) != 1:
         return None
-    permuted = readers[0]
-    perm = _permutation(permuted, wait)
+    permuted, pad = readers[0], padded(readers[0], wait)
+    if pad is not None:  # torchtitan's alignment padding: a zero row appended
+        after = data_users(pad.node)
+        if len(after) != 1:
+            return None
+        permuted = after[0]
+    perm = _permutation(permuted, pad.node if pad else wait, padded=pad is not None)
     if perm is None or not any(n.target is GROUPED_MM for n in _reached(permuted)):
         return None
     n = len(node_arg(dispatch, 1, "output_split_sizes"))
     site = MoeSite(
         dispatch=dispatch,
         dispatch_wait=wait,
+        pad=pad,
         permuted=permuted,
         perm=perm,
         group_name=str(node_arg(dispatch, 3, "group_name")),
@@ -62,23 +69,24 @@ def match(dispatch: Node) -> MoeSite | None:
         return _declined(site, why)
 
 
-def _permutation(read: Node, wait: Node) -> Node | None:
-    """The index tensor of ``read`` if it reorders the rows of ``wait`` (all of them,
-    once each by the count: ``recv[perm]``, ``index_select(recv, 0, perm)``)."""
-    if read.target is aten.index.Tensor and read.args[0] is wait:
+def _permutation(read: Node, source: Node, padded: bool) -> Node | None:
+    """The index tensor of ``read`` if it reorders the rows of ``source`` (all of them,
+    once each by the count: ``recv[perm]``, ``index_select(recv, 0, perm)``; with the
+    rows ``padded``, any number of slots: see ``padding``)."""
+    if read.target is aten.index.Tensor and read.args[0] is source:
         indices = node_arg(read, 1, "indices")
         perm = indices[0] if len(indices) == 1 else None
     elif read.target is aten.index_select.default and node_arg(read, 1, "dim") == 0:
-        perm = node_arg(read, 2, "index") if read.args[0] is wait else None
+        perm = node_arg(read, 2, "index") if read.args[0] is source else None
     else:
         return None
     if not isinstance(perm, Node):
         return None
     index = perm.meta.get("val")
-    rows = val(wait).shape[0]
+    rows = val(source).shape[0]
     if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.is_floating_point():
         return None
-    return perm if dims.equal(index.shape[0], rows) else None
+    return perm if padded or dims.equal(index.shape[0], rows) else None
 
 
 def _reached(start: Node) -> list[Node]:
@@ -96,7 +104,7 @@ def _with_experts(site: MoeSite) -> MoeSite:
     """``site`` with its experts (every op row-wise from the permuted tokens to the
     put-back), the put-back and the combine, or declined with the op that is not."""
     assert site.permuted is not None and site.dispatch_wait is not None
-    rows = val(site.dispatch_wait).shape[0]
+    rows = val(site.permuted).shape[0]  # the slots (the received rows, unpadded)
     reached = _reached(site.permuted)
     walk = _Walk(rows, [site.permuted], set(reached))
     put_back: Node | None = None
@@ -137,12 +145,17 @@ def _with_experts(site: MoeSite) -> MoeSite:
         )
     buffer = node_arg(put_back, 0, "self")
     combine = next(iter(data_users(put_back)), None)
-    if (
-        len(data_users(put_back)) != 1
-        or combine is None
-        or combine.target is not ALL_TO_ALL
-        or not _reverses(combine, site.dispatch)
-    ):
+    if site.pad is not None:  # the appended rows dropped after the put-back
+        if not dims.equal(val(buffer).shape[0], val(site.pad.node).shape[0]):
+            raise decline("moe.pad_kept", node=put_back.name, why=f"{buffer.name}'s rows")
+        dropped = unpadded(put_back, site.pad)
+        if isinstance(dropped, str):
+            raise decline("moe.pad_kept", node=put_back.name, why=dropped)
+        pad, combine = dropped
+        site = dataclasses.replace(site, pad=pad)
+    elif len(data_users(put_back)) != 1:
+        combine = None
+    if combine is None or combine.target is not ALL_TO_ALL or not _reverses(combine, site.dispatch):
         raise decline("moe.no_combine", node=put_back.name)
     site = dataclasses.replace(site, combine=combine)  # its record names both collectives
     combine_wait = the_wait(combine)

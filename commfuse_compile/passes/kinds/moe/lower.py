@@ -4,6 +4,7 @@ tokens through the experts' ops (sorted by expert, with its own offsets) and bac
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -11,10 +12,12 @@ from torch.fx import Node, map_arg
 
 from ....runtime.groups import Group
 from ....schedules import Transfer, round_trip
+from ... import dims
 from ...declines import decline
 from ...graph import CONVERT, node_arg, val
 from ...rewrite import Rewrite
 from ...ring import replace_collective, start_transfers, wait_transfers
+from .padding import ALLOCATE_NEW
 from .site import GROUPED_MM, MoeSite
 
 aten = torch.ops.aten
@@ -54,6 +57,7 @@ def lower(rw: Rewrite, site: MoeSite, group: Group) -> None:
             source = (r - step.compute) % n
             results[source] = blocks.experts(*blocks.received(arrived[source], source), s)
         if s == n:  # under the last result's way back, after the last rows
+            blocks.appended(s)
             blocks.wholes(s)
         waits, received = wait_transfers(rw, s, pending)
         for (_, _, into, key), node in zip(recvs, received, strict=True):
@@ -103,14 +107,27 @@ class _Blocks:
         step = 0
         perm = site.perm
         rows = self.rows = em(aten.sym_size.int, (perm, 0), step=step, lane="compute")
+        # the rows received (perm's count, unpadded) and with the appended ones
+        # (``padding``): the rows perm reads
+        self.received_rows: Any = rows
+        self.source_rows: Any = rows
+        if site.pad is not None:
+            self.received_rows = self._sum(self.out_splits)
+            self.source_rows = self._add(self.received_rows, site.pad.rows)
         index_dtype = val(perm).dtype
         positions = self._iota(rows, index_dtype, step)
-        empty = em(aten.new_empty.default, (perm, [rows]), step=step, lane="compute")
-        # where each received row stands in the permuted order, and so its expert
+        empty = em(aten.new_empty.default, (perm, [self.source_rows]), step=step, lane="compute")
+        # the slot of each row perm reads, and so (for a received row) its expert
         self.inverse = em(
             aten.index_put.default, (empty, [perm], positions), step=step, lane="compute"
         )
+        if site.pad is not None:
+            bounds = (0, self.received_rows)
+            self.inverse = em(
+                aten.slice.Tensor, (self.inverse, 0, *bounds), step=step, lane="compute"
+            )
         offs = em(CONVERT, (site.offs, index_dtype), step=step, lane="compute")
+        self.offs = offs
         expert = em(
             aten.bucketize.Tensor, (self.inverse, offs), {"right": True}, step=step, lane="compute"
         )
@@ -126,6 +143,19 @@ class _Blocks:
         self.tokens_for = self._split(self.tokens, self.in_splits, step)
         self.saved: dict[Node, list[Node]] = {node: [] for node in site.saved}
         self.places: list[Node] = []
+
+    def _sum(self, sizes: list[Any]) -> Any:
+        total: Any = 0
+        for size in sizes:
+            total = self._add(total, size)
+        return total
+
+    def _add(self, a: Any, b: Any) -> Any:
+        if isinstance(a, int) and isinstance(b, int):
+            return a + b
+        if isinstance(a, int) and a == 0:
+            return b
+        return self.rw.emit(operator.add, (a, b), step=0, lane="compute")
 
     def _iota(self, length: Any, dtype: torch.dtype, step: int) -> Node:
         """0 .. length - 1 (``arange`` as the graphs Inductor compiles spell it)."""
@@ -191,6 +221,19 @@ class _Blocks:
         """The experts' output for a block (``received``'s), in its rows' order: the
         rows sorted by expert, the experts' ops with the block's offsets (the tensors
         paired with the experts' rows, at the rows' places), unsorted."""
+        env, order = self._run(block, expert_of, place_of, step)
+        out = env[self.value]
+        em = self.rw.emit
+        shape = [rows, *val(out).shape[1:]]
+        empty = em(aten.new_empty.default, (out, shape), step=step, lane="compute")
+        return em(aten.index_put.default, (empty, [order], out), step=step, lane="compute")
+
+    def _run(
+        self, block: Node, expert_of: Node, place_of: Node | None, step: int, whole: bool = False
+    ) -> tuple[dict[Node, Any], Node]:
+        """The experts' ops on a block's rows sorted by expert (and the order they were
+        sorted in); the values read whole kept, with the rows' places (``whole``: only
+        the ops those values need)."""
         em, site = self.rw.emit, self.site
         assert site.permuted is not None and site.offs is not None
 
@@ -198,22 +241,28 @@ class _Blocks:
             return em(target, args, kwargs, step=step, lane="compute")
 
         sort = emit(aten.sort.stable, expert_of, stable=True)
-        experts_sorted, order = emit(operator.getitem, sort, 0), emit(operator.getitem, sort, 1)
-        offs = emit(
-            aten.searchsorted.Tensor, experts_sorted, self.group_ids, out_int32=True, right=True
-        )
+        order = emit(operator.getitem, sort, 1)
         places = None if place_of is None else emit(aten.index.Tensor, place_of, [order])
         env: dict[Node, Any] = {site.permuted: emit(aten.index.Tensor, block, [order])}
-        env[site.offs] = offs
         paired = set(site.paired)
 
         def value(arg: Node) -> Any:
-            """The block's value of ``arg``: its rows of a paired tensor, at their places."""
+            """The block's value of ``arg``: its offsets, its rows of a paired tensor at
+            their places."""
+            if arg is site.offs and arg not in env:
+                experts_sorted = emit(operator.getitem, sort, 0)
+                env[arg] = emit(
+                    aten.searchsorted.Tensor, experts_sorted, self.group_ids, out_int32=True,
+                    right=True,
+                )  # fmt: skip
             if arg in paired and arg not in env:
                 env[arg] = emit(aten.index.Tensor, arg, [places])
             return env.get(arg, arg)
 
+        needed = _needed(site.experts, self.saved) if whole else set(site.experts)
         for node in site.experts:
+            if node not in needed:
+                continue
             args, kwargs = map_arg(node.args, value), map_arg(node.kwargs, value)
             env[node] = em(node.target, args, kwargs, step=step, lane="compute")  # type: ignore[arg-type]
         if self.saved:  # (and the sums' operands)
@@ -221,9 +270,53 @@ class _Blocks:
             self.places.append(places)
             for node, pieces in self.saved.items():
                 pieces.append(env[node])
-        out = env[self.value]
-        empty = emit(aten.new_empty.default, out, [rows, *val(out).shape[1:]])
-        return emit(aten.index_put.default, empty, [order], out)
+        return env, order
+
+    def appended(self, step: int) -> None:
+        """The slots that read a row appended after the received ones (``padding``),
+        through the experts as one more block: their values go only into the expert
+        values read whole (in the program they are put back into rows it drops)."""
+        pad, perm = self.site.pad, self.site.perm
+        if pad is None or not self.saved:
+            return
+        assert perm is not None
+        em = self.rw.emit
+
+        def emit(target: Any, *args: Any, **kwargs: Any) -> Node:
+            return em(target, args, kwargs, step=step, lane="compute")
+
+        # perm's entries as rows of the padded tensor (-1: its last)
+        wrapped = emit(
+            aten.where.self,
+            emit(aten.lt.Scalar, perm, 0),
+            emit(aten.add.Tensor, perm, self.source_rows),
+            perm,
+        )
+        reads_appended = emit(aten.ge.Scalar, wrapped, self.received_rows)
+        order = emit(aten.sort.stable, emit(CONVERT, reads_appended, torch.int8), stable=True)
+        # the slots of the received rows first (one each), then the others
+        slots = emit(aten.slice.Tensor, emit(operator.getitem, order, 1), 0, self.received_rows)
+        which = emit(aten.sub.Tensor, emit(aten.index.Tensor, wrapped, [slots]), self.received_rows)
+        block = emit(aten.index.Tensor, self._appended_rows(step), [which])
+        expert_of = emit(aten.bucketize.Tensor, slots, self.offs, right=True)
+        self._run(block, expert_of, slots, step, whole=True)
+
+    def _appended_rows(self, step: int) -> Node:
+        """The rows appended after the received ones."""
+        pad = self.site.pad
+        assert pad is not None
+        em = self.rw.emit
+        if pad.extra is None:  # a gradient laid into zeros
+            shape = [pad.rows, *(em.size(d, step) for d in self.width)]
+            dtype = val(pad.node).dtype
+            return em(
+                aten.new_zeros.default, (self.tokens, shape), {"dtype": dtype},
+                step=step, lane="compute",
+            )  # fmt: skip
+        if pad.node.target is aten.cat.default:
+            return pad.extra
+        bounds = (self.received_rows, self.source_rows)  # of the buffer laid under the rows
+        return em(aten.slice.Tensor, (pad.extra, 0, *bounds), step=step, lane="compute")
 
     def wholes(self, step: int) -> None:
         """After the last block: the expert values read whole, each row at its place in
@@ -251,16 +344,39 @@ class _Blocks:
 
     def finish(self, out: Node, step: int) -> None:
         """The sizes read off the replaced nodes (the combine's: of ``out``, which
-        replaces it)."""
-        for node in self.site.replaced():
+        replaces it), and the allocations that read the received tokens' dtype and
+        device (the appended zero row's): of the tokens sent, which have them."""
+        site = self.site
+        for node in site.replaced():
             for user in node.users:
                 if user.target is aten.sym_size.int:
                     self.rw.replaces(user, self._size(user, out, step))
+                elif user.target in ALLOCATE_NEW and node in (site.dispatch, site.dispatch_wait):
+                    args = (self.tokens, *user.args[1:])
+                    new = self.rw.emit(user.target, args, user.kwargs, step=0, lane="compute")  # type: ignore[arg-type]
+                    self.rw.replaces(user, new)
 
     def _size(self, reader: Node, out: Node, step: int) -> Node:
-        source, dim = reader.args[0], node_arg(reader, 1, "dim")
-        if dim != 0:
+        """A row count of a replaced tensor: the tokens returned (``out``'s), or the
+        slots (perm's), the rows received, or those with the appended ones."""
+        source, value = reader.args[0], reader.meta.get("val")
+        if node_arg(reader, 1, "dim") != 0 or not isinstance(value, int | torch.SymInt):
             raise decline("moe.size", node=reader.name)
-        em, site = self.rw.emit, self.site
-        like = out if source in (site.combine, site.combine_wait) else site.perm
-        return em(aten.sym_size.int, (like, 0), step=step, lane="compute")
+        if source in (self.site.combine, self.site.combine_wait):
+            return self.rw.emit(aten.sym_size.int, (out, 0), step=step, lane="compute")
+        for size in (self.rows, self.received_rows, self.source_rows):
+            if isinstance(size, Node) and dims.equal(size.meta["val"], value):
+                return size
+        raise decline("moe.size", node=reader.name)
+
+
+def _needed(experts: Sequence[Node], values: Iterable[Node]) -> set[Node]:
+    """The expert ops that ``values`` are computed from (themselves included)."""
+    inside, needed = set(experts), set()
+    stack = [node for node in values if node in inside]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack += [a for a in node.all_input_nodes if a in inside]
+    return needed

@@ -13,6 +13,7 @@ from torch.fx import Node
 from ... import dims
 from ...graph import val
 from ...site import Site
+from .padding import Pad
 
 aten = torch.ops.aten
 
@@ -26,7 +27,8 @@ class MoeSite(Site):
     combine: Node | None = None
     dispatch_wait: Node | None = None
     combine_wait: Node | None = None
-    permuted: Node | None = None  # recv[perm]
+    pad: Pad | None = None  # torchtitan's alignment padding: rows appended, then dropped
+    permuted: Node | None = None  # recv[perm] (or padded[perm])
     perm: Node | None = None
     offs: Node | None = None
     experts: tuple[Node, ...] = ()  # from ``permuted`` to the value put back, graph order
@@ -44,9 +46,11 @@ class MoeSite(Site):
         return (self.dispatch,) if self.combine is None else (self.dispatch, self.combine)
 
     def replaced(self) -> list[Node]:
+        pad = () if self.pad is None else (self.pad.node, self.pad.unpad)
         nodes = (
             self.dispatch,
             self.dispatch_wait,
+            *pad,
             self.permuted,
             *self.experts,
             *self.transposes,
@@ -72,4 +76,5 @@ class MoeSite(Site):
             "saved": [node.name for node in self.saved],
             "summed": [node.name for node in self.sums],
             "exchanged_shape": dims.as_json(val(self.dispatch).shape),
+            "padded_rows": 0 if self.pad is None else self.pad.rows,
         }
