@@ -29,6 +29,7 @@ from .blocks import column_block, matmul, row_block, slice_block
 from .emit import Emitter
 from .graph import (
     ANY_MATMUL,
+    CONVERT,
     LAYOUT_OPS,
     TRANSPOSES,
     Layout,
@@ -119,11 +120,14 @@ def role(mm: Matmul, operand: Node, dim: int, path: Path) -> str | None:
 
 
 def offs_of_block(em: Emitter, offs: Node, index: int, width: dims.Size, step: int) -> Node:
-    """The group ends of block ``index`` of ``width`` rows (see the module's docstring)."""
+    """The group ends of block ``index`` of ``width`` rows (see the module's docstring),
+    in the offsets' dtype (Inductor's lowering would promote them to int64)."""
     start = em.size(index * width, step)
     shifted = em(aten.sub.Tensor, (offs, start), step=step, lane="compute")
-    bounds = (0, em.size(width, step))
-    return em(aten.clamp.default, (shifted, *bounds), step=step, lane="compute")
+    # (clamp as the graphs Inductor compiles spell it)
+    low = em(aten.clamp_min.default, (shifted, 0), step=step, lane="compute")
+    clamped = em(aten.clamp_max.default, (low, em.size(width, step)), step=step, lane="compute")
+    return em(CONVERT, (clamped, val(offs).dtype), step=step, lane="compute")
 
 
 def compute_block(
