@@ -514,10 +514,10 @@ def test_an_input_written_in_place_is_written(ranks):
 # on gloo ranks: the layer compiled, splits from the exchanged token counts
 
 
-def routed_layer(x, counts, w1, w2, local: int):
+def dispatched(x, counts):
     """torchtitan's expert-parallel dispatch: token counts per (rank, expert) exchanged,
-    the splits from ``.tolist()``, the rows permuted from (source, expert) to expert
-    order, grouped experts, put back, combined."""
+    the splits from ``.tolist()``, the tokens sent. Returns (the rows received, the
+    counts received, a combine of the experts' output back to the tokens)."""
     group = dist.group.WORLD
     n = dist.get_world_size(group)
     with torch.no_grad():
@@ -525,6 +525,18 @@ def routed_layer(x, counts, w1, w2, local: int):
         in_splits = counts.view(n, -1).sum(1).tolist()
         out_splits = counts_recv.view(n, -1).sum(1).tolist()
     recv = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
+
+    def combine(out):
+        return funcol.all_to_all_single_autograd(out, in_splits, out_splits, group)
+
+    return recv, counts_recv, combine
+
+
+def routed_layer(x, counts, w1, w2, local: int):
+    """``dispatched``, the rows permuted from (source, expert) to expert order, grouped
+    experts, put back, combined."""
+    n = dist.get_world_size()
+    recv, counts_recv, combine = dispatched(x, counts)
     with torch.no_grad():
         expert_of_row = torch.arange(local).repeat(n)
         expert_of_row = expert_of_row.repeat_interleave(counts_recv, output_size=recv.shape[0])
@@ -533,7 +545,7 @@ def routed_layer(x, counts, w1, w2, local: int):
     out, _ = experts(recv[perm], w1, w2, offs)
     back = out.new_empty(out.shape)
     back[perm] = out
-    return funcol.all_to_all_single_autograd(back, in_splits, out_splits, group)
+    return combine(back)
 
 
 def run_routed(

@@ -24,9 +24,21 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from cases import records_of
-from test_moe_kind import OUT, D, E, H, N, a2a, bf16, check_routed, experts, routings, run_routed
+from test_moe_kind import (
+    OUT,
+    D,
+    E,
+    H,
+    N,
+    a2a,
+    bf16,
+    check_routed,
+    dispatched,
+    experts,
+    routings,
+    run_routed,
+)
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -170,17 +182,12 @@ def padded_routed_layer(x, counts, w1, w2, local: int):
     """``test_moe_kind.routed_layer`` with torchtitan 0.2's ``_permute`` and
     ``_unpermute`` between the all-to-alls (the front end's, as ``ExpertParallel``
     calls them)."""
-    group = dist.group.WORLD
-    n = dist.get_world_size(group)
-    with torch.no_grad():
-        counts_recv = c10d.wait_tensor(funcol.all_to_all_single(counts, None, None, group))
-        in_splits = counts.view(n, -1).sum(1).tolist()
-        out_splits = counts_recv.view(n, -1).sum(1).tolist()
-    recv = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
-    shape, permuted, perm, padded = moe_etp._permute(recv, counts_recv, n, local)
+    recv, counts_recv, combine = dispatched(x, counts)
+    shape, permuted, perm, padded = moe_etp._permute(
+        recv, counts_recv, dist.get_world_size(), local
+    )
     out, _ = experts(permuted, w1, w2, torch.cumsum(padded, 0, dtype=torch.int32))
-    back = moe_etp._unpermute(out, shape, perm)
-    return funcol.all_to_all_single_autograd(back, in_splits, out_splits, group)
+    return combine(moe_etp._unpermute(out, shape, perm))
 
 
 def padded_cells():

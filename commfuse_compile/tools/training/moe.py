@@ -244,13 +244,8 @@ class DroplessMoEBlock(nn.Module):
     def _experts_parallel(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """torchtitan's ``ExpertParallel``: dispatch (counts, then tokens), the local
         permutation, the grouped experts, back."""
-        group, n = self.group, self.n
-        with torch.no_grad():
-            counts_group = funcol.all_to_all_single(counts, None, None, group=group)
-            counts_group = torch.ops._c10d_functional.wait_tensor(counts_group)
-            input_splits = counts.view(n, -1).sum(dim=1).tolist()
-            output_splits = counts_group.view(n, -1).sum(dim=1).tolist()
-        received = funcol.all_to_all_single_autograd(routed, output_splits, input_splits, group)
+        n = self.n
+        received, counts_group, combine = token_dispatch(routed, counts, self.group)
         # rows come in (source rank, local expert) order; the experts want expert order
         with torch.no_grad():
             expert_of_row = torch.arange(self.local, device=routed.device).repeat(n)
@@ -259,20 +254,45 @@ class DroplessMoEBlock(nn.Module):
             )
             perm = torch.argsort(expert_of_row, stable=True)
             per_expert = counts_group.view(n, self.local).sum(dim=0)
-        out = self._grouped_experts(received[perm], per_expert)
+        out = grouped_swiglu(received[perm], self.w1, self.w2, self.w3, per_expert)
         unpermuted = out.new_empty(out.shape)
         unpermuted[perm] = out
-        return funcol.all_to_all_single_autograd(unpermuted, input_splits, output_splits, group)
+        return combine(unpermuted)
 
-    def _grouped_experts(self, x: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
-        """torchtitan's ``_run_experts_grouped_mm``: SwiGLU with one grouped matmul per
-        weight, rows of expert ``e`` ending at ``offs[e]``, in bfloat16 as torchtitan
-        casts them (``_grouped_mm``'s shape function takes bfloat16 only, on any device)."""
-        offs = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
-        h = x.bfloat16()
-        w1, w2, w3 = (w.bfloat16().transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
-        h = F.silu(torch._grouped_mm(h, w1, offs=offs)) * torch._grouped_mm(h, w3, offs=offs)
-        return torch._grouped_mm(h, w2, offs=offs).type_as(x)
+
+def token_dispatch(
+    routed: torch.Tensor, counts: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """torchtitan's ``ExpertParallel._token_dispatch``: the tokens per (rank, expert)
+    exchanged (waited), the splits from ``.tolist()``, ``routed`` dispatched. Returns
+    (the rows received, the counts received per (source rank, local expert), the
+    ``_token_combine`` that sends a result's rows back)."""
+    n = dist.get_world_size(group)
+    with torch.no_grad():
+        counts_group = funcol.all_to_all_single(counts, None, None, group=group)
+        counts_group = torch.ops._c10d_functional.wait_tensor(counts_group)
+        input_splits = counts.view(n, -1).sum(dim=1).tolist()
+        output_splits = counts_group.view(n, -1).sum(dim=1).tolist()
+    received = funcol.all_to_all_single_autograd(routed, output_splits, input_splits, group)
+
+    def combine(out: torch.Tensor) -> torch.Tensor:
+        return funcol.all_to_all_single_autograd(out, input_splits, output_splits, group)
+
+    return received, counts_group, combine
+
+
+def grouped_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """torchtitan's ``_run_experts_grouped_mm``: SwiGLU with one grouped matmul per weight
+    (``[E, out, in]``, transposed), rows of expert ``e`` ending at ``offs[e]``, in
+    bfloat16 as torchtitan casts them (``_grouped_mm``'s shape function takes bfloat16
+    only, on any device)."""
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    h = x.bfloat16()
+    w1, w2, w3 = (w.bfloat16().transpose(-2, -1) for w in (w1, w2, w3))
+    h = F.silu(torch._grouped_mm(h, w1, offs=offs)) * torch._grouped_mm(h, w3, offs=offs)
+    return torch._grouped_mm(h, w2, offs=offs).type_as(x)
 
 
 # ----------------------------------------------------------------------------------------
@@ -280,10 +300,10 @@ class DroplessMoEBlock(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """A small MoE model: ``blocks`` blocks of ``moe`` kind on ``tokens`` tokens per rank."""
+class MoEShape:
+    """A small MoE model's size and run: ``blocks`` blocks on ``tokens`` tokens per rank,
+    ``experts_per_rank`` experts of ``hidden`` units on each, ``steps`` SGD steps."""
 
-    moe: str = "capacity"
     blocks: int = 1
     dim: int = 32
     hidden: int = 32
@@ -291,6 +311,19 @@ class MoEConfig:
     tokens: int = 24
     steps: int = 2
     lr: float = 0.1
+
+    def inputs(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens and targets at ``step`` (each rank its own)."""
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(self.tokens, self.dim, generator=gen)
+        return x, torch.randn(self.tokens, self.dim, generator=gen)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(MoEShape):
+    """Blocks of ``moe`` kind (expert parallel over every rank)."""
+
+    moe: str = "capacity"
     aux_weight: float = 0.01
     capacity_factor: float = 1.0
     score_func: str = "softmax"
@@ -301,12 +334,6 @@ class MoEConfig:
 
     def build(self) -> MoEModel:
         return build(self)
-
-    def inputs(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's tokens and targets at ``step`` (each rank its own)."""
-        gen = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(self.tokens, self.dim, generator=gen)
-        return x, torch.randn(self.tokens, self.dim, generator=gen)
 
     def sync(self, model: nn.Module) -> None:
         """DDP's gradient all-reduce of the replicated parameters (the backward ran on
@@ -342,6 +369,13 @@ class MoEModel(nn.Module):
             h, l_aux = block(h)
             aux = aux + l_aux
         return F.mse_loss(self.head(self.norm(h)), target) + self.aux_weight * aux
+
+
+def rank_inputs(tokens: int, dim: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens and targets at ``step`` (each rank its own)."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(tokens, dim, generator=gen)
+    return x, torch.randn(tokens, dim, generator=gen)
 
 
 def is_expert(name: str) -> bool:

@@ -52,13 +52,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from .moe import AllToAll, MoEModel, TokenChoiceTopKRouter, sync_replicated
+from .moe import (
+    AllToAll,
+    MoEModel,
+    MoEShape,
+    TokenChoiceTopKRouter,
+    grouped_swiglu,
+    sync_replicated,
+    token_dispatch,
+)
 from .styles import GatherFromSequenceParallelRegion, ReduceScatterToSequenceParallelRegion
 
 # torchtitan's ``TOKEN_GROUP_ALIGN_SIZE_M`` (``models/moe/utils.py``): bfloat16's 16 bytes
@@ -135,18 +142,6 @@ def _unpermute(out: torch.Tensor, input_shape: torch.Size, permuted: torch.Tenso
     return out_unpermuted[:-1]
 
 
-def grouped_swiglu(
-    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor
-) -> torch.Tensor:
-    """torchtitan's ``_run_experts_grouped_mm``: SwiGLU, one grouped matmul per weight
-    (``[E, out, in]``, transposed), rows of expert ``e`` ending at ``offs[e]``, bfloat16."""
-    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    h = x.bfloat16()
-    w1, w2, w3 = (w.bfloat16().transpose(-2, -1) for w in (w1, w2, w3))
-    h = F.silu(torch._grouped_mm(h, w1, offs=offs)) * torch._grouped_mm(h, w3, offs=offs)
-    return torch._grouped_mm(h, w2, offs=offs).type_as(x)
-
-
 def redistributed(x: torch.Tensor, mesh: DeviceMesh, src: Any, dst: Any) -> torch.Tensor:
     """This rank's part of ``x`` as placement ``src`` redistributed to ``dst``."""
     return DTensor.from_local(x, mesh, (src,)).redistribute(mesh, (dst,)).to_local()
@@ -199,17 +194,12 @@ class TitanETPBlock(nn.Module):
             shape, routed, permuted, padded = _permute(routed, counts, 1, self.local)
             out = grouped_swiglu(routed, self.w1, self.w2, self.w3, padded)
             return _unpermute(out, shape, permuted)
-        group = self.mesh["ep"].get_group()
-        with torch.no_grad():
-            counts_group = funcol.all_to_all_single(counts, None, None, group=group)
-            counts_group = torch.ops._c10d_functional.wait_tensor(counts_group)
-            input_splits = counts.view(ep, -1).sum(dim=1).tolist()
-            output_splits = counts_group.view(ep, -1).sum(dim=1).tolist()
-        received = funcol.all_to_all_single_autograd(routed, output_splits, input_splits, group)
+        received, counts_group, combine = token_dispatch(
+            routed, counts, self.mesh["ep"].get_group()
+        )
         shape, received, permuted, padded = _permute(received, counts_group, ep, self.local)
         out = grouped_swiglu(received, self.w1, self.w2, self.w3, padded)
-        out = _unpermute(out, shape, permuted)
-        return funcol.all_to_all_single_autograd(out, input_splits, output_splits, group)
+        return combine(_unpermute(out, shape, permuted))
 
 
 # ----------------------------------------------------------------------------------------
@@ -302,8 +292,10 @@ class MegatronETPBlock(nn.Module):
             h = F.silu(torch.bmm(x, self.w1)) * torch.bmm(x, self.w3)
             return torch.bmm(h, self.w2)
         m = x.shape[1]
-        counts = torch.full((self.local,), m, dtype=torch.int64, device=x.device)
-        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        # every expert's tokens_per_expert is m (drop-and-pad): its rows end at (e + 1) m
+        # (a cumsum of the counts: Inductor 2.13 rewrites cumsum(full(...)) into an
+        # int64 arange, which _grouped_mm refuses)
+        offs = torch.arange(1, self.local + 1, dtype=torch.int32, device=x.device) * m
         flat = x.reshape(-1, x.shape[-1]).bfloat16()
         w1, w2, w3 = (w.bfloat16() for w in (self.w1, self.w2, self.w3))
         h = F.silu(torch._grouped_mm(flat, w1, offs=offs)) * torch._grouped_mm(flat, w3, offs=offs)
@@ -323,23 +315,15 @@ def mesh_of(ep: int, tp: int) -> DeviceMesh:
 
 
 @dataclasses.dataclass(frozen=True)
-class ETPConfig:
-    """A small MoE model whose experts are tensor parallel over ``tp`` ranks and expert
-    parallel over ``ep``: ``blocks`` blocks of ``moe`` kind (``titan``, ``megatron``,
-    ``megatron-grouped``: the experts as ``TEGroupedMLP``), ``tokens`` tokens per rank
-    (its share of its tensor-parallel group's sequence), each expert's ``hidden`` units
-    over the ``tp`` ranks."""
+class ETPConfig(MoEShape):
+    """Blocks of ``moe`` kind (``titan``, ``megatron``, ``megatron-grouped``: the experts
+    as ``TEGroupedMLP``) whose experts are tensor parallel over ``tp`` ranks and expert
+    parallel over ``ep``: each rank's ``tokens`` its share of its tensor-parallel group's
+    sequence, each expert's ``hidden`` units over the ``tp`` ranks."""
 
     moe: str = "titan"
     ep: int = 2
     tp: int = 2
-    blocks: int = 1
-    dim: int = 32
-    hidden: int = 32
-    experts_per_rank: int = 2
-    tokens: int = 24
-    steps: int = 2
-    lr: float = 0.1
 
     def __post_init__(self) -> None:
         if self.moe not in ETP_MOES:
@@ -362,12 +346,6 @@ class ETPConfig:
             for _ in range(self.blocks)
         ]
         return MoEModel(self.dim, blocks, aux_weight=0.0)
-
-    def inputs(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's tokens and targets at ``step`` (each rank its own)."""
-        gen = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(self.tokens, self.dim, generator=gen)
-        return x, torch.randn(self.tokens, self.dim, generator=gen)
 
     def sync(self, model: nn.Module) -> None:
         """Every rank's part of the replicated gradients summed; torchtitan's router sees
