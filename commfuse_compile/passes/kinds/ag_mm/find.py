@@ -215,7 +215,7 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
         node, cast = reached.node, reached.cast
         for user in node.users:
             check_read_only(user, node)
-            mm = Matmul.of(user)
+            mm, any_form = Matmul.of(user), Matmul.of(user, batched=True, grouped=True)
             if user.args[0] is node and (
                 user.target in VIEWS or is_full_slice(user) or same_data(user)
             ):
@@ -226,10 +226,8 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
                 frontier.append(reached.then(user, cast_to(user), site.n))
             elif user.target is SLICE_SCATTER and node_arg(user, 1, "src") is node:
                 _check_read_back(user)
-            elif Matmul.of(user, batched=True, grouped=True) is not None and (
-                mm is None or not reached.plain
-            ):
-                _add_path_use(site, reached, Matmul.of(user, batched=True, grouped=True))  # type: ignore[arg-type]
+            elif any_form is not None and (mm is None or not reached.plain):
+                _add_path_use(site, reached, any_form)
             elif mm is not None and node not in (mm.a, mm.b):
                 what = mm.reads_as(node)
                 site.unmatched.append(f"{mm.node.name}: the gathered tensor is its {what}")
