@@ -99,6 +99,24 @@ def bmm_backward(n, dy, h, w1, w2):
     return rs(unsorted(dx, n), n), dw2
 
 
+def bmm_weight_columns(n, x, w1, w2):
+    """Each expert's weight gathered along its columns (``[E, K, N/n]`` on each rank) into
+    the batched matmul."""
+    return torch.bmm(x.view(E, C, D), ag(w1, n, dim=2))
+
+
+def bmm_columns_scattered(n, x, w1, w2):
+    """A batched product reduce-scattered along its columns."""
+    return rs(torch.bmm(x.view(E, C, D), w1), n, dim=2)
+
+
+def bmm_weight_gradient(n, dy, h, w1, w2):
+    """A weight's gradient from gathered rows: ``G^T @ X`` per expert (the blocks along
+    the contraction, through the transpose)."""
+    g = sorted_by_expert(ag(dy, n), n)
+    return torch.bmm(g.transpose(1, 2), h)
+
+
 def grouped_experts(n, x, w1, w2, offs):
     """TEGroupedMLP's grouped GEMMs over every rank's tokens of each expert (offs over
     the gathered rows): A's rows by their group's weight, their block's offsets."""
@@ -173,9 +191,13 @@ def inputs(fn, n: int, seed: int) -> list[torch.Tensor]:
 
     if fn in (bmm_experts, bmm_all_reduce):
         return [torch.randn(E * C, D, generator=gen), weights(E, D, D), weights(E, D, D)]
+    if fn is bmm_weight_columns:  # 8 of each expert's 8 n columns per rank
+        return [torch.randn(E * C, D, generator=gen), weights(E, D, 8), weights(1, D, D)]
+    if fn is bmm_columns_scattered:  # 8 n columns, 8 per rank's block
+        return [torch.randn(E * C, D, generator=gen), weights(E, D, 8 * n), weights(1, D, D)]
     if fn is bmm_scatter_experts:
         return [torch.randn(E * n, C, D, generator=gen), weights(E * n, D, D), weights(1, D, D)]
-    if fn is bmm_backward:
+    if fn in (bmm_backward, bmm_weight_gradient):
         dy, h = torch.randn(E * C, D, generator=gen), torch.randn(E, n * C, D, generator=gen)
         return [dy, h, weights(E, D, D), weights(E, D, D)]
     if fn is grouped_backward:
@@ -220,6 +242,9 @@ REWRITTEN = {
     # program: [(kind, roles of its matmuls or the product's blocks)] in graph order
     bmm_experts: [("ag_mm", ["rows"]), ("mm_rs", "rows")],
     bmm_backward: [("ag_mm", ["contract_left", "rows"]), ("mm_rs", "rows")],
+    bmm_weight_columns: [("ag_mm", ["columns"])],
+    bmm_columns_scattered: [("mm_rs", "columns")],
+    bmm_weight_gradient: [("ag_mm", ["contract"])],
     grouped_experts: [("ag_mm", ["rows"]), ("mm_rs", "rows")],
     grouped_backward: [("ag_mm", ["rows", "contract_left"])],
     grouped_contract_k: [("ag_mm", ["contract_k"])],
@@ -322,6 +347,9 @@ def _outputs(value) -> list[torch.Tensor]:
 EXACT = {
     "bmm_experts": [False, True],
     "bmm_backward": [False, False],
+    "bmm_weight_columns": [True],
+    "bmm_columns_scattered": [False],
+    "bmm_weight_gradient": [False],
     "grouped_experts": [False, True],
     "grouped_backward": [True, False],
     "grouped_contract_k": [False],
