@@ -3,6 +3,9 @@
 AOTAutograd (functorch) turns the captured program into aten-level forward and backward
 graphs; the pass rewrites each one before the inner compiler (Inductor, or eager FX
 execution) compiles it. The backward graph is compiled lazily, on the first backward.
+Before AOTAutograd partitions a training graph, plain tensor parallelism's all-reduces
+are split on its joint graph (``passes/joint.py``): as AOTAutograd's partition function
+with eager, in Inductor's joint-graph slot with Inductor.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from torch.fx import GraphModule
 
 from . import async_collectives
 from .options import CommfuseOptionError, Options
-from .passes import rewrite_and_compile, rewrite_graph
+from .passes import joint, rewrite_and_compile, rewrite_graph
 
 # hand-overlapped collectives (async_op=True, .wait() later) traced into the graph: Dynamo
 # traces the model before it calls a backend, so this is done when the backend is imported
@@ -73,12 +76,12 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> 
 
     # The AOTAutograd cache key does not see a custom inner compiler: a hit would skip
     # the pass (or reuse another schedule's result), so it is off for this compile.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    with torch._functorch.config.patch(enable_autograd_cache=False), joint.in_inductor(opts):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 def _eager(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> Any:
-    from functorch.compile import make_boxed_func
+    from functorch.compile import default_partition, make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(graph: GraphModule, inputs: Sequence[Any], kind: str) -> Any:
@@ -89,5 +92,8 @@ def _eager(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> Any
         fw_compiler=functools.partial(compiler, kind="forward"),
         bw_compiler=functools.partial(compiler, kind="backward"),
         inference_compiler=functools.partial(compiler, kind="inference"),
+        partition_fn=functools.partial(
+            joint.partition, options=opts, partitioner=default_partition
+        ),
         keep_inference_input_mutations=True,
     )(gm, example_inputs)

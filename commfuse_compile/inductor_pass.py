@@ -28,8 +28,9 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass
 from torch.fx import Graph
 
 from .options import CommfuseOptionError, Options, given_options
-from .passes import PASSED, decline_graph, rewrite_graph
+from .passes import PASSED, decline_graph, joint, rewrite_graph
 from .passes.declines import decline
+from .passes.joint import JointPass, slot_passes, slot_value
 
 SLOT = "post_grad_custom_pre_pass"
 
@@ -113,42 +114,41 @@ def install_inductor_pass(
             f"{given['inner']!r}: the pass runs inside Inductor; for another inner compiler "
             "use torch.compile(model, backend='commfuse', options={'inner': ...})"
         )
-    installed = CommfuseInductorPass(Options.from_mapping({**given, "inner": "inductor"}))
-    current = _passes(getattr(inductor_config, SLOT))
-    if any(isinstance(p, CommfuseInductorPass) for p in current):
-        slot = [installed if isinstance(p, CommfuseInductorPass) else p for p in current]
-    else:
-        slot = [*current, installed]
-    _set(slot)
+    fixed = Options.from_mapping({**given, "inner": "inductor"})
+    installed = CommfuseInductorPass(fixed)
+    _install(SLOT, installed)
+    _install(joint.SLOT, JointPass(fixed))
     return installed
 
 
 def uninstall_inductor_pass() -> bool:
-    """Take the pass out of Inductor's slot, leaving any other pass there as it was.
+    """Take the pass out of Inductor's slots, leaving any other pass there as it was.
     Returns whether it was installed."""
-    current = _passes(getattr(inductor_config, SLOT))
-    kept = [p for p in current if not isinstance(p, CommfuseInductorPass)]
-    _set(kept)
-    return len(kept) < len(current)
+    _uninstall(joint.SLOT, JointPass)
+    return _uninstall(SLOT, CommfuseInductorPass)
 
 
 def installed_inductor_pass() -> CommfuseInductorPass | None:
     """The installed pass, or None."""
-    current = _passes(getattr(inductor_config, SLOT))
+    current = slot_passes(getattr(inductor_config, SLOT))
     return next((p for p in current if isinstance(p, CommfuseInductorPass)), None)
 
 
-def _passes(slot: Any) -> list[Any]:
-    """The slot's passes: it holds None, one pass, or a list or tuple of them."""
-    if slot is None:
-        return []
-    return list(slot) if isinstance(slot, (list, tuple)) else [slot]
+def _install(slot: str, installed: Any) -> None:
+    """``installed`` in Inductor's ``slot``: in place of one of its class, else last."""
+    current = slot_passes(getattr(inductor_config, slot))
+    if any(isinstance(p, type(installed)) for p in current):
+        passes = [installed if isinstance(p, type(installed)) else p for p in current]
+    else:
+        passes = [*current, installed]
+    setattr(inductor_config, slot, slot_value(passes))
 
 
-def _set(passes: list[Any]) -> None:
-    """The slot as Inductor reads it: None, the one pass, or the list."""
-    value = None if not passes else passes[0] if len(passes) == 1 else passes
-    setattr(inductor_config, SLOT, value)
+def _uninstall(slot: str, kind: type) -> bool:
+    current = slot_passes(getattr(inductor_config, slot))
+    kept = [p for p in current if not isinstance(p, kind)]
+    setattr(inductor_config, slot, slot_value(kept))
+    return len(kept) < len(current)
 
 
 __all__ = [

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import commfuse_compile
-from commfuse_compile.passes import rewrite_graph
+from commfuse_compile.passes import custom_ops, rewrite_graph
 from commfuse_compile.passes.kinds.unclaimed import COLLECTIVES as ALL_COLLECTIVES
 
 c10d = torch.ops._c10d_functional
@@ -237,7 +237,9 @@ class Ulysses:
     (+ b), heads scattered and the sequence gathered (matmul -> all-to-all); ``"out"``:
     attention output [B, S, h/n, d], the sequence scattered and the heads gathered, then
     @ Wo (all-to-all -> matmul, contracting over the heads); ``"grad"``: the weight
-    gradient x^T @ dQ of a gathered dQ (all-to-all -> matmul, columns)."""
+    gradient x^T @ dQ of a gathered dQ (all-to-all -> matmul, columns).
+    ``sequence_first``: "in" sends its blocks laid out [s, b, h/n, d] (DeepSpeed's, from
+    a batch-first model's [b, s] rows: each block is copied before it is sent)."""
 
     side: str = "in"
     batch: int = 2
@@ -247,6 +249,7 @@ class Ulysses:
     dim: int = 5
     bias: bool = False
     dtype: torch.dtype = torch.float32
+    sequence_first: bool = False
 
     def inputs(self, rank: int, seed: int, n: int = 1) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -277,8 +280,12 @@ class Ulysses:
         def program(*xs):
             if self.side == "in":
                 q = torch.addmm(xs[2], xs[0], xs[1]) if self.bias else xs[0] @ xs[1]
-                v = q.view(b, s, n, hl, d).permute(2, 0, 1, 3, 4).contiguous()
-                o = exchanged(v, n).permute(1, 0, 2, 3, 4).reshape(b, n * s, hl, d)
+                first = self.sequence_first  # sends [n, s, b, ...], else [n, b, s, ...]
+                v = q.view(b, s, n, hl, d).permute((2, 1, 0, 3, 4) if first else (2, 0, 1, 3, 4))
+                o = exchanged(v.contiguous(), n).permute(
+                    (2, 0, 1, 3, 4) if first else (1, 0, 2, 3, 4)
+                )
+                o = o.reshape(b, n * s, hl, d)
                 return (o * 2,)
             if self.side == "out":
                 return (heads_gathered(xs[0]) @ xs[1],)
@@ -335,6 +342,81 @@ class Experts:
             g = by_expert(dy)
             dh = torch.bmm(g, w2.transpose(1, 2)) * (h > 0)
             return by_source(torch.bmm(dh, w1.transpose(1, 2))), torch.bmm(h.transpose(1, 2), g)
+
+        return program
+
+
+@dataclasses.dataclass(frozen=True)
+class Uneven:
+    """An all-to-all of uneven blocks next to a matmul: rank r sends ``base[(j - r) % n]``
+    rows to rank j (heads, or tokens, that the group does not divide evenly), so every
+    rank sends and receives ``sum(base)`` and the ranks' graphs have one shape.
+
+    a2a -> matmul (``a2a_mm``): ``"rows"`` o @ W; ``"contract"`` o^T @ W (a weight
+    gradient); ``"columns"`` X @ o^T; ``"contract_left"`` Y @ o; ``"heads_out"``: o
+    [H, t, d] of uneven head blocks, laid out [t, H*d], @ Wo (contracting the heads).
+    matmul -> a2a (``mm_a2a``): ``"in"`` the product's rows; ``"heads"``: x @ Wq [t, H*d]
+    laid out [H, t, d] (DeepSpeed's uneven-heads scatter), uneven column blocks."""
+
+    side: str = "rows"
+    base: tuple[int, ...] = (1, 2, 3)  # one size per offset: the n of the group
+    width: int = 3  # columns of a row, or head_dim
+    tokens: int = 4  # t of the head sides
+    m: int = 5
+    dtype: torch.dtype = torch.float32
+
+    def splits(self, rank: int) -> tuple[list[int], list[int]]:
+        """(received, sent) by this rank."""
+        n = len(self.base)
+        return (
+            [self.base[(rank - j) % n] for j in range(n)],
+            [self.base[(j - rank) % n] for j in range(n)],
+        )
+
+    def inputs(self, rank: int, seed: int) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        wgen = torch.Generator().manual_seed(seed * 1000 + 999)
+        rows, c, m, t = sum(self.base), self.width, self.m, self.tokens
+        shapes = {
+            "rows": ((rows, c), (c, m)),
+            "contract": ((rows, c), (rows, m)),
+            "columns": ((rows, c), (m, c)),
+            "contract_left": ((rows, c), (m, rows)),
+            "heads_out": ((rows, t, c), (rows * c, m)),
+            "in": ((rows, m), (m, c)),
+            "heads": ((t, m), (m, rows * c)),
+        }[self.side]
+        x, other = shapes
+        return [
+            torch.randn(x, generator=gen).to(self.dtype),
+            torch.randn(other, generator=wgen).to(self.dtype),
+        ]
+
+    def fn(self, n: int):
+        assert n == len(self.base), "one size per rank"
+        rows, c, t = sum(self.base), self.width, self.tokens
+
+        def exchange(x: torch.Tensor) -> torch.Tensor:
+            received, sent = self.splits(dist.get_rank())
+            group = dist.group.WORLD.group_name
+            return c10d.wait_tensor(c10d.all_to_all_single(x, received, sent, group))
+
+        def program(x, w):
+            if self.side == "in":
+                return (exchange(x @ w) * 2,)
+            if self.side == "heads":
+                q = (x @ w).view(t, rows, c).permute(1, 0, 2).contiguous()
+                return (exchange(q) * 2,)
+            o = exchange(x)
+            if self.side == "rows":
+                return (o @ w,)
+            if self.side == "contract":
+                return (o.t() @ w,)
+            if self.side == "columns":
+                return (w @ o.t(),)
+            if self.side == "contract_left":
+                return (w @ o,)
+            return (o.permute(1, 0, 2).reshape(t, rows * c) @ w,)  # heads_out
 
         return program
 
@@ -455,14 +537,22 @@ def run_case(
 
 
 def collective_names(gm: torch.fx.GraphModule) -> list[str]:
-    every = ALL_COLLECTIVES
-    return [n.name for n in gm.graph.nodes if n.op == "call_function" and n.target in every]
+    """The collectives of ``gm``: functional ones, and framework ops that take a group."""
+    return [
+        n.name
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and (n.target in ALL_COLLECTIVES or custom_ops.group_argument(n.target) is not None)
+    ]
 
 
 def records_of(gm: torch.fx.GraphModule) -> list[commfuse_compile.report.SiteRecord]:
-    """The graph rewritten (ring, eager); every collective it had named by one record."""
-    names = collective_names(gm)
+    """The graph rewritten (ring, eager); every collective it had named by one record (a
+    framework's op read as a functional collective: by that collective's name)."""
+    names = collections.Counter(collective_names(gm))
     records = rewrite_graph(gm, "forward", commfuse_compile.Options(schedule="ring", inner="eager"))
     named = collections.Counter(n for r in records for n in r.match["collectives"])
-    assert named == collections.Counter(names), [(r.kind, r.reason) for r in records]
+    replaced, new = names - named, named - names
+    assert replaced.total() == new.total(), [(r.kind, r.reason) for r in records]
+    assert all(name.startswith(("all_", "reduce_scatter")) for name in new), new
     return records

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch._C._distributed_c10d import _get_work_registry_size
 from torch._inductor.utils import run_and_get_code
@@ -164,3 +165,168 @@ def tensor_parallel_regions(summed):
             return grad
 
     return Copy, Reduce
+
+
+# ----------------------------------------------------------------------------------------
+# plain tensor parallelism: a Llama-style decoder written as Hugging Face writes it,
+# sharded with DTensor's defaults (transformers' ``tp_plan``) or as Megatron's layers
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Hugging Face's LlamaRMSNorm: statistics in float32, the weight applied last."""
+    dtype = h.dtype
+    h = h.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+HIDDEN, HEADS, FFN, LAYERS, TOKENS = 24, 12, 48, 2, (2, 6)  # 12 heads, 12 tokens: 3 and 4
+
+
+class Attention(torch.nn.Module):
+    """Hugging Face's LlamaAttention, shape for shape: heads from the local projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = HIDDEN // HEADS
+        self.q_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.k_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.v_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+        self.o_proj = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        shape = (*h.shape[:-1], -1, self.head_dim)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = (p(h).view(shape).transpose(1, 2) for p in projections)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(*h.shape[:-1], -1).contiguous())
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(HIDDEN, FFN, bias=False)
+        self.up_proj = torch.nn.Linear(HIDDEN, FFN, bias=False)
+        self.down_proj = torch.nn.Linear(FFN, HIDDEN, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Norm(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(HIDDEN))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm(h, self.weight)
+
+
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.self_attn = Norm(), Attention()
+        self.post_attention_layernorm, self.mlp = Norm(), Mlp()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Decoder(torch.nn.Module):
+    """The layers and a final norm; with ``checkpointing`` each layer under selective
+    activation checkpointing (torchtitan's op-level policy: matmuls and attention saved,
+    the rest recomputed)."""
+
+    def __init__(self, checkpointing: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.norm = Norm()
+        self.checkpointing = checkpointing
+        with torch.no_grad():
+            for p in self.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        from commfuse_compile.tools.training.checkpointing import (
+            save_matmuls_and_reduce_scatters,
+        )
+
+        for layer in self.layers:
+            if self.checkpointing:
+                policy = save_matmuls_and_reduce_scatters
+                h = checkpoint(layer, h, use_reentrant=False, context_fn=policy)
+            else:
+                h = layer(h)
+        return self.norm(h)
+
+
+def tensor_parallel(model: Decoder, n: int) -> Decoder:
+    """transformers' Llama ``base_model_tp_plan``, default layouts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    plan = {}
+    for i in range(LAYERS):
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        plan[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        for name in ("mlp.gate_proj", "mlp.up_proj"):
+            plan[f"layers.{i}.{name}"] = ColwiseParallel()
+        plan[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
+    return parallelize_module(model, init_device_mesh("cpu", (n,)), plan)
+
+
+class ColumnParallel(torch.nn.Module):
+    """Megatron-Core's ColumnParallelLinear without sequence parallelism: the input
+    copied into the tensor-parallel region (its gradient all-reduced in place), this
+    rank's rows of the weight."""
+
+    def __init__(self, linear: torch.nn.Linear, rank: int, n: int, copy) -> None:
+        super().__init__()
+        rows = linear.out_features // n
+        self.weight = torch.nn.Parameter(linear.weight[rank * rows : (rank + 1) * rows].detach())
+        self.copy = copy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.copy.apply(x), self.weight)
+
+
+class RowParallel(torch.nn.Module):
+    """Megatron-Core's RowParallelLinear without sequence parallelism: this rank's
+    columns of the weight, the output reduced from the region (``dist.all_reduce``)."""
+
+    def __init__(self, linear: torch.nn.Linear, rank: int, n: int, reduce) -> None:
+        super().__init__()
+        cols = linear.in_features // n
+        self.weight = torch.nn.Parameter(linear.weight[:, rank * cols : (rank + 1) * cols].detach())
+        self.reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce.apply(torch.nn.functional.linear(x, self.weight))
+
+
+def megatron_parallel(model: Decoder, n: int) -> Decoder:
+    """The decoder's linears as Megatron's tensor-parallel layers, in-place all-reduces."""
+    copy, reduce = tensor_parallel_regions(in_place_sum)
+    rank = dist.get_rank()
+    for layer in model.layers:
+        for parent, names, parallel, region in (
+            (layer.self_attn, ("q_proj", "k_proj", "v_proj"), ColumnParallel, copy),
+            (layer.self_attn, ("o_proj",), RowParallel, reduce),
+            (layer.mlp, ("gate_proj", "up_proj"), ColumnParallel, copy),
+            (layer.mlp, ("down_proj",), RowParallel, reduce),
+        ):
+            for name in names:
+                setattr(parent, name, parallel(getattr(parent, name), rank, n, region))
+    return model
+
+
+PROGRAMS = {"dtensor": tensor_parallel, "megatron": megatron_parallel}

@@ -300,7 +300,7 @@ SMALL_QUICK = textwrap.dedent(
         rate_reps=3,
         block=dataclasses.replace(quick.block, shape=small, reps=5),
         block_plain=dataclasses.replace(
-            quick.block_plain, shape=plain, schedules=("baseline", "ring"), reps=3
+            quick.block_plain, shape=plain, schedules=("baseline", "ring"), reps=3, compare=small
         ),
     )
     sys.exit(cli.main(sys.argv[1:]))
@@ -375,8 +375,16 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     assert any(k[0] == "mm_ar" for k in kinds), kinds
     rewritten = {(r["graph"], r["kind"]) for r in ring["sites"]["summary"] if r["rewritten"]}
     assert {(g, k) for g in ("forward", "backward") for k in ("mm_rs", "ag_mm")} <= rewritten
+    # the same block with sequence parallelism by hand, on the same link, and every row's
+    # footprint: with the pass, plain TP saves less than without it
+    labels_plain = [r["label"] for r in plain_block["rows"]]
+    assert labels_plain == ["baseline", "ring", "TP+SP baseline", "TP+SP ring"]
+    for row in plain_block["rows"]:
+        assert row["sent_bytes"] > 0 and row["saved_bytes"] > 0 and row["peak_bytes"] > 0
+    assert ring["saved_bytes"] < off["saved_bytes"]
     texts = [t["target"] for t in results["targets"]]
-    assert len(texts) == 6 and texts[3].startswith("auto within") and texts[5].startswith("whole")
+    assert len(texts) == 7 and texts[3].startswith("auto within") and texts[5].startswith("whole")
+    assert texts[6].startswith("plain TP with the pass")
     assert all(t["reached"] in (True, False, None) for t in results["targets"])
 
     markdown = (out / "results.md").read_text()

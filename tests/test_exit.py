@@ -42,6 +42,7 @@ EXAMPLES = {  # file in examples/ -> its arguments (the smallest run that compil
     "train_ulysses.py": SMALL,
     "train_deepspeed_ulysses.py": SMALL,
     "train_hf_tp.py": ["--steps", "1", "--layers", "1"],
+    "train_deepspeed_hf.py": ["--steps", "1"],
     "train_moe.py": SMALL,
 }
 RUNS = 3  # runs of each (example, ranks) under -m matrix

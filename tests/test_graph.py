@@ -30,7 +30,7 @@ import commfuse_compile
 from commfuse_compile import CommfuseOptionError, Options, report
 from commfuse_compile.cost.profiles import BUILTIN, save
 from commfuse_compile.options import DEBUG_DIR_ENV
-from commfuse_compile.passes import rewrite_and_compile, rewrite_graph, unfuse
+from commfuse_compile.passes import rewrite_and_compile, rewrite_graph, ring, unfuse
 from commfuse_compile.passes.kinds import mm_a2a
 
 N, RANK = 4, 1
@@ -1028,6 +1028,23 @@ def test_all_to_all_next_to_a_projection_becomes_pairwise_steps(side, kind, layo
     gm.graph.lint()
 
 
+def test_a_block_copied_into_its_layout_is_sent_from_one_buffer():
+    """A batch-first model's [b, s] rows sent as DeepSpeed lays them out ([s, b], each
+    block copied): the copy goes through ``inductor_force_stride_order``, which Inductor
+    computes once, so the transfer and the wait of its buffer hold the same buffer (a
+    plain ``clone`` Inductor computes for each reader: the send's buffer would be free
+    before its wait, and ``program.check`` declined the site)."""
+    gm = ulysses("in", sequence_first=True)
+    record = rewrite_one(gm)
+    assert (record.kind, record.decision) == ("mm_a2a", "rewritten")
+    forced = calls(gm, ring.FORCE_STRIDES)
+    assert len(forced) == N - 1 and [f.args[0].target for f in forced] == [aten.clone.default] * 3
+    for p2p in calls(gm, P2P):
+        (sent,) = p2p.args[0]
+        assert sent in forced
+        assert [u.target for u in sent.users if u is not p2p] == [c10d.wait_tensor.default]
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_qkv_projection_is_split_into_one_matmul_per_all_to_all(bias):
     """x @ Wqkv split on its columns into q, k, v (GQA: k, v narrower), each part's heads
@@ -1103,17 +1120,18 @@ def test_fused_qkv_left_fused_when_no_site_is_rewritten():
 
 
 def test_all_to_all_declines_say_why():
-    """A schedule with no all-to-all steps, uneven blocks, and blocks that a reshape
-    interleaves (no longer one block of the product) are declined with their codes."""
+    """A schedule with no all-to-all steps, uneven blocks that give the ranks graphs of
+    different shapes (12 rows sent, 8 received: tests/test_uneven_a2a.py has the rest),
+    and blocks that a reshape interleaves (no longer one block of the product) are
+    declined with their codes."""
     bidir = rewrite_one(ulysses("in"), Options(schedule="bidir", inner="eager"))
     assert bidir.decline_code == "plan.schedule_not_for_kind"
 
     def uneven(x, w):
         group = dist.group.WORLD.group_name
-        sizes = [2, 2, 2, 6]
-        return (c10d.wait_tensor(c10d.all_to_all_single(x @ w, sizes, sizes, group)),)
+        return (c10d.wait_tensor(c10d.all_to_all_single(x @ w, [2] * N, [2, 2, 2, 6], group)),)
 
-    assert rewrite_one(fx(uneven, (12, 5), (5, 4))).decline_code == "a2a.uneven"
+    assert rewrite_one(fx(uneven, (12, 5), (5, 4))).decline_code == "a2a.rank_shapes"
 
     def interleaved(x, w):  # rows of the product interleaved across the blocks
         p = (x @ w).view(2, N, 3).permute(1, 0, 2).reshape(N * 2, 3)

@@ -9,11 +9,11 @@ DTensor's ``Partial`` to ``Replicate`` when training, an in-place ``dist.all_red
 under ``no_grad``) and the head column-wise with its logits all-gathered. The pass splits
 the row-parallel all-reduces into a reduce-scatter, the residual add and the norm on
 this rank's tokens and an all-gather that the next matmuls read
-(``passes/shard_tokens.py``): ``mm_rs`` sites whose match says ``from: all_reduce``, and
-``ag_mm`` sites. Per cell (ranks, compiler after the pass), one job on the ranks: two SGD
-steps with the loss transformers computes from ``labels``, compiled and uncompiled (each
-a fresh load), and a prefill under ``no_grad``; one test compares the numbers, the other
-the sites per graph.
+(``passes/shard_tokens``, on the joint graph when training: ``passes/joint.py``): ``mm_rs``
+sites whose match says ``from: all_reduce``, and ``ag_mm`` sites. Per cell (ranks,
+compiler after the pass), one job on the ranks: two SGD steps with the loss transformers
+computes from ``labels``, compiled and uncompiled (each a fresh load), and a prefill
+under ``no_grad``; one test compares the numbers, the other the sites per graph.
 """
 
 from __future__ import annotations
@@ -147,12 +147,13 @@ def test_trains_and_prefills_as_uncompiled(cell, n, inner):
 # no matmul) and each o_proj/down_proj all-reduce are split; the embedding's
 # reduce-scatter has no matmul to hide behind (rs.no_matmul), the others are rings;
 # the gathers before q/k/v, gate/up and lm_head are hidden behind them; the logits'
-# all-gather after lm_head (a matmul then a gather: no kind) is kept. The forward also
-# gathers each all-reduce's value once, to recompute on every token the values it saves
-# for the backward (ag.no_matmul). Backward: lm_head's and each q/k/v/gate/up input
-# gradient's all-reduce split, the gathers before down_proj's and o_proj's gradients
-# hidden, the embedding's gradient (the graph's output) gathered whole, and each norm
-# weight's gradient summed over this rank's tokens and all-reduced as it is.
+# all-gather after lm_head (a matmul then a gather: no kind) is kept. Training, the split
+# is made on the joint graph: what the backward reads of the region is saved as shards,
+# and nothing is gathered whole for it. Backward: lm_head's input gradient's all-reduce
+# and per layer q/k/v's and gate/up's (each summed into one) split, the gathers before
+# down_proj's and o_proj's gradients hidden, the embedding's gradient (the graph's output)
+# gathered whole, and each norm weight's gradient summed over this rank's tokens and
+# all-reduced as it is.
 SPLIT = ("mm_rs", "rewritten", "", "all_reduce")
 HIDDEN_GATHER = ("ag_mm", "rewritten", "", "all_reduce")
 WHOLE_GATHER = ("ag_mm", "declined", "ag.no_matmul", "all_reduce")
@@ -163,10 +164,10 @@ INFERENCE = {
     ("ag_mm", "declined", "site.no_kind", ""): 1,
 }
 EXPECTED = {
-    "forward": {**INFERENCE, WHOLE_GATHER: 2 * LAYERS + 1},
+    "forward": INFERENCE,
     "inference": INFERENCE,
     "backward": {
-        SPLIT: 1 + 5 * LAYERS,
+        SPLIT: 1 + 2 * LAYERS,
         HIDDEN_GATHER: 2 * LAYERS,
         WHOLE_GATHER: 1,
         ("mm_ar", "declined", "ar.not_matmul", ""): 2 * LAYERS + 1,

@@ -45,9 +45,12 @@ def test_sim_prints_the_plain_tp_rows(capsys):
     out = capsys.readouterr().out
     assert "llama3-8b layer, tokens 8192" in out  # the TP+SP section, as before
     section = out[out.index("llama3-8b under PLAIN TP") :]
+    assert "PROJECTIONS of the cost model" in section.splitlines()[0]
     header = section.splitlines()[4]
     for column in ("all-reduce", "whole, auto", "split collective", "split ring", "split auto"):
         assert column in header
     rows = {line.split()[0]: line for line in section.splitlines()[5:] if line.strip()}
+    saved = rows.pop("saved")  # the region's saved activations: half and an eighth
+    assert "134.2 MB as written, split n=2 67.1, n=8 16.8 MB" in saved
     assert set(rows) == {"2", "8"}
     assert "(1.00x)" in rows["2"]  # the all-reduce column: its own baseline

@@ -121,6 +121,12 @@ def collective_model(work: Work, p: Profile) -> str:
     return why
 
 
+def matmuls_s(work: Work, p: Profile) -> float:
+    """A site's matmuls alone, unsplit (all n blocks in each call)."""
+    calls = work.matmuls_per_block
+    return calls * p.matmul_s(work.block_flops * work.n / calls)
+
+
 def collective_s(work: Work, p: Profile) -> float:
     """One all-gather, reduce-scatter or all-to-all call. As the backend runs it where the
     profile has its measured curve (gloo's reduce-scatter, for one, moves far more than a

@@ -1,23 +1,24 @@
 """The ranks' agreement on one graph: before any transfer of a rewritten graph runs, the
-ranks of its groups compare what they compiled (``groups.exchange``) and fall back
+ranks of its groups compare what they compiled (``exchange.exchange``) and fall back
 together where their programs could not run together.
 
-Ranks need not compile the same graphs. A graph break or a recompile that depends on
-the rank (logging on rank 0 inside the model, as Megatron-Core does; a guard that fails
-on one rank) gives each rank its own graphs. Three rules keep such a job running as it
-would without the pass, on every rank alike:
+Ranks need not compile the same graphs. A branch on the rank, a graph break or a
+recompile on one rank, or a rank that runs the code uncompiled gives each rank graphs of
+its own. Only those graphs keep their collectives; the graphs every rank compiled alike
+are still compared and rewritten, on every rank alike:
 
-* graphs that differ are seen at once by their digests (the n-th exchange on a group
-  pairs each rank's n-th graph on it): every rank falls back, and the group is marked
-  diverged on every rank of it, from the same exchange;
-* a rank that never comes is waited for at most ``exchange_timeout`` (half the group's
-  timeout by default, so that a peer blocked meanwhile in a collective outlasts the
-  wait); the first rank to give up sets the verdict in the store and every rank that
-  reads that exchange, then or later, takes it;
-* on a diverged group, sites keep their collectives without any exchange
-  (``site.ranks_diverged``); and a recompiled graph (another digest) with the
-  decisions and transfers of a graph the group agreed on (a float that became an
-  input) runs as the group agreed then, without waiting for peers that never compile it.
+* each graph is exchanged under its digest as it came (and how many graphs of that
+  digest this rank exchanged before), so the graphs compiled alike pair whatever came
+  before them on each rank;
+* a graph not every rank of its groups compiles is given up on by the exchange's rules
+  (at once when its ranks wait for graphs of their own, soon when they run other code
+  after the group differed, else after ``exchange_timeout``): the first rank to decide
+  sets the verdict in the store and every rank that compiled the graph takes it, then
+  or later; one warning per group says what differed and how to find it;
+* a recompiled graph (another digest) with the decisions and transfers of a graph the
+  group agreed on (a float that became an input) runs as the group agreed then once
+  its peers are seen running that one (``exchange.AGREED``), or is compared with theirs
+  if they recompile it too.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ from torch.fx import Graph
 
 from ..options import Options
 from ..report import SiteRecord, log
-from ..runtime import groups
+from ..runtime import exchange, groups
 from . import sequence
 from .declines import Declined, decline
 
 _known: dict[str, tuple[int, Declined | None]] = {}  # transfers agreed on -> (digest, verdict)
+_warned: set[str] = set()  # groups whose ranks were warned of graphs given up on
 WARNED = frozenset({"compiler.rank_graphs", "compiler.rank_absent"})  # warned here
 HINT = (
     "a graph break or recompile that depends on the rank (rank-0-only logging or "
@@ -54,13 +56,6 @@ def graph_ops(graph: Graph) -> list[str]:
     ]
 
 
-def check_group(name: str) -> None:
-    """Decline a site on a group whose ranks compiled different graphs earlier."""
-    why = groups.diverged(name)
-    if why is not None:
-        raise decline("site.ranks_diverged", group=name, why=why)
-
-
 def agree(
     records: list[SiteRecord],
     planned: dict[int, tuple[groups.Group, dict[str, Any]]],
@@ -76,7 +71,8 @@ def agree(
     decision depended on besides the graph; ``identity``: the graph's digest and ops as
     it came; ``events``: the compiled program's transfers, if it was read, else the
     graph's in node order. Returns why the graph falls back, the same on every rank."""
-    if not planned or not groups.exchanging():
+    exchange.watch_compiles(compiling=True)
+    if not planned or not exchange.exchanging():
         return None
     started = time.perf_counter()
     try:
@@ -87,7 +83,6 @@ def agree(
         events = None
     member_of = {g.name: g.ranks for g, _ in planned.values()}
     member_of |= {e.group: e.ranks for e in events or () if e.ranks}
-    member_of = {g: r for g, r in member_of.items() if groups.diverged(g) is None}
     digest, ops = identity
     mine = {
         "inputs": _inputs(planned),
@@ -95,21 +90,25 @@ def agree(
         "sequence": None if events is None else [e.as_json() for e in events],
     }
     # a recompiled graph (another digest) with the transfers of one the group agreed on:
-    # peers that did not recompile run that one. The same graph compiled again is
-    # compared again: every rank that compiles it exchanges, whatever its program.
+    # peers that did not recompile run that one, and are seen running, not compiling
+    # (``exchange``'s AGREED). The same graph compiled again is compared again: every
+    # rank that compiles it exchanges, whatever its program.
     key = json.dumps([sorted(member_of), _renumbered(mine)], sort_keys=True)
-    if key in _known and _known[key][0] != digest:
-        log.info("commfuse: a recompile with the transfers agreed on before: its verdict stands")
-        return _known[key][1]
+    recompiled = key in _known and _known[key][0] != digest
     wait_s = options.exchange_timeout or min(map(groups.group_timeout_s, member_of)) / 2
     read = time.perf_counter()
-    exchanged = groups.exchange({**mine, "digest": digest, "ops": ops}, member_of, wait_s)
+    exchanged = exchange.exchange(
+        {**mine, "ops": ops}, digest, member_of, wait_s, _difference, agreed_before=recompiled
+    )
     if exchanged is None:
         return None
     exchanged_at = time.perf_counter()
-    why = _diverging(exchanged, member_of, wait_s)
+    why = _given_up(exchanged.given_up)
+    if why is None and exchanged.agreed:
+        log.info("commfuse: a recompile with the transfers agreed on before: its verdict stands")
+        return _known[key][1] if key in _known else _unmatched(member_of)
     if why is None:
-        groups.check_inputs(exchanged.seen)
+        exchange.check_inputs(exchanged.seen)
         why = _verdict(exchanged.seen)
         _known[key] = (digest, why)
     log.info(
@@ -145,41 +144,67 @@ def _renumbered(mine: dict[str, Any]) -> dict[str, Any]:
     return {**mine, "sequence": events}
 
 
-def _diverging(
-    exchanged: groups.Exchanged, member_of: dict[str, tuple[int, ...]], wait_s: float
-) -> Declined | None:
-    """Why the ranks cannot compare this graph at all: one of them did not come in time,
-    or they compiled different graphs. Each of this rank's groups where that happened
-    is marked diverged (its other ranks read the same exchange and mark it too); one
-    warning says what differed and what follows."""
-    seen, absent = exchanged.seen, exchanged.absent
-    if absent:
-        names = sorted(absent)
-        missing = sorted({r for a in absent.values() for r in a})
-        why = decline("compiler.rank_absent", group=_named(names), ranks=missing, wait_s=wait_s)
-    elif len({s["digest"] for s in seen.values()}) > 1:
-        names = [g for g, ranks in member_of.items() if len({seen[r]["digest"] for r in ranks}) > 1]
-        ranks = sorted({r for g in names for r in member_of[g]} or seen)
-        why = decline("compiler.rank_graphs", group=_named(names), detail=_difference(seen, ranks))
-    else:
+def _given_up(given_up: dict[str, exchange.GivenUp]) -> Declined | None:
+    """Why this graph keeps its collectives when some ranks of its groups did not come
+    to it: they compiled graphs of their own, or none. The first time on a group, one
+    warning says so (the decline of every later graph is in the report and the log)."""
+    if not given_up:
         return None
-    marked = [g for g in names if g in member_of and groups.mark_diverged(g, why.reason)]
-    if marked:
-        warnings.warn(
-            f"commfuse: {why.reason}. The sites on {_named(marked)} keep their collectives "
-            f"from now on, on every rank: {HINT}",
-            stacklevel=5,
+    names = sorted(given_up)
+    graphs = [g for g in names if given_up[g].rule == "graphs"]
+    if graphs:
+        why = decline(
+            "compiler.rank_graphs", group=_named(graphs), detail=given_up[graphs[0]].detail
         )
+    else:
+        missing = sorted({r for g in given_up.values() for r in g.missing})
+        why = decline(
+            "compiler.rank_absent",
+            group=_named(names),
+            ranks=missing,
+            why=_absence(given_up[names[0]]),
+        )
+    if set(names) <= _warned:
+        log.info("commfuse: %s; this graph keeps its collectives", why.reason)
+        return why
+    _warned.update(names)
+    warnings.warn(
+        f"commfuse: {why.reason}. This graph keeps its collectives on every rank that "
+        "compiled it; the graphs the ranks compile alike are still rewritten "
+        f"(TORCH_LOGS=+commfuse logs each graph given up on): {HINT}",
+        stacklevel=5,
+    )
     return why
+
+
+def _unmatched(member_of: dict[str, tuple[int, ...]]) -> Declined:
+    """Why a graph falls back whose peers run one agreed on before, without this rank."""
+    me = groups.this_rank()
+    peers = sorted({r for ranks in member_of.values() for r in ranks} - {me})
+    why = "they run a graph agreed on before, whose transfers this rank's do not match"
+    return decline("compiler.rank_absent", group=_named(sorted(member_of)), ranks=peers, why=why)
+
+
+def _absence(given_up: exchange.GivenUp) -> str:
+    """Why ranks that compiled no graph of their own were given up on."""
+    if given_up.rule == "grace":
+        return (
+            f"they ran other code for {given_up.waited_s:.0f} s, after the group's ranks "
+            "were given up on before"
+        )
+    if given_up.rule == "again":
+        return "they ran other code, as when the group's ranks were given up on before"
+    return f"not within {given_up.waited_s:.0f} s (the option exchange_timeout)"
 
 
 def _named(names: list[str]) -> str:
     return ", ".join(f"group {g!r}" for g in names) or "this graph's groups"
 
 
-def _difference(seen: dict[int, dict[str, Any]], ranks: Any) -> str:
-    """Which ranks compiled what: the first op where two ranks' graphs differ."""
-    ops = {r: seen[r]["ops"] for r in ranks}
+def _difference(payloads: dict[int, dict[str, Any]]) -> str:
+    """Which ranks compiled what: the first op where a rank's graph differs from the
+    lowest rank's."""
+    ops = {r: p["ops"] for r, p in sorted(payloads.items())}
     first = min(ops)
     for rank in sorted(ops):
         theirs, base = ops[rank], ops[first]

@@ -29,6 +29,10 @@ aten = torch.ops.aten
 Rows = Callable[[Node], Node]
 
 
+# [start, end) along a dim
+Span = tuple[dims.Size, dims.Size]
+
+
 def matmul(
     em: Emitter,
     mm: Matmul,
@@ -37,18 +41,21 @@ def matmul(
     step: int,
     rows: Rows | None = None,
     cols: tuple[int, dims.Size] | None = None,
+    span: Span | None = None,
     offs: Node | None = None,
 ) -> Node:
     """One block of ``mm``'s product, by ``mm``'s own op: ``a``, the block's rows of A (cut
     by ``rows``, or all of them), times ``b``, its columns of B (block ``cols`` = (index,
-    width), or all); a grouped matmul's ``offs``, the block's (``paths.offs_of_block``).
-    What goes with an operand follows it: the bias and B's per-column scale take the
-    block's columns, A's per-row scale its rows; a per-tensor scale and a row-broadcast
-    bias are shared by every block."""
+    width), or the columns ``span``; or all); a grouped matmul's ``offs``, the block's
+    (``paths.offs_of_block``). What goes with an operand follows it: the bias and B's
+    per-column scale take the block's columns, A's per-row scale its rows; a per-tensor
+    scale and a row-broadcast bias are shared by every block."""
     bias, scale_a, scale_b = mm.bias, mm.scale_a, mm.scale_b
     if cols is not None:
-        bias = bias and column_block(em, bias, *cols, step)
-        scale_b = scale_b and column_block(em, scale_b, *cols, step)
+        span = (cols[0] * cols[1], (cols[0] + 1) * cols[1])
+    if span is not None:
+        bias = bias and column_span(em, bias, span, step)
+        scale_b = scale_b and column_span(em, scale_b, span, step)
     if rows is not None and scale_a is not None and varies_by_row(scale_a):
         scale_a = _per_row(em, rows(scale_a), step)
     given = {} if offs is None else {"offs": offs}
@@ -87,7 +94,11 @@ def chunk_width(width: dims.Size, k: int, what: str) -> dims.Size:
 def slice_block(
     em: Emitter, node: Node, dim: int, index: int, width: dims.Size, step: int, lane: str
 ) -> Node:
-    bounds = (em.size(index * width, step), em.size((index + 1) * width, step))
+    return slice_span(em, node, dim, (index * width, (index + 1) * width), step, lane)
+
+
+def slice_span(em: Emitter, node: Node, dim: int, span: Span, step: int, lane: str) -> Node:
+    bounds = tuple(em.size(bound, step) for bound in span)
     return em(aten.slice.Tensor, (node, dim, *bounds), step=step, lane=lane)
 
 
@@ -123,12 +134,10 @@ def unpacked(em: Emitter, message: Node, data: Node, scale: Node, step: int) -> 
     return out[0], copy
 
 
-def row_block(em: Emitter, index: int, width: dims.Size, step: int, dim: int = 0) -> Rows:
-    """Cuts rows [index * width, (index + 1) * width) of a 2-D tensor (a block of A's
-    rows, and so of its per-row scale), or along ``dim`` (M of a batched A)."""
-    return functools.partial(
-        slice_block, em, dim=dim, index=index, width=width, step=step, lane="compute"
-    )
+def row_block(em: Emitter, span: Span, step: int, dim: int = 0) -> Rows:
+    """Cuts the rows ``span`` of a 2-D tensor (a block of A's rows, and so of its
+    per-row scale), or along ``dim`` (M of a batched A)."""
+    return functools.partial(slice_span, em, dim=dim, span=span, step=step, lane="compute")
 
 
 def contiguous(em: Emitter, node: Node, step: int) -> Node:
@@ -152,9 +161,14 @@ def transposed(em: Emitter, node: Node, step: int) -> Node:
 
 def column_block(em: Emitter, node: Node, b: int, width: dims.Size, step: int) -> Node:
     """Columns [b*width, (b+1)*width) of ``node`` (kept whole if broadcast along them)."""
+    return column_span(em, node, (b * width, (b + 1) * width), step)
+
+
+def column_span(em: Emitter, node: Node, span: Span, step: int) -> Node:
+    """The columns ``span`` of ``node`` (kept whole if broadcast along them)."""
     if val(node).dim() == 0 or dims.equal(val(node).shape[-1], 1):
         return node
-    return slice_block(em, node, -1, b, width, step, "compute")
+    return slice_span(em, node, -1, span, step, "compute")
 
 
 def accumulate(
@@ -217,16 +231,22 @@ def rows_of_block(em: Emitter, x: Node, dim: int, b: int, width: dims.Size, step
 
 
 def replay(
-    em: Emitter, block: Node, chain: Sequence[tuple[Node, int]], n: int, step: int, lane: str
+    em: Emitter,
+    block: Node,
+    chain: Sequence[tuple[Node, int]],
+    split: dims.Split,
+    b: int,
+    step: int,
+    lane: str,
 ) -> Node:
     """``chain`` (layout ops and casts, each with the dim of its output that holds the n
-    blocks) applied to one block instead of the whole tensor: the same permutes and
-    casts, and views with that dim's size divided by n (copying first where the block's
-    strides forbid one)."""
+    blocks of ``split``) applied to block ``b`` instead of the whole tensor: the same
+    permutes and casts, and views with that dim's size the block's share of it (copying
+    first where the block's strides forbid one)."""
     for node, dim in chain:
-        shape = list(val(node).shape)
+        shape: list[dims.Size] = list(val(node).shape)
         if node.target in VIEWS:
-            shape[dim] = shape[dim] // n
+            shape[dim] = split.width(shape[dim], b)
             with em.fake_mode:
                 if not can_view(val(block), shape):
                     block = contiguous(em, block, step)
@@ -236,7 +256,7 @@ def replay(
         elif (dtype := cast_to(node)) is not None:
             block = em(CONVERT, (block, dtype), step=step, lane=lane)
         else:  # a permute or transpose, written as a permute
-            perm = [split_dim_in_input(node, d, n) for d in range(len(shape))]
+            perm = [split_dim_in_input(node, d, split) for d in range(len(shape))]
             block = em(aten.permute.default, (block, perm), step=step, lane=lane)
     return block
 

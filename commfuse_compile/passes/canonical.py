@@ -1,4 +1,10 @@
-"""Canonical form before matching: the in-place c10d spellings read as the functional one.
+"""Canonical form before matching: the in-place c10d spellings, and the collectives
+frameworks wrap in custom ops, read as the functional one.
+
+A framework's custom op that computes a collective (DeepSpeed's
+``deepspeed::dim_zero_all_to_all``; the table and the ops users register:
+``custom_ops.py``) is replaced by that functional collective and its ``wait_tensor``,
+first, so that what follows reads it as any other collective.
 
 Training code written as Megatron-LM and DeepSpeed write it calls the in-place c10d API
 into a preallocated buffer (``out = torch.empty(...)``, then
@@ -41,9 +47,9 @@ stays, one more reader of it. Copies left unread are dropped with the views of t
 buffer they wrote into. A read of a region that only overlaps the one written is left
 as it is: the site kinds decline it (``ag.buffer_region``).
 
-Only copies of a collective's result (or of slices or views of it), and read-backs of
-one, are touched; the pipeline restores the graph as it came when no site is then
-rewritten.
+Only such custom ops, copies of a collective's result (or of slices or views of it), and
+read-backs of one, are touched; the pipeline restores the graph as it came when no site
+is then rewritten.
 """
 
 from __future__ import annotations
@@ -53,11 +59,14 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+from torch._guards import detect_fake_mode
 from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, node_arg, region, writes_into
+from . import custom_ops
+from .emit import Emitter
+from .graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, node_arg, region, val, writes_into
 from .sequence import WAIT_TENSOR
 
 aten = torch.ops.aten
@@ -81,16 +90,17 @@ Change = Callable[[], None]
 
 
 def canonicalize(graph: Graph, before_change: Change) -> bool:
-    """Replace every value-preserving copy of a collective's result, and every ``cat``
-    that reassembles one from its slices, by the value itself (a copy into a buffer that
-    lives on: in its readers but the output); then every read-back of the region a
-    collective's value was written into (``_read_back``) by that value. Did anything
-    change?
+    """Replace every call of a custom op known to compute a collective by that functional
+    collective (``_as_functional``); then every value-preserving copy of a collective's
+    result, and every ``cat`` that reassembles one from its slices, by the value itself
+    (a copy into a buffer that lives on: in its readers but the output); then every
+    read-back of the region a collective's value was written into (``_read_back``) by
+    that value. Did anything change?
 
     Two passes: a copy left unread is dropped in the first, with the views of the buffer
     it wrote into, so that the second rewrites reads, not the slices a later copy writes
     through (``copy(slice(buffer), gathered_2)``)."""
-    changed = False
+    changed = _as_functional(graph, before_change)
     for node in list(graph.nodes):
         value = _copied_value(node) if node.target in COPIES else _reassembled(node)
         if value is None:
@@ -106,6 +116,27 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
         value = _read_back(node)
         if value is not None:
             changed |= _read_as(graph, node, value, before_change)
+    return changed
+
+
+def _as_functional(graph: Graph, before_change: Change) -> bool:
+    """Replace each call of a known collective custom op that fits what it is said to
+    compute by ``wait_tensor(collective(...))`` (one that does not stays, and is
+    recorded: ``kinds/unclaimed.py``). Did anything change?"""
+    changed = False
+    for node in [n for n in graph.nodes if n.op == "call_function"]:
+        entry = custom_ops.collective_of(node.target)
+        call = custom_ops.functional(entry, node) if entry is not None else None
+        if call is None or isinstance(call, str):
+            continue
+        before_change()
+        em = Emitter(graph, node, detect_fake_mode([val(node)]))
+        op, args = call
+        args = tuple([em.size(s, 0) for s in a] if isinstance(a, list) else a for a in args)
+        waited = em.node(WAIT_TENSOR, (em.node(op, args),))
+        node.replace_all_uses_with(waited)
+        graph.erase_node(node)
+        changed = True
     return changed
 
 

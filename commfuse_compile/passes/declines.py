@@ -53,6 +53,17 @@ _REASONS = (
     Reason("site.lost", "unsupported", "no longer next to a matmul"),
     Reason("site.no_kind", "unsupported", "no site kind rewrites {pattern}"),
     Reason(
+        "site.custom_op",
+        "unsupported",
+        "{node} calls {op}, which takes a process group ({argument}) and is no collective "
+        "the pass knows (commfuse_compile.register_collective_op says which one it is)",
+    ),
+    Reason(
+        "site.custom_op_unfit",
+        "unsupported",
+        "{node} calls {op}, known as a collective, but {problem}",
+    ),
+    Reason(
         "site.permuted",
         "unsupported",
         "{node} ({op}) reorders rows by an index between the collective and matmul {mm}: "
@@ -111,6 +122,34 @@ _REASONS = (
         "rs.product_shared", "unsupported", "product {node} is also used outside the reduce-scatter"
     ),
     Reason("site.empty", "unsupported", "{node} has a zero-size dim: nothing to overlap"),
+    # plain TP's all-reduces split into sequence parallelism (shard_tokens): what stays
+    # whole, and what it costs (the bytes in the record's match)
+    Reason("split.output", "unsupported", "the value leaves the graph: it is read whole"),
+    Reason(
+        "split.random",
+        "unsupported",
+        "{op} is random: a draw on the shard would not be the rows of the whole draw",
+    ),
+    Reason("split.whole_reader", "unsupported", "{op} {why}: it reads every token"),
+    Reason("split.indivisible", "unsupported", "the tokens cannot be shared out: {why}"),
+    Reason(
+        "split.no_matmul_after",
+        "unsupported",
+        "no matmul reads a value after it (read whole: {read}): no gather to hide, the "
+        "all-reduce stays one site",
+    ),
+    Reason(
+        "split.not_profitable",
+        "not_profitable",
+        "auto: the split predicted to save {split_us:.1f} us, the all-reduce sites "
+        "{whole_us:.1f} us",
+    ),
+    Reason("split.site", "unsupported", "its all-reduce site is declined: {why}"),
+    Reason("split.planned", "unsupported", "its all-reduce site is not to be rewritten: {why}"),
+    Reason(
+        "split.unwaited", "unsupported", "the all-reduce is saved for the backward before its wait"
+    ),
+    Reason("split.ranks", "compiler", "the ranks' joint graphs or splits differ: {detail}"),
     Reason(
         "ar.not_matmul",
         "unsupported",
@@ -164,7 +203,21 @@ _REASONS = (
     Reason(
         "a2a.uneven",
         "unsupported",
-        "{node} splits dim 0 unevenly ({splits}): the blocks are not one shape",
+        "{node} splits dim 0 into sizes the graph computes that are not one size ({splits}): "
+        "where its blocks begin is known only at run time",
+    ),
+    Reason("a2a.splits", "unsupported", "{node}'s split sizes {splits} do not fit: {problem}"),
+    Reason(
+        "a2a.empty_block",
+        "unsupported",
+        "{node} sends or receives an empty block ({splits}): nothing to overlap it with",
+    ),
+    Reason(
+        "a2a.rank_shapes",
+        "unsupported",
+        "{node} sends {sent} rows and receives {received} (splits {splits}): the ranks' "
+        "graphs differ in shape, and the ranks agree on a rewrite only for graphs of one "
+        "shape",
     ),
     Reason(
         "a2a.not_a_block",
@@ -289,14 +342,7 @@ _REASONS = (
     Reason(
         "compiler.rank_absent",
         "compiler",
-        "ranks {ranks} of {group} did not compile this graph within {wait_s:.0f} s "
-        "(the option exchange_timeout)",
-    ),
-    Reason(
-        "site.ranks_diverged",
-        "compiler",
-        "the ranks of group {group!r} compiled different graphs before, so its sites keep "
-        "their collectives ({why})",
+        "ranks {ranks} of {group} did not compile this graph: {why}",
     ),
     # faults of the pass itself (each one also warns)
     Reason("internal.error", "internal", "internal error: {error}"),

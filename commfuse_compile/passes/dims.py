@@ -12,6 +12,8 @@ adds a guard, so a fact it cannot prove counts as false and the site is declined
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -73,14 +75,60 @@ def row_split(shape: Sequence[Size], rows: Size, cols: Size) -> int | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A dim cut into ``n`` blocks, as an all-to-all cuts its dim 0: n equal blocks
+    (``sizes`` None), or blocks of ``sizes`` (ints). Followed to a dim that holds the same
+    blocks (through views and permutes), block b is the same share of it: ``sizes[b]``
+    of their sum."""
+
+    n: int
+    sizes: tuple[int, ...] | None = None
+
+    @classmethod
+    def of(cls, sizes: Sequence[object]) -> Split | None:
+        """The split an all-to-all's split sizes make: equal (one size n times, which may
+        be symbolic), uneven ints, or None (sizes the graph computes that differ)."""
+        if len({str(size) for size in sizes}) == 1:
+            return cls(len(sizes))
+        if all(isinstance(size, int) for size in sizes):
+            return cls(len(sizes), tuple(sizes))  # type: ignore[arg-type]
+        return None
+
+    def bounds(self, size: Size, b: int) -> tuple[Size, Size]:
+        """Block b's [start, end) along a dim of ``size`` that holds the n blocks."""
+        if self.sizes is None:
+            width = size // self.n
+            return b * width, (b + 1) * width
+        total, start = sum(self.sizes), sum(self.sizes[:b])
+        return size * start // total, size * (start + self.sizes[b]) // total
+
+    def width(self, size: Size, b: int) -> Size:
+        start, end = self.bounds(size, b)
+        return end - start
+
+    def divides(self, size: Size) -> bool:
+        """Does each block of a dim of ``size`` hold whole elements of it (provably)?"""
+        if self.sizes is None:
+            return divisible(size, self.n)
+        total = sum(self.sizes)
+        return all(divisible(size * start, total) for start in itertools.accumulate(self.sizes))
+
+
 def outer_split(src: Sequence[Size], dim: int, dst: Sequence[Size], n: int) -> int | None:
-    """A reshape of ``src`` into ``dst``: the dim of ``dst`` whose outermost ``n``-way split
-    is that of ``src``'s ``dim`` (the same elements in the same n blocks), or None. Both
-    dims start at the same offset (equal products before them) and ``n`` divides both."""
-    if not divisible(src[dim], n):
+    """``split_dim`` of n equal blocks."""
+    return split_dim(src, dim, dst, Split(n))
+
+
+def split_dim(src: Sequence[Size], dim: int, dst: Sequence[Size], split: Split) -> int | None:
+    """A reshape of ``src`` into ``dst``: the dim of ``dst`` whose blocks of ``split`` are
+    those of ``src``'s ``dim`` (the same elements in the same n blocks), or None. Both dims
+    start at the same offset (equal products before them) and the blocks' bounds fall on
+    whole elements of both."""
+    if not split.divides(src[dim]):
         return None
     before = math.prod(src[:dim])
     for d in range(len(dst)):
-        if equal(math.prod(dst[:d]), before) and divisible(dst[d], n) and not equal(dst[d], 1):
+        if equal(math.prod(dst[:d]), before) and split.divides(dst[d]) and not equal(dst[d], 1):
             return d
     return None

@@ -33,14 +33,28 @@ c10d = torch.ops._c10d_functional
 P2P = torch.ops.commfuse.p2p.default
 # ops that only view their input: one such node per (input, arguments) and rewrite
 VIEW_OPS = frozenset({aten.view.default, aten.permute.default, aten.slice.Tensor})
+# what AOTAutograd's partitioner and activation checkpointing read off a joint graph's
+# nodes: which half a node runs in, and whether it is saved or recomputed
+JOINT_MARKS = ("partitioner_tag", "recompute", "ac_graph_id")
 
 
 class Emitter:
     """New nodes before ``before`` (or a node given per call), with their fake values;
-    for a site's rewrite (``site_id``), each marked with its site, step and lane."""
+    for a site's rewrite (``site_id``), each marked with its site, step and lane. With
+    ``inherit`` (meta keys), a new node takes those marks of the node it stands for
+    (``like``; else the one it stands before): on a joint graph, the half it runs in and
+    its checkpointing policy."""
 
-    def __init__(self, graph: Graph, before: Node, fake_mode: Any, site_id: int = -1) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        before: Node,
+        fake_mode: Any,
+        site_id: int = -1,
+        inherit: tuple[str, ...] = (),
+    ) -> None:
         self.graph, self.before, self.fake_mode, self.site_id = graph, before, fake_mode, site_id
+        self.inherit = inherit
         self.created: list[Node] = []
         # size readers recomputed before their own place, not at ``before``
         self.moved: list[Node] = []
@@ -54,11 +68,12 @@ class Emitter:
         args: tuple[Any, ...],
         kwargs: dict[str, Any] | None = None,
         before: Node | None = None,
+        like: Node | None = None,
     ) -> Node:
         """A new node with its fake value (no site marks: a graph-wide rewrite's node)."""
         with self.graph.inserting_before(before or self.before):
             node = self.graph.call_function(target, args, kwargs or {})
-        self._record(node, before)
+        self._record(node, before, like)
         return node
 
     def __call__(
@@ -84,10 +99,12 @@ class Emitter:
             self._views[key] = node
         return node
 
-    def _record(self, node: Node, before: Node | None) -> None:
+    def _record(self, node: Node, before: Node | None, like: Node | None = None) -> None:
         self.created.append(node)
         if before is not None and before is not self.before:
             self.moved.append(node)
+        marks = (like or before or self.before).meta
+        node.meta.update((key, marks[key]) for key in self.inherit if key in marks)
         node.meta["val"] = fake_eval(self.fake_mode, node.target, node.args, node.kwargs)  # type: ignore[arg-type]
 
     def matmuls(self, step: int) -> list[Node]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -651,22 +651,22 @@ def numel(node: Node) -> int:
 LAYOUT_OPS = VIEWS | TRANSPOSES | {aten.clone.default, aten.alias.default}
 
 
-def split_dim_in_input(node: Node, dim: int, n: int) -> int | None:
-    """``node`` lays out its input anew (``LAYOUT_OPS``): the input dim whose outermost
-    n-way split gives the same blocks as that of ``dim`` of its output, or None."""
+def split_dim_in_input(node: Node, dim: int, split: dims.Split) -> int | None:
+    """``node`` lays out its input anew (``LAYOUT_OPS``): the input dim whose blocks of
+    ``split`` are those of ``dim`` of its output, or None."""
     source = node_arg(node, 0, "self")
     shape, source_shape = val(node).shape, val(source).shape
     if node.target in VIEWS:
-        return dims.outer_split(dims.sizes(shape), dim, dims.sizes(source_shape), n)
+        return dims.split_dim(dims.sizes(shape), dim, dims.sizes(source_shape), split)
     return _moved_dim(node, dim, len(shape), to_input=True)
 
 
-def split_dim_in_output(node: Node, dim: int, n: int) -> int | None:
+def split_dim_in_output(node: Node, dim: int, split: dims.Split) -> int | None:
     """The inverse of ``split_dim_in_input``: from ``node``'s input dim to its output's."""
     source = node_arg(node, 0, "self")
     shape, source_shape = val(node).shape, val(source).shape
     if node.target in VIEWS:
-        return dims.outer_split(dims.sizes(source_shape), dim, dims.sizes(shape), n)
+        return dims.split_dim(dims.sizes(source_shape), dim, dims.sizes(shape), split)
     return _moved_dim(node, dim, len(shape), to_input=False)
 
 
@@ -688,13 +688,52 @@ def _moved_dim(node: Node, dim: int, rank: int, to_input: bool) -> int | None:
 ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
 
 
-def equal_splits(a2a: Node) -> int | None:
-    """n, if the all-to-all sends and receives n equal blocks of dim 0 (else None)."""
-    out_splits, in_splits = node_arg(a2a, 1, "output_split_sizes"), node_arg(a2a, 2, "")
-    n = len(out_splits)
-    rows = val(node_arg(a2a, 0, "input")).shape[0]
-    same = list(out_splits) == list(in_splits) and len(set(map(str, out_splits))) == 1
-    return n if same and n and dims.equal(out_splits[0] * n, rows) else None
+def exchange_splits(a2a: Node) -> tuple[dims.Split, dims.Split]:
+    """(the blocks ``a2a`` receives, the blocks it sends) along dim 0: n equal blocks, or
+    uneven ones of int sizes (a head count or sequence the group does not divide).
+    Declines sizes the graph computes that differ, sizes that do not cover the tensors,
+    an empty block, and splits that give the ranks' graphs different shapes."""
+    out_sizes, in_sizes = node_arg(a2a, 1, "output_split_sizes"), node_arg(a2a, 2, "")
+    splits = {"out": _sizes(out_sizes), "in": _sizes(in_sizes)}
+    received, sent = dims.Split.of(out_sizes), dims.Split.of(in_sizes)
+    if received is None or sent is None:
+        raise decline("a2a.uneven", node=a2a.name, splits=splits)
+    rows = (val(node_arg(a2a, 0, "input")).shape[0], val(a2a).shape[0])
+    for split, size, what in ((sent, rows[0], "input"), (received, rows[1], "output")):
+        first = (in_sizes if split is sent else out_sizes)[0]
+        first = first.meta["val"] if isinstance(first, Node) else first
+        covered = sum(split.sizes) if split.sizes else first * split.n
+        if not dims.equal(covered, size):
+            problem = f"they do not add up to the {size} rows of its {what}"
+            raise decline("a2a.splits", node=a2a.name, splits=splits, problem=problem)
+    if any(size == 0 for split in (received, sent) for size in split.sizes or ()):
+        raise decline("a2a.empty_block", node=a2a.name, splits=splits)
+    if not dims.equal(*rows):
+        raise decline(
+            "a2a.rank_shapes", node=a2a.name, sent=rows[0], received=rows[1], splits=splits
+        )
+    return received, sent
+
+
+def split_sizes(a2a: Node, uneven: bool) -> dict[str, object]:
+    """An uneven all-to-all's split sizes, for the report (nothing for equal ones)."""
+    if not uneven:
+        return {}
+    return {"splits": {"out": _sizes(node_arg(a2a, 1, "")), "in": _sizes(node_arg(a2a, 2, ""))}}
+
+
+def check_own_block(a2a: Node, sent: dims.Size, received: dims.Size) -> None:
+    """Decline an all-to-all that sends this rank a block of another size than it keeps
+    (the program is wrong: the collective itself would fail)."""
+    if not dims.equal(sent, received):
+        splits = {"out": _sizes(node_arg(a2a, 1, "")), "in": _sizes(node_arg(a2a, 2, ""))}
+        problem = f"this rank sends itself {sent} rows and receives {received} from itself"
+        raise decline("a2a.splits", node=a2a.name, splits=splits, problem=problem)
+
+
+def _sizes(sizes: Sequence[Any]) -> list[Any]:
+    """Split sizes as the report shows them: ints, or the nodes' values."""
+    return [str(s.meta.get("val", s)) if isinstance(s, Node) else s for s in sizes]
 
 
 def the_wait(collective: Node) -> Node | None:

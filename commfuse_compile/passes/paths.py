@@ -25,7 +25,7 @@ import torch
 from torch.fx import Node
 
 from . import dims
-from .blocks import column_block, matmul, row_block, slice_block
+from .blocks import Span, column_span, matmul, row_block, slice_span
 from .emit import Emitter
 from .graph import (
     ANY_MATMUL,
@@ -53,19 +53,23 @@ def layout_or_cast(node: Node) -> bool:
     return node.target in LAYOUT_OPS or cast_to(node) is not None
 
 
-def dim_after(user: Node, dim: int, n: int) -> int | None:
-    """The dim of ``user``'s output that holds the n blocks of its input's ``dim`` (a
-    cast keeps it), or None."""
-    return dim if cast_to(user) is not None else split_dim_in_output(user, dim, n)
+def dim_after(user: Node, dim: int, split: dims.Split) -> int | None:
+    """The dim of ``user``'s output that holds the blocks of ``split`` of its input's
+    ``dim`` (a cast keeps it), or None."""
+    return dim if cast_to(user) is not None else split_dim_in_output(user, dim, split)
 
 
-def producer(node: Node, dim: int, n: int) -> tuple[Node, int, Path, Node | None]:
-    """Back from ``node`` (its ``dim`` holding the n blocks) through single-user layout
-    ops and casts: (the first node that is neither, the dim of it that holds the blocks,
-    the path from it to ``node``, the op where the blocks stop being blocks, or None)."""
+def producer(node: Node, dim: int, split: dims.Split) -> tuple[Node, int, Path, Node | None]:
+    """Back from ``node`` (its ``dim`` holding the blocks of ``split``) through single-user
+    layout ops and casts: (the first node that is neither, the dim of it that holds the
+    blocks, the path from it to ``node``, the op where the blocks stop being blocks, or
+    None)."""
     path: list[tuple[Node, int]] = []
     while layout_or_cast(node) and len(data_users(node)) == 1:
-        source_dim = dim if cast_to(node) is not None else split_dim_in_input(node, dim, n)
+        if cast_to(node) is not None:
+            source_dim: int | None = dim
+        else:
+            source_dim = split_dim_in_input(node, dim, split)
         if source_dim is None:
             return node, dim, tuple(reversed(path)), node
         path.append((node, dim))
@@ -86,13 +90,13 @@ def matmul_behind(node: Node) -> Node | None:
     return None
 
 
-def along(path: Path, dim: int, n: int) -> Path | None:
-    """The same ops with the dims that hold ``n`` blocks (a site's path, followed for the
-    n * k chunks of the sliced schedule) from ``dim`` of the first op's input, or None
-    where they do not stay blocks."""
+def along(path: Path, dim: int, split: dims.Split) -> Path | None:
+    """The same ops with the dims that hold the blocks of ``split`` (a site's path,
+    followed for the n * k chunks of the sliced schedule) from ``dim`` of the first op's
+    input, or None where they do not stay blocks."""
     steps = []
     for node, _ in path:
-        moved = dim_after(node, dim, n)
+        moved = dim_after(node, dim, split)
         if moved is None:
             return None
         steps.append((node, moved))
@@ -119,14 +123,15 @@ def role(mm: Matmul, operand: Node, dim: int, path: Path) -> str | None:
     return None
 
 
-def offs_of_block(em: Emitter, offs: Node, index: int, width: dims.Size, step: int) -> Node:
-    """The group ends of block ``index`` of ``width`` rows (see the module's docstring),
-    in the offsets' dtype (Inductor's lowering would promote them to int64)."""
-    start = em.size(index * width, step)
-    shifted = em(aten.sub.Tensor, (offs, start), step=step, lane="compute")
+def offs_of_block(em: Emitter, offs: Node, span: Span, step: int) -> Node:
+    """The group ends of the rows ``span`` (see the module's docstring), in the offsets'
+    dtype (Inductor's lowering would promote them to int64)."""
+    start, end = span
+    shifted = em(aten.sub.Tensor, (offs, em.size(start, step)), step=step, lane="compute")
     # (clamp as the graphs Inductor compiles spell it)
     low = em(aten.clamp_min.default, (shifted, 0), step=step, lane="compute")
-    clamped = em(aten.clamp_max.default, (low, em.size(width, step)), step=step, lane="compute")
+    width = em.size(end - start, step)
+    clamped = em(aten.clamp_max.default, (low, width), step=step, lane="compute")
     return em(CONVERT, (clamped, val(offs).dtype), step=step, lane="compute")
 
 
@@ -137,31 +142,45 @@ def compute_block(
     mm: Matmul,
     use_role: str,
     block: Node,
-    index: int,
-    n: int,
+    b: int,
+    split: dims.Split,
     step: int,
 ) -> None:
-    """What matmul ``i`` of ``products`` computes from ``block``, block ``index`` of n of
-    its operand in ``use_role``: a block of its product, or a partial product added."""
+    """What matmul ``i`` of ``products`` computes from ``block``, block ``b`` of ``split``
+    of its operand in ``use_role``: a block of its product, or a partial product added
+    (the all-to-all kinds' batched uses and the TP kinds' batched and grouped ones)."""
     layout = mm.layout
     assert layout is not None
     cut = _cut(layout, use_role)
     if use_role == "rows":
-        width = val(mm.a).shape[layout.a[0]] // n
-        offs = _offs(em, mm, cut, index, width, step)
-        rows = row_block(em, index, width, step, dim=layout.a[0])
-        products.put(i, index, matmul(em, mm, block, mm.b, step, rows=rows, offs=offs))
+        span = split.bounds(val(mm.a).shape[layout.a[0]], b)
+        rows = row_block(em, span, step, dim=layout.a[0])
+        offs = _offs(em, mm, cut, span, step)
+        products.put(i, b, matmul(em, mm, block, mm.b, step, rows=rows, offs=offs))
     elif use_role == "columns":
-        cols = (index, val(mm.b).shape[layout.b[1]] // n)
-        products.put(i, index, matmul(em, mm, mm.a, block, step, cols=cols))
+        span = split.bounds(val(mm.b).shape[layout.b[1]], b)
+        products.put(i, b, matmul(em, mm, mm.a, block, step, span=span))
     elif use_role == "contract_left":
-        width = val(mm.b).shape[layout.b[0]] // n
-        a = _slab(em, mm.a, layout.a[1], index, width, step)
-        products.add(i, a, block, step, offs=_offs(em, mm, cut, index, width, step))
+        span = split.bounds(val(mm.b).shape[layout.b[0]], b)
+        a = _slab(em, mm.a, layout.a[1], span, step)
+        products.add(i, a, block, step, offs=_offs(em, mm, cut, span, step))
     else:  # contract, contract_k: blocks of A's contraction
-        width = val(mm.a).shape[layout.a[1]] // n
-        b = slice_block(em, mm.b, layout.b[0], index, width, step, "compute")
-        products.add(i, block, b, step, offs=_offs(em, mm, cut, index, width, step))
+        span = split.bounds(val(mm.a).shape[layout.a[1]], b)
+        w = slice_span(em, mm.b, layout.b[0], span, step, "compute")
+        products.add(i, block, w, step, offs=_offs(em, mm, cut, span, step))
+
+
+def product_block(em: Emitter, mm: Matmul, columns: bool, span: Span, step: int) -> Node:
+    """The rows ``span`` (with ``columns``: the columns) of every batch entry or group of
+    ``mm``'s product, by its own op: a grouped matmul's rows with their own offsets (the
+    blocks a product computes for a reduce-scatter or an all-to-all)."""
+    layout = mm.layout
+    assert layout is not None
+    if columns:
+        return matmul(em, mm, mm.a, column_span(em, mm.b, span, step), step, span=span)
+    rows = row_block(em, span, step, dim=layout.a[0])
+    offs = _offs(em, mm, layout.groups == "M", span, step)
+    return matmul(em, mm, rows(mm.a), mm.b, step, rows=rows, offs=offs)
 
 
 def _cut(layout: Layout, use_role: str) -> bool:
@@ -170,16 +189,14 @@ def _cut(layout: Layout, use_role: str) -> bool:
     return (layout.groups == "M" and use_role == "rows") or (layout.groups == "K" and contract)
 
 
-def _offs(
-    em: Emitter, mm: Matmul, cut: bool, index: int, width: dims.Size, step: int
-) -> Node | None:
+def _offs(em: Emitter, mm: Matmul, cut: bool, span: Span, step: int) -> Node | None:
     """A grouped matmul's offsets for the block: its own where the block cuts the groups."""
     if mm.offs is None or not cut:
         return mm.offs
-    return offs_of_block(em, mm.offs, index, width, step)
+    return offs_of_block(em, mm.offs, span, step)
 
 
-def _slab(em: Emitter, node: Node, dim: int, index: int, width: dims.Size, step: int) -> Node:
+def _slab(em: Emitter, node: Node, dim: int, span: Span, step: int) -> Node:
     if dim == val(node).dim() - 1:
-        return column_block(em, node, index, width, step)
-    return slice_block(em, node, dim, index, width, step, "compute")
+        return column_span(em, node, span, step)
+    return slice_span(em, node, dim, span, step, "compute")

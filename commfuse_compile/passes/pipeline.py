@@ -15,21 +15,17 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
 from torch.fx import Graph, GraphModule
 
-from ..cost.profiles import Profile
-from ..cost.simulator import Timeline, Work, collective_model, collective_s, predict
+from ..cost.simulator import Timeline
 from ..options import Options
 from ..report import REPORT, SiteRecord, dump_code
 from ..runtime import groups
-from ..schedules import Direction, by_name
-from . import agree, match, order, program, sequence, shard_tokens, unfuse, verify
+from ..schedules import by_name
+from . import agree, match, order, plan, program, sequence, shard_tokens, unfuse, verify
 from .canonical import canonicalize
 from .declines import Declined, decline
-from .kinds import KINDS, of
 from .lower import lower, start
-from .plan import Plan, check_applies, plan, plan_options, profile_for, site_work
 from .rewrite import Rewrite, Taken, graph_digest, tag_of, transfers_digest
 from .site import Site
 
@@ -201,7 +197,7 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
         tags = transfers_digest(gm.graph)
         canonical = canonicalize(gm.graph, before_change=keep)
         split = unfuse.split_fused_projections(gm.graph, before_change=keep)
-        sharded = _shard_tokens(gm, options, keep)
+        sharded = shard_tokens.split_planned(gm, options, keep)
         rewrites = _rewrite_sites(gm, options, result, tags)
         if (canonical or split or sharded) and not rewrites:
             result.original.restore()
@@ -227,71 +223,6 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
 def _code(gm: GraphModule) -> str:
     """The graph's code as it is now (Inductor's input is not recompiled by the pass)."""
     return gm.graph.python_code("self").src
-
-
-def _shard_tokens(gm: GraphModule, options: Options, before_change: Callable[[], None]) -> bool:
-    """Split plain tensor parallelism's all-reduces into sequence parallelism's
-    reduce-scatter and all-gathers (``shard_tokens``) where the all-reduce's own site
-    could be rewritten. Under ``auto`` the split stays only if the plan predicts its
-    sites (the reduce-scatter's ring and the gathers' rings into the next matmuls) save
-    more than the all-reduces' own sites would: a few tokens' all-reduce (decode) stays."""
-    sites = KINDS["mm_ar"].find(gm.graph)
-    planned = {site.collective: _plannable(site, options) for site in sites}
-    unsplit = copy.deepcopy(gm.graph) if options.schedule == "auto" else None
-    whole = sum(_gain(s, options) for s in sites if planned[s.collective] and not s.declined)
-    if not shard_tokens.split_all_reduces(
-        gm.graph, sites, lambda site: planned[site.collective], before_change
-    ):
-        return False
-    gain = _split_gain(gm.graph, options) if unsplit is not None else 0.0
-    if unsplit is not None and gain <= whole:
-        why = f"auto: the split predicted to save {gain * 1e6:.1f} us, the all-reduce sites"
-        for node in unsplit.find_nodes(op="call_function", target=shard_tokens.ALL_REDUCE):
-            node.meta[shard_tokens.META] = {"not_split": f"{why} {whole * 1e6:.1f} us"}
-        gm.graph = unsplit
-        return False
-    return True
-
-
-def _split_gain(graph: Graph, options: Options) -> float:
-    """Seconds the split's sites are predicted to save, less the time of the gathers no
-    matmul reads (values the graph returns whole: bytes the all-reduce did not move)."""
-    split = [s for s in match.find_sites(graph) if shard_tokens.META in s.anchor.meta]
-    if not split:
-        return 0.0
-    profile = profile_for(split[0], options)
-    extra = 0.0
-    for gather in graph.find_nodes(op="call_function", target=shard_tokens.GATHER):
-        if not gather.meta.get(shard_tokens.META, {"for_matmul": True})["for_matmul"]:
-            n = int(gather.args[1])  # type: ignore[arg-type, call-overload]
-            block = shard_tokens.nbytes(gather.args[0])  # type: ignore[arg-type]
-            extra += collective_s(Work(Direction.GATHER, n, 0.0, block), profile)
-    return sum(_gain(site, options) for site in split) - extra
-
-
-def _plannable(site: Site, options: Options) -> groups.Group | None:
-    """The site's group, if the options and its prediction admit rewriting it (for a
-    declined site, the options alone)."""
-    try:
-        group = _group(site)
-        if site.declined:
-            plan_options(options)
-            _without_disabled(site, options.disable)
-        else:
-            _predicted(site, group, options, profile_for(site, options))
-    except Exception:  # noqa: BLE001 - declined, or its own planning fails
-        return None
-    return group
-
-
-def _gain(site: Site, options: Options) -> float:
-    """Seconds the plan predicts rewriting ``site`` saves (0 where it keeps it)."""
-    try:
-        _, predicted = _predicted(site, _group(site), options, profile_for(site, options))
-        chosen = plan(predicted, options)
-    except Exception:  # noqa: BLE001 - declined, or its own planning fails
-        return 0.0
-    return predicted["collective"].end_s - predicted[chosen.schedule].end_s
 
 
 def _rewrite_sites(gm: GraphModule, options: Options, result: _Result, tags: int) -> list[Rewrite]:
@@ -336,7 +267,7 @@ def _rewrite_site(
     try:
         if site.declined:
             raise site.declined.error()
-        group = _group(site)
+        group = plan.site_group(site)
         site, predicted, chosen = _planned(site, group, options, result, record)
         result.original.keep()
         rewrite = start(site, record.site, tag, gm.graph, taken, options.measure)
@@ -363,37 +294,14 @@ def _rewrite_site(
 
 def _planned(
     site: Site, group: groups.Group, options: Options, result: _Result, record: SiteRecord
-) -> tuple[Site, dict[str, Timeline], Plan]:
+) -> tuple[Site, dict[str, Timeline], plan.Plan]:
     """The site as the options leave it, every schedule's predicted timeline, and the
     plan. What the cost model said goes into ``record``, its timeline the collective's
     until the site is rewritten (what runs if it is declined)."""
-    profile = profile_for(site, options)
-    result.groups[record.site] = (group, _inputs(options, profile))
-    site, predicted = _predicted(site, group, options, profile, record)
-    return site, predicted, plan(predicted, options)
-
-
-def _predicted(
-    site: Site,
-    group: groups.Group,
-    options: Options,
-    profile: Profile,
-    record: SiteRecord | None = None,
-) -> tuple[Site, dict[str, Timeline]]:
-    """The site as the options leave it and every schedule's predicted timeline;
-    declined where the options rule the site out (``plan`` then chooses). What the cost
-    model said goes into ``record``."""
-    site = _without_disabled(site, options.disable)
-    plan_options(options)
-    work = site_work(site, group.size)
-    predicted = predict(work, profile, options.slices)
-    if record is not None:
-        record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in predicted.items()}
-        record.profile = profile.name
-        record.collective_model = collective_model(work, profile)
-        record.timeline = predicted["collective"].as_json(group.rank)
-    check_applies(predicted, options, site.kind)
-    return site, predicted
+    profile = plan.profile_for(site, options)
+    result.groups[record.site] = (group, plan.decision_inputs(options, profile))
+    site, predicted = plan.predicted(site, group, options, profile, record)
+    return site, predicted, plan.plan(predicted, options)
 
 
 def _described(site: Site) -> dict[str, Any]:
@@ -408,35 +316,6 @@ def _declined(record: SiteRecord, err: Exception) -> None:
         return
     record.declined(decline("internal.error", error=_brief(err)))
     warnings.warn(f"commfuse: site {record.site} declined, {record.reason}", stacklevel=3)
-
-
-def _group(site: Site) -> groups.Group:
-    try:
-        group = groups.resolve(site.group_name, site.group_size)
-    except groups.GroupError as err:
-        raise decline("site.group", error=err) from None
-    agree.check_group(group.name)
-    return group
-
-
-def _inputs(options: Options, profile: Profile) -> dict[str, Any]:
-    """What a rank's decisions depend on besides the graph: every rank must share it."""
-    return {
-        "torch": torch.__version__,
-        "inner": options.inner,
-        "measure": options.measure,
-        "schedule": options.schedule,
-        "slices": options.slices,
-        "disable": ",".join(sorted(options.disable)),
-        "profile": f"{profile.name} {profile.fingerprint()}",
-    }
-
-
-def _without_disabled(site: Site, disabled: frozenset[str]) -> Site:
-    """``disable``: decline a disabled kind; leave out the parts of a site it names."""
-    if site.kind in disabled:
-        raise decline("plan.kind_disabled", kind=site.kind)
-    return of(site).without(site, disabled)
 
 
 def _declined_records(gm: GraphModule, graph_role: str, why: Declined) -> list[SiteRecord]:

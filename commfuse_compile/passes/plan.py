@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
+from torch.fx import Node
 
 from ..cost.profiles import Profile, for_device, load
-from ..cost.simulator import Timeline, Work
+from ..cost.simulator import Timeline, Work, collective_model, matmuls_s, predict
 from ..options import Options
-from .declines import decline
+from ..report import SiteRecord
+from ..runtime import groups
+from .declines import Declined, decline
 from .kinds import of
 from .site import Site
 
@@ -84,12 +88,111 @@ def site_work(site: Site, n: int) -> Work:
 
 def profile_for(site: Site, options: Options) -> Profile:
     """The option's profile (a file is read once per process), else the device's."""
+    return profile_of(site.anchor, options)
+
+
+def profile_of(collective: Node, options: Options) -> Profile:
+    """The profile for ``collective``: the option's, else that of its operand's device."""
     if options.profile is not None:
         return _loaded(options.profile)
-    value = site.anchor.args[0].meta.get("val")  # type: ignore[union-attr]
+    value = collective.args[0].meta.get("val")  # type: ignore[union-attr]
     return for_device(value.device.type if isinstance(value, torch.Tensor) else "cpu")
 
 
 @functools.cache
 def _loaded(name_or_path: str) -> Profile:
     return load(name_or_path)
+
+
+def site_group(site: Site) -> groups.Group:
+    """The site's process group; declined where this process cannot know it."""
+    try:
+        return groups.resolve(site.group_name, site.group_size)
+    except groups.GroupError as err:
+        raise decline("site.group", error=err) from None
+
+
+def predicted(
+    site: Site,
+    group: groups.Group,
+    options: Options,
+    profile: Profile,
+    record: SiteRecord | None = None,
+) -> tuple[Site, dict[str, Timeline]]:
+    """The site as the options leave it and every schedule's predicted timeline;
+    declined where the options rule the site out (``plan`` then chooses). What the cost
+    model said goes into ``record``."""
+    site = without_disabled(site, options.disable)
+    plan_options(options)
+    work = site_work(site, group.size)
+    timelines = predict(work, profile, options.slices)
+    if record is not None:
+        record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in timelines.items()}
+        record.profile = profile.name
+        record.collective_model = collective_model(work, profile)
+        record.timeline = timelines["collective"].as_json(group.rank)
+    check_applies(timelines, options, site.kind)
+    return site, timelines
+
+
+def without_disabled(site: Site, disabled: frozenset[str]) -> Site:
+    """``disable``: decline a disabled kind; leave out the parts of a site it names."""
+    if site.kind in disabled:
+        raise decline("plan.kind_disabled", kind=site.kind)
+    return of(site).without(site, disabled)
+
+
+def plannable(site: Site, options: Options) -> groups.Group | Declined:
+    """The site's group, if the options and its prediction admit rewriting it (for a
+    declined site, the options alone); else why not."""
+    try:
+        group = site_group(site)
+        if site.declined:
+            plan_options(options)
+            without_disabled(site, options.disable)
+        else:
+            predicted(site, group, options, profile_for(site, options))
+    except Declined as why:
+        return why
+    except Exception as err:  # noqa: BLE001 - its own planning fails: never a compile's
+        return decline("internal.error", error=f"{type(err).__name__}: {err}"[:300])
+    return group
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteTimes:
+    """A site's predicted seconds as written (its collective and its matmuls, one after
+    the other), as the plan would run it, and of its matmuls alone."""
+
+    written_s: float
+    planned_s: float
+    matmuls_s: float
+
+
+def site_times(site: Site, options: Options) -> SiteTimes | None:
+    """The site's predicted times (``planned_s`` = ``written_s`` where the plan keeps the
+    collective); None where it has no prediction (declined, or its planning fails)."""
+    try:
+        group, profile = site_group(site), profile_for(site, options)
+        _, timelines = predicted(site, group, options, profile)
+    except Exception:  # noqa: BLE001 - declined, or its own planning fails
+        return None
+    written = timelines["collective"].end_s
+    try:
+        planned = timelines[plan(timelines, options).schedule].end_s
+    except Declined:
+        planned = written
+    return SiteTimes(written, planned, matmuls_s(site_work(site, group.size), profile))
+
+
+def decision_inputs(options: Options, profile: Profile) -> dict[str, Any]:
+    """What a rank's decisions depend on besides the graph: every rank must share it."""
+    return {
+        "torch": torch.__version__,
+        "inner": options.inner,
+        "measure": options.measure,
+        "schedule": options.schedule,
+        "slices": options.slices,
+        "disable": ",".join(sorted(options.disable)),
+        "profile": f"{profile.name} {profile.fingerprint()}",
+    }

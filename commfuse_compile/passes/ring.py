@@ -18,17 +18,22 @@ import operator
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401 (prims.inductor_force_stride_order)
 from torch.fx import Node
 
 from ..runtime.groups import Group
 from ..schedules import Direction, Schedule, Transfer
+from . import dims
 from .blocks import accumulate, finish_sum, viewed
 from .emit import P2P
-from .graph import Matmul, saved_unwaited, val
+from .graph import LAYOUT_OPS, Matmul, is_matmul, saved_unwaited, val
 from .rewrite import Rewrite
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+# the tensor itself if it has these strides, else a copy that has them: what Inductor
+# computes once, into a buffer of its own
+FORCE_STRIDES = torch.ops.prims.inductor_force_stride_order.default
 
 # a started batch: (its p2p node, the receives with their tensors, the buffers sent)
 Pending = tuple[Node | None, list[tuple[Transfer, Node]], list[Node]]
@@ -48,7 +53,7 @@ def start_transfers(
     ``recv_like``, or each like its own: blocks of uneven sizes)."""
     if not sends and not recvs:
         return NOTHING_PENDING
-    buffers = [held[t.block] for t in sends]
+    buffers = [one_buffer(rw, held[t.block], step) for t in sends]
     likes = [recv_like] * len(recvs) if isinstance(recv_like, Node) else list(recv_like)
     p2p = rw.emit(
         P2P,
@@ -71,6 +76,23 @@ def start_transfers(
     return p2p, list(zip(recvs, received, strict=True)), list(dict.fromkeys(buffers))
 
 
+def one_buffer(rw: Rewrite, node: Node, step: int) -> Node:
+    """``node`` as a buffer to send. Inductor computes a value that a copy, a cast or an
+    element-wise op of one tensor makes (``clone`` into a block's layout) where each
+    reader reads it, not once: the transfer and the wait of its buffer would get two
+    buffers, and the one the transfer reads would be free to reuse before its wait.
+    Such a value goes through ``inductor_force_stride_order`` (in eager, the tensor
+    itself), whose result Inductor computes into one buffer; an input, a matmul's
+    product, a received tensor and views of them are buffers already."""
+    base = node
+    while base.target in LAYOUT_OPS - {aten.clone.default} | {aten.slice.Tensor}:
+        base = base.args[0]  # type: ignore[assignment]
+    if base.op == "placeholder" or is_matmul(base) or base.target is operator.getitem:
+        return node
+    strides = [rw.emit.size(stride, step) for stride in val(node).stride()]
+    return rw.emit(FORCE_STRIDES, (node, strides), step=step, lane="comm")
+
+
 def wait_transfers(rw: Rewrite, step: int, pending: Pending) -> tuple[list[Node], list[Node]]:
     """Wait every transfer of a started batch: each received tensor, and each buffer
     sent, on which its send is registered (see ``p2p.py``): no compiler may reuse or
@@ -91,14 +113,16 @@ def collect_then_compute(
     held: dict[int, Node],
     send: Callable[[Transfer, int], Node],
     compute: Callable[[int, Node, int], None],
+    rows: Callable[[int], dims.Size] | None = None,
 ) -> dict[int, Node]:
     """Run ``schedule``'s steps of a collect-first ``direction``: ``send(transfer, step)``
     gives a message's buffer, ``compute(block, held block, step)`` multiplies a block at
-    hand. ``held`` starts with this rank's block; returns every block, as held at the end."""
+    hand. ``held`` starts with this rank's block; returns every block, as held at the end.
+    A block received is like this rank's, with ``rows(block)`` rows if given (uneven)."""
     r, n = group.rank, group.size
-    recv_like = held[r]
     for s, step in enumerate(schedule.steps(direction, r, n, 0)):
         buffers = {t.block: send(t, s) for t in step.sends}
+        recv_like = _likes(rw, held[r], step.recvs, direction, group, rows, s)
         pending = start_transfers(rw, group, s, step.sends, step.recvs, buffers, recv_like)
         for b in step.compute:
             compute(b, held[b], s)
@@ -115,11 +139,13 @@ def compute_then_send(
     schedule: Schedule,
     direction: Direction,
     compute: Callable[[int, int], Node],
+    rows: Callable[[int], dims.Size] | None = None,
 ) -> dict[int, Node]:
     """Run ``schedule``'s steps of a compute-first ``direction``: ``compute(block, step)``
     is this rank's part of a block. Returns what this rank ends with: its own block
     (summed over the ranks, where the steps add), and the blocks others sent it that
-    nothing added (an all-to-all's, by sender)."""
+    nothing added (an all-to-all's, by sender). A block received is like the step's
+    first computed one, with ``rows(block)`` rows if given (uneven blocks)."""
     r, n = group.rank, group.size
     pending, sums = NOTHING_PENDING, {}
     received: dict[tuple[int, int], Node] = {}  # (block, peer) -> from that peer
@@ -135,11 +161,35 @@ def compute_then_send(
             sums[t.block] = rw.emit(
                 aten.add.Tensor, (sums[t.block], partial), step=s, lane="compute"
             )
-        like = next(iter(parts.values()))
-        pending = start_transfers(rw, group, s, step.sends, step.recvs, sums, like)
+        recv_like = _likes(rw, next(iter(parts.values())), step.recvs, direction, group, rows, s)
+        pending = start_transfers(rw, group, s, step.sends, step.recvs, sums, recv_like)
     assert pending is NOTHING_PENDING, "a schedule's last step sends nothing"
     held = {direction.source(Transfer(b, p), r, n): node for (b, p), node in received.items()}
     return {**held, r: sums[r]}
+
+
+def _likes(
+    rw: Rewrite,
+    example: Node,
+    recvs: Sequence[Transfer],
+    direction: Direction,
+    group: Group,
+    rows: Callable[[int], dims.Size] | None,
+    step: int,
+) -> Node | list[Node]:
+    """What the receives of a step are like: ``example`` (a block of this rank's), or, for
+    uneven blocks, each a tensor like it with the rows of the block it brings."""
+    if rows is None:
+        return example
+    rest = val(example).shape[1:]
+    likes = []
+    for t in recvs:
+        shape = [
+            rw.emit.size(size, step)
+            for size in (rows(direction.source(t, group.rank, group.size)), *rest)
+        ]
+        likes.append(rw.emit(aten.new_empty.default, (example, shape), step=step, lane="comm"))
+    return likes
 
 
 def sliced(

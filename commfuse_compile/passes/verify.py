@@ -14,7 +14,7 @@ from . import dims
 from .declines import decline
 from .emit import P2P
 from .graph import val
-from .kinds import moe, of
+from .kinds import a2a_mm, mm_a2a, moe, of
 from .rewrite import Rewrite
 
 c10d = torch.ops._c10d_functional
@@ -78,7 +78,8 @@ def check_exchange(rw: Rewrite, group: Group, schedule: Schedule, slices: int = 
     and the schedule, run for every rank of the group, matches each receive with the
     peer's send of the same block in the same step (so no rank waits for a message that
     is never sent) and leaves every rank with the right blocks. Tensors are the same
-    shape on every rank (SPMD), so each received buffer has the shape of what is sent.
+    shape on every rank (SPMD), so each received buffer has the shape of what is sent
+    (an uneven all-to-all's blocks: but for their rows, the graph's split sizes).
     Under slicing, every rank runs the same k collectives on the site's group in the
     same order, each chunk collected before use."""
     direction = of(rw.site).direction
@@ -99,9 +100,10 @@ def check_exchange(rw: Rewrite, group: Group, schedule: Schedule, slices: int = 
     ]
     if emitted != expected:
         raise decline("internal.peers", emitted=emitted, expected=expected)
+    uneven = isinstance(rw.site, a2a_mm.A2aMmSite | mm_a2a.MmA2aSite) and rw.site.uneven
     for node in p2p:
         buffers = (*node.args[0], *node.args[2])  # type: ignore[misc]
-        shapes = {tuple(dims.as_json(val(t).shape)) for t in buffers}
+        shapes = {tuple(dims.as_json(val(t).shape)[uneven:]) for t in buffers}
         if len(shapes) != 1:
             raise decline("internal.shapes", node=node.name, shapes=shapes)
     _check_schedule_all_ranks(schedule, n, direction)

@@ -24,7 +24,10 @@ all-reduces (forward after the attention output and MLP output projections, back
 after the q/k/v and MLP input projections' input gradients), each followed by token-wise
 work (the residual add and RMSNorm, or their backward) on all ``tokens``. The pass splits
 each all-reduce into a reduce-scatter, the token-wise work on ``tokens / n`` and
-all-gathers into the next matmuls: the same eight sites as TP+SP, simulated above.
+all-gathers into the next matmuls, on the joint graph before AOTAutograd partitions it
+(the backward's two input-gradient sums one reduce-scatter each): the same eight sites as
+TP+SP, simulated above, and the region's saved activations (the norms' inputs) on
+``tokens / n``. Every plain-TP row is a projection of the cost model.
 
 Under expert parallelism (MOE: each of n ranks holds experts / n routed experts and its
 own tokens) an MoE layer's forward dispatches [tokens x top_k, hidden] rows with an
@@ -45,7 +48,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from ..cost.profiles import Profile
-from ..cost.simulator import SCHEDULES, Event, Timeline, Work, _overlapped, predict, simulate
+from ..cost.simulator import (
+    SCHEDULES,
+    Event,
+    Timeline,
+    Work,
+    _overlapped,
+    matmuls_s,
+    predict,
+    simulate,
+)
 from ..passes.plan import auto_choice
 from ..schedules import Direction, by_name
 from .trace import Process, Span, chrome_trace
@@ -244,18 +256,14 @@ class PlainTpResult:
     token_wise_whole_s: float  # of the 4 all-reduces' token-wise work, on all tokens
     token_wise_shard_s: float  # the same on tokens / n
     split: LayerResult  # the split's eight sites (as the TP+SP section)
+    saved_whole_bytes: float  # the region's activations saved for the backward, per rank
+    saved_shard_bytes: float  # the same, split: this rank's tokens
 
     def split_s(self, schedule: str) -> float:
         return self.split.total_s(schedule) + self.token_wise_shard_s
 
     def split_auto_s(self) -> float:
         return self.split.auto_s() + self.token_wise_shard_s
-
-
-def _matmuls_s(work: Work, p: Profile) -> float:
-    """A site's matmuls alone, unsplit (all n blocks in each call)."""
-    calls = work.matmuls_per_block
-    return calls * p.matmul_s(work.block_flops * work.n / calls)
 
 
 def simulate_plain_tp(
@@ -267,7 +275,7 @@ def simulate_plain_tp(
     split = split or simulate_layer(model, n, profile, slices)
     sites = [w for _, w in layer_sites(model, n)]
     reduces = [dataclasses.replace(w, then_gather=True) for w in sites if w.direction == "reduce"]
-    free = sum(_matmuls_s(w, profile) for w in sites if w.direction == "gather")  # no comm
+    free = sum(matmuls_s(w, profile) for w in sites if w.direction == "gather")  # no comm
     whole = [predict(w, profile, slices) for w in reduces]
     tokens_whole = len(reduces) * token_wise_s(model, model.tokens, profile)
     return PlainTpResult(
@@ -279,7 +287,20 @@ def simulate_plain_tp(
         token_wise_whole_s=tokens_whole,
         token_wise_shard_s=len(reduces) * token_wise_s(model, model.tokens / n, profile),
         split=split,
+        saved_whole_bytes=region_saved_bytes(model, model.tokens),
+        saved_shard_bytes=region_saved_bytes(model, model.tokens / n),
     )
+
+
+# What the backward reads of a layer's token-wise region, per token and hidden unit: the
+# inputs of the two RMSNorms (the residual stream before attention and before the MLP);
+# their statistics (one value per token) are left out.
+REGION_SAVED = 2
+
+
+def region_saved_bytes(model: ModelShape, tokens: float) -> float:
+    """The token-wise region's activations a layer saves for the backward, on ``tokens``."""
+    return REGION_SAVED * tokens * model.hidden * model.dtype_bytes
 
 
 def format_plain_tp(model: ModelShape, profile: Profile, results: list[PlainTpResult]) -> str:
@@ -290,7 +311,7 @@ def format_plain_tp(model: ModelShape, profile: Profile, results: list[PlainTpRe
     lines = [
         f"{model.name} under PLAIN TP (no sequence parallelism), tokens {model.tokens}, "
         f"profile {profile.name}: the layer's matmuls and 4 all-reduces (fwd + bwd) in us "
-        "(speedup over the all-reduce as written)",
+        "(speedup over the all-reduce as written); PROJECTIONS of the cost model",
         "  all-reduce = as written: each all-reduce timed as a reduce-scatter + an "
         "all-gather of the same blocks, then the residual add + RMSNorm on every token;",
         "  whole, auto = each all-reduce site rewritten as it stands (mm_ar: the "
@@ -306,6 +327,11 @@ def format_plain_tp(model: ModelShape, profile: Profile, results: list[PlainTpRe
             f"{r.n:>4}{r.token_wise_whole_s * 1e6:>7.1f} -> {r.token_wise_shard_s * 1e6:<6.1f}"
             + "".join(f"{t * 1e6:>14.1f} ({base / t:4.2f}x)" for t in times)
         )
+    saved = ", ".join(f"n={r.n} {r.saved_shard_bytes / 1e6:.1f}" for r in results)
+    lines.append(
+        f"  saved for the backward by a layer's token-wise region (the norms' inputs) per "
+        f"rank: {results[0].saved_whole_bytes / 1e6:.1f} MB as written, split {saved} MB"
+    )
     return "\n".join(lines)
 
 

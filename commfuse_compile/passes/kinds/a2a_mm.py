@@ -14,6 +14,11 @@ computes (``ExchangedUse.role``):
 ``contract_left``: ``X @ G`` with the blocks along K: adds ``X[:, K_j] @ G_j``.
 A batched matmul (an MoE's experts, ``torch.bmm``) takes the same roles in each of its
 batch entries: the blocks along its M, K or N.
+
+The blocks may be uneven (``dims.Split``: a head count or a sequence the group does not
+divide): block j is then ``out[j]`` of the output's rows (of ``sum(out)``), and the
+same share of every dim it is followed to, a span of the operand's rows, K or columns;
+this rank sends blocks of the input's split sizes.
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ from torch.fx import Graph, Node
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule, Transfer
-from .. import dims
-from ..blocks import column_block, contiguous, matmul, replay, row_block, slice_block
+from .. import dims, paths
+from ..blocks import contiguous, replay, slice_span
 from ..declines import Declined, decline
 from ..graph import (
     ALL_TO_ALL,
@@ -36,8 +41,9 @@ from ..graph import (
     Matmul,
     between_note,
     bias_is_row_broadcast,
+    check_own_block,
     check_tensor,
-    equal_splits,
+    exchange_splits,
     has_zero_size_dim,
     node_arg,
     numel,
@@ -45,6 +51,7 @@ from ..graph import (
     reaches_matmul,
     scales_problem,
     split_dim_in_output,
+    split_sizes,
     sums_problem,
     the_wait,
     val,
@@ -73,10 +80,16 @@ class A2aMmSite(UsesSite):
     all_to_all: Node
     wait: Node
     uses: tuple[ExchangedUse, ...] = ()
+    received: dims.Split | None = None  # the output's blocks (None: declined before)
+    sent: dims.Split | None = None  # the input's
 
     @property
     def collectives(self) -> tuple[Node, ...]:
         return (self.all_to_all,)
+
+    @property
+    def uneven(self) -> bool:
+        return any(split and split.sizes for split in (self.received, self.sent))
 
     @property
     def results(self) -> tuple[Node, ...]:
@@ -98,6 +111,7 @@ class A2aMmSite(UsesSite):
             "roles": {u.mm.node.name: u.role for u in self.uses},
             "exchanged_shape": dims.as_json(val(self.all_to_all).shape),
             "unmatched": list(self.unmatched),
+            **split_sizes(self.all_to_all, self.uneven),
         }
 
 
@@ -149,16 +163,15 @@ def _match(a2a: Node) -> A2aMmSite | None:
         return None
     uses: list[ExchangedUse] = []
     unmatched: list[str] = []
-    declined = None
+    declined, received, sent = None, None, None
     try:
         if wait is a2a or wait.target is not c10d.wait_tensor.default:
             raise decline("site.wait", node=a2a.name)
         if n < 2:
             raise decline("site.group_of_one")
-        if equal_splits(a2a) is None:
-            raise decline("a2a.uneven", node=a2a.name, splits=list(node_arg(a2a, 1, "")))
+        received, sent = exchange_splits(a2a)
         check_tensor(wait, "exchanged tensor")
-        _collect_uses(wait, n, uses, unmatched)
+        _collect_uses(wait, received, uses, unmatched)
         own = {wait, *(node for use in uses for node, _ in use.path)}
         uses[:], twice = without_read_twice(uses, own, "exchanged")
         unmatched += twice
@@ -173,15 +186,19 @@ def _match(a2a: Node) -> A2aMmSite | None:
         wait=wait,
         uses=tuple(uses),
         unmatched=tuple(unmatched),
+        received=received,
+        sent=sent,
         group_name=str(group_name),
         group_size=n,
         declined=declined,
     )
 
 
-def _collect_uses(wait: Node, n: int, uses: list[ExchangedUse], unmatched: list[str]) -> None:
-    """Follow the layout users of the exchanged tensor, with the dim that holds its n
-    blocks, to the matmuls that read it."""
+def _collect_uses(
+    wait: Node, split: dims.Split, uses: list[ExchangedUse], unmatched: list[str]
+) -> None:
+    """Follow the layout users of the exchanged tensor, with the dim that holds its
+    blocks of ``split``, to the matmuls that read it."""
     frontier: list[tuple[Node, int, tuple[tuple[Node, int], ...]]] = [(wait, 0, ())]
     while frontier:
         node, dim, path = frontier.pop()
@@ -191,7 +208,7 @@ def _collect_uses(wait: Node, n: int, uses: list[ExchangedUse], unmatched: list[
             if mm is not None:
                 _add_use(mm, node, dim, path, uses, unmatched)
             elif user.target in LAYOUT_OPS and user.args[0] is node:
-                moved = split_dim_in_output(user, dim, n)
+                moved = split_dim_in_output(user, dim, split)
                 if moved is not None:
                     frontier.append((user, moved, (*path, (user, moved))))
                 elif reaches_matmul(user):
@@ -248,20 +265,27 @@ def _add_use(
 def _lower(rw: Rewrite, site: A2aMmSite, group: Group, schedule: Schedule) -> None:
     """Each step: send this rank's block for the step's peer and receive the peer's block
     for this rank, multiply the block at hand (this rank's own first), then wait."""
+    assert site.received is not None and site.sent is not None, "a matched site has its splits"
     em, n, r = rw.emit, group.size, group.rank
+    received, sent = site.received, site.sent
     source = node_arg(site.all_to_all, 0, "input")
-    width = val(source).shape[0] // n
+    rows, out_rows = val(source).shape[0], val(site.all_to_all).shape[0]
+    check_own_block(site.all_to_all, sent.width(rows, r), received.width(out_rows, r))
     products = Products(rw, [(u.mm, u.role) for u in site.uses])
 
     def send(t: Transfer, s: int) -> Node:
-        return contiguous(em, slice_block(em, source, 0, t.block, width, s, "comm"), s)
+        return contiguous(em, slice_span(em, source, 0, sent.bounds(rows, t.block), s, "comm"), s)
 
     def compute(b: int, block: Node, s: int) -> None:
         for i, use in enumerate(site.uses):
-            _compute(rw, products, i, use, block, b, n, s)
+            _compute(rw, products, i, use, block, b, received, s)
 
-    held = {r: slice_block(em, source, 0, r, width, 0, "compute")}  # output blocks by source
-    held = collect_then_compute(rw, group, schedule, Direction.EXCHANGE_IN, held, send, compute)
+    own = slice_span(em, source, 0, sent.bounds(rows, r), 0, "compute")
+    held = {r: own}  # output blocks by source
+    widths = (lambda j: received.width(out_rows, j)) if site.uneven else None
+    held = collect_then_compute(
+        rw, group, schedule, Direction.EXCHANGE_IN, held, send, compute, widths
+    )
     last = len(rw.steps)
     products.finish(n, last, rows_dim=0)
     if site.outlives():
@@ -270,20 +294,16 @@ def _lower(rw: Rewrite, site: A2aMmSite, group: Group, schedule: Schedule) -> No
 
 
 def _compute(
-    rw: Rewrite, products: Products, i: int, use: ExchangedUse, block: Node, b: int, n: int, s: int
+    rw: Rewrite,
+    products: Products,
+    i: int,
+    use: ExchangedUse,
+    block: Node,
+    b: int,
+    split: dims.Split,
+    s: int,
 ) -> None:
     """What ``use``'s matmul computes from block ``b`` of the exchanged tensor."""
-    em, mm = rw.emit, use.mm
-    g = replay(em, block, use.path, n, s, "compute")  # the operand's block b
-    m = mm.lead  # M of A (K of B): after a batched matmul's batch dim
-    if use.role == "rows":  # block b: A's rows [b*M/n, (b+1)*M/n)
-        rows = row_block(em, b, val(mm.a).shape[m] // n, s, dim=m)
-        products.put(i, b, matmul(em, mm, g, mm.b, s, rows=rows))
-    elif use.role == "columns":
-        cols = (b, val(mm.b).shape[-1] // n)
-        products.put(i, b, matmul(em, mm, mm.a, g, s, cols=cols))
-    elif use.role == "contract":
-        k = mm.contracted // n
-        products.add(i, g, slice_block(em, mm.b, m, b, k, s, "compute"), s)
-    else:  # contract_left
-        products.add(i, column_block(em, mm.a, b, val(mm.b).shape[m] // n, s), g, s)
+    em = rw.emit
+    g = replay(em, block, use.path, split, b, s, "compute")  # the operand's block b
+    paths.compute_block(em, products, i, use.mm, use.role, g, b, split, s)

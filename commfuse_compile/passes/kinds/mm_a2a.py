@@ -21,8 +21,8 @@ from torch.fx import Graph, Node
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule
-from .. import dims
-from ..blocks import column_block, contiguous, matmul, replay, row_block
+from .. import dims, paths
+from ..blocks import contiguous, replay
 from ..declines import Declined, decline
 from ..emit import Emitter
 from ..graph import (
@@ -30,10 +30,11 @@ from ..graph import (
     LAYOUT_OPS,
     Matmul,
     bias_is_row_broadcast,
+    check_own_block,
     check_tensor,
     comes_from_matmul,
     data_users,
-    equal_splits,
+    exchange_splits,
     has_zero_size_dim,
     node_arg,
     numel,
@@ -42,6 +43,7 @@ from ..graph import (
     saved_unwaited,
     scales_problem,
     split_dim_in_input,
+    split_sizes,
     the_wait,
     val,
 )
@@ -62,10 +64,16 @@ class MmA2aSite(Site):
     product: Matmul | None  # None where the blocks lead to no matmul (declined)
     product_dim: int  # 0: block j is rows of the product; 1: its columns (of each batch entry)
     chain: tuple[tuple[Node, int], ...] = ()  # product -> collective, with the block dim
+    received: dims.Split | None = None  # the output's blocks (None: declined before)
+    sent: dims.Split | None = None  # the input's: blocks of the product
 
     @property
     def collectives(self) -> tuple[Node, ...]:
         return (self.all_to_all,)
+
+    @property
+    def uneven(self) -> bool:
+        return any(split and split.sizes for split in (self.received, self.sent))
 
     def replaced(self) -> list[Node]:
         chain = [node for node, _ in self.chain]
@@ -80,6 +88,7 @@ class MmA2aSite(Site):
             "matmuls": [self.product.node.name] if self.product else [],
             "blocks": "columns" if self.product_dim else "rows",
             "exchanged_shape": dims.as_json(val(self.all_to_all).shape),
+            **split_sizes(self.all_to_all, self.uneven),
         }
 
 
@@ -127,18 +136,8 @@ def _match(a2a: Node) -> MmA2aSite | None:
     wait = the_wait(a2a) or a2a
     if not comes_from_matmul(inp) or reaches_matmul(wait):
         return None  # feeding a matmul too: the all-to-all -> matmul site (a2a_mm) reports it
-    chain: list[tuple[Node, int]] = []
-    node, dim, stop = inp, 0, None
-    while node.target in LAYOUT_OPS and len(data_users(node)) == 1 and stop is None:
-        source_dim = split_dim_in_input(node, dim, n)
-        if source_dim is None:
-            stop = node
-            break
-        chain.append((node, dim))
-        node, dim = node_arg(node, 0, "self"), source_dim
-    chain.reverse()
-    mm = Matmul.of(node, batched=True)
-    declined = None
+    chain: tuple[tuple[Node, int], ...] = ()
+    mm, dim, declined, received, sent = None, 0, None, None, None
     try:
         if wait is a2a or wait.target is not c10d.wait_tensor.default:
             raise decline("site.wait", node=a2a.name)
@@ -146,11 +145,11 @@ def _match(a2a: Node) -> MmA2aSite | None:
             raise decline("site.unread", node=a2a.name)
         if n < 2:
             raise decline("site.group_of_one")
-        if equal_splits(a2a) is None:
-            raise decline("a2a.uneven", node=a2a.name, splits=list(node_arg(a2a, 1, "")))
-        if stop is not None or mm is None:
-            at = stop or node
-            raise decline("a2a.not_a_block", node=at.name, op=op_name(at))
+        received, sent = exchange_splits(a2a)
+        chain, node, dim = _traced(inp, sent)
+        mm = Matmul.of(node, batched=True)
+        if mm is None:
+            raise decline("a2a.not_a_block", node=node.name, op=op_name(node))
         if dim < mm.lead:
             raise decline("a2a.batch_blocks", node=mm.node.name)
         dim -= mm.lead
@@ -170,11 +169,28 @@ def _match(a2a: Node) -> MmA2aSite | None:
         wait=wait,
         product=mm,
         product_dim=dim,
-        chain=tuple(chain),
+        chain=chain,
+        received=received,
+        sent=sent,
         group_name=str(group_name),
         group_size=n,
         declined=declined,
     )
+
+
+def _traced(inp: Node, split: dims.Split) -> tuple[tuple[tuple[Node, int], ...], Node, int]:
+    """The layout ops from the product to the all-to-all's input (each with the dim that
+    holds the blocks of ``split``), where they start (the product, or the op whose
+    input's blocks are no dim's) and the dim that holds them there."""
+    chain: list[tuple[Node, int]] = []
+    node, dim = inp, 0
+    while node.target in LAYOUT_OPS and len(data_users(node)) == 1:
+        source_dim = split_dim_in_input(node, dim, split)
+        if source_dim is None:
+            break
+        chain.append((node, dim))
+        node, dim = node_arg(node, 0, "self"), source_dim
+    return tuple(reversed(chain)), node, dim
 
 
 # ----------------------------------------------------------------------------------------
@@ -184,27 +200,26 @@ def _match(a2a: Node) -> MmA2aSite | None:
 def _lower(rw: Rewrite, site: MmA2aSite, group: Group, schedule: Schedule) -> None:
     """Each step: compute the block for the step's peer, wait the step before's transfer,
     then send the block (and receive the peer's block for this rank) under the next."""
-    n = group.size
+    assert site.received is not None and site.sent is not None, "a matched site has its splits"
+    n, r, received = group.size, group.rank, site.received
+    rows, out_rows = val(node_arg(site.all_to_all, 0, "input")).shape[0], val(site.wait).shape[0]
+    check_own_block(site.all_to_all, site.sent.width(rows, r), received.width(out_rows, r))
 
     def compute(b: int, s: int) -> Node:
-        return _input_block(rw.emit, site, b, n, s)
+        return _input_block(rw.emit, site, b, s)
 
-    blocks = compute_then_send(rw, group, schedule, Direction.EXCHANGE_OUT, compute)
+    widths = (lambda j: received.width(out_rows, j)) if site.uneven else None
+    blocks = compute_then_send(rw, group, schedule, Direction.EXCHANGE_OUT, compute, widths)
     assert len(blocks) == n, "a block from every rank"
     out = rw.emit(aten.cat.default, ([blocks[b] for b in range(n)], 0), step=n, lane="comm")
     replace_collective(rw, [site.all_to_all], [site.wait], out)
 
 
-def _input_block(em: Emitter, site: MmA2aSite, j: int, n: int, step: int) -> Node:
+def _input_block(em: Emitter, site: MmA2aSite, j: int, step: int) -> Node:
     """Block j of the all-to-all's input: that block of the product, laid out as the
     collective reads it, in its own contiguous buffer (it is sent as it is)."""
-    mm = site.product
-    assert mm is not None
-    rows, cols = val(mm.node).shape[-2:]
-    if site.product_dim == 0:
-        cut = row_block(em, j, rows // n, step, dim=mm.lead)
-        part = matmul(em, mm, cut(mm.a), mm.b, step, rows=cut)
-    else:
-        w = column_block(em, mm.b, j, cols // n, step)
-        part = matmul(em, mm, mm.a, w, step, cols=(j, cols // n))
-    return contiguous(em, replay(em, part, site.chain, n, step, "compute"), step)
+    mm, split = site.product, site.sent
+    assert mm is not None and split is not None
+    span = split.bounds(val(mm.node).shape[mm.lead + site.product_dim], j)
+    part = paths.product_block(em, mm, site.product_dim == 1, span, step)
+    return contiguous(em, replay(em, part, site.chain, split, j, step, "compute"), step)

@@ -28,7 +28,6 @@ from ..blocks import (
     contiguous,
     matmul,
     replay,
-    row_block,
     rows_of_block,
     slice_block,
     viewed,
@@ -208,7 +207,7 @@ def laid_out(node: Node, dim: int, n: int) -> LaidOut:
     """``dim`` of ``node`` followed back to the product whose blocks it holds (no terms
     where the blocks stop being blocks, ``lost`` if a matmul is behind, or no matmul
     computes them)."""
-    product, product_dim, path, stop = paths.producer(node, dim, n)
+    product, product_dim, path, stop = paths.producer(node, dim, dims.Split(n))
     if stop is not None:
         behind = paths.matmul_behind(stop)
         lost = None if behind is None else (stop, behind)
@@ -316,12 +315,13 @@ def _reduce_part(
         )
     assert part is not None
     if site.product_dim is not None:
-        path = paths.along(site.path, site.product_dim, count)
+        split = dims.Split(count)
+        path = paths.along(site.path, site.product_dim, split)
         if path is None:
             what = f"the blocks on the way from {site.terms[0].node.name}"
             raise decline("lower.slices", k=count // site.group_size, provably="", what=what,
                           size=val(site.terms[0].node).shape[site.product_dim])  # fmt: skip
-        part = contiguous(em, replay(em, part, path, count, step, "compute"), step)
+        part = contiguous(em, replay(em, part, path, split, b, step, "compute"), step)
     dtype = val(site.anchor).dtype
     if val(part).dtype != dtype:
         part = em(CONVERT, (part, dtype), step=step, lane="compute")
@@ -350,16 +350,9 @@ def _laid_out_block(
 ) -> Node:
     """Block ``b`` of ``count`` along ``site.product_dim`` of the product ``mm`` (rows or
     columns of every batch entry or group; a grouped matmul's rows with their offsets)."""
-    assert site.product_dim is not None and mm.layout is not None
-    width = val(mm.node).shape[site.product_dim] // count
-    if site.columns:
-        w = column_block(em, mm.b, b, width, step)
-        return matmul(em, mm, mm.a, w, step, cols=(b, width))
-    rows = row_block(em, b, width, step, dim=mm.layout.a[0])
-    offs = mm.offs
-    if offs is not None and mm.layout.groups == "M":
-        offs = paths.offs_of_block(em, offs, b, width, step)
-    return matmul(em, mm, rows(mm.a), mm.b, step, rows=rows, offs=offs)
+    assert site.product_dim is not None
+    span = dims.Split(count).bounds(val(mm.node).shape[site.product_dim], b)
+    return paths.product_block(em, mm, site.columns, span, step)
 
 
 def _block_rows(

@@ -5,6 +5,9 @@ A kind matches only collectives next to a matmul; the rest (an MoE's token-count
 exchange, tokens reordered by index before a grouped matmul, a gather into a buffer no
 matmul reads, a reduce-scatter of gradients no matmul computes) get the reason here,
 under the kind their collective would have (``collective`` for ops no kind rewrites).
+A framework's custom op that takes a process group (``custom_ops.group_argument``) and
+that the canonical stage did not read as a functional collective is one too: an op the
+pass does not know, or a known one whose call does not fit what it computes.
 Never rewritten: the pipeline reports the decline before anything else.
 """
 
@@ -18,6 +21,7 @@ import torch
 from torch.fx import Graph, Node
 
 from ...runtime.groups import ranks_of
+from .. import custom_ops
 from ..declines import Declined, decline
 from ..graph import ALL_TO_ALL, PASS_THROUGH, check_tensor, is_matmul, node_arg, op_name
 from ..graph import value_readers as readers
@@ -105,15 +109,32 @@ class _ExchangeOut(UnclaimedSite):
 
 def declined_sites(graph: Graph, claimed: set[Node]) -> list[UnclaimedSite]:
     """A declined site per collective of ``graph`` not in ``claimed`` (not the slicing
-    schedule's own chunk collectives)."""
-    return [
-        _declined(node)
-        for node in graph.nodes
-        if node.op == "call_function"
-        and node.target in COLLECTIVES
-        and node not in claimed
-        and "commfuse" not in node.meta
-    ]
+    schedule's own chunk collectives), and per framework op that takes a process group."""
+    sites = []
+    for node in (n for n in graph.nodes if n.op == "call_function"):
+        if node.target in COLLECTIVES and node not in claimed and "commfuse" not in node.meta:
+            sites.append(_declined(node))
+        elif custom_ops.group_argument(node.target) is not None:
+            sites.append(_custom(node))
+    return sites
+
+
+def _custom(node: Node) -> UnclaimedSite:
+    """A framework op that takes a process group, left as it is: why."""
+    argument = custom_ops.group_argument(node.target)
+    assert argument is not None
+    group = custom_ops.argument(node, argument)
+    name = group if isinstance(group, str) else str(getattr(group, "group_name", ""))
+    entry = custom_ops.collective_of(node.target)
+    problem = custom_ops.functional(entry, node) if entry is not None else None
+    if entry is not None and isinstance(problem, str):
+        why = decline("site.custom_op_unfit", node=node.name, op=entry.op, problem=problem)
+    else:
+        op = node.target.name()  # type: ignore[union-attr]
+        why = decline("site.custom_op", node=node.name, op=op, argument=argument)
+    return UnclaimedSite(
+        collective=node, group_name=name, group_size=len(ranks_of(name)), declined=why.kept()
+    )
 
 
 def _declined(node: Node) -> UnclaimedSite:

@@ -22,7 +22,8 @@ from torch import nn
 from ... import report
 from . import figures
 from .cells import interleaved
-from .config import BlockShape, Progress, Variant
+from .config import COMPARED, BlockShape, Progress, Variant
+from .footprint import measure
 from .link import MAX_RATE_TRIES, RATE_TOLERANCE, REFERENCE_RATE, LinkProfiles
 
 
@@ -36,6 +37,10 @@ class BlockBench:
     reps: int
     world_size: int | None = None  # ranks of its own (None: the run's)
     key: str = "block"  # in results.json, and its profile's file name
+    # the same block in another layout (the plain-TP block's: TP+SP written by hand), its
+    # rows (labelled ``COMPARED`` + the row's) timed on this block's link, each against
+    # that layout's own baseline
+    compare: BlockShape | None = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -87,11 +92,13 @@ class BlockJob:
     shape: BlockShape
     rows: tuple[Variant, ...]
     profile: str | None
+    prefix: str = ""  # of the rows' labels (``COMPARED``: the compared layout's)
 
 
 def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]:
     """Job: build the block once per row, compile it (eager inner compiler) and run one
-    step (which compiles forward and backward); returns the pass's sites per row."""
+    step (which compiles forward and backward), then measure one (``footprint``);
+    returns the pass's sites and the step's footprint per row."""
     from ..training.fronts import TrainConfig, build
     from ..training.loop import summarize
 
@@ -137,13 +144,15 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
 
         first = len(report.REPORT.sites)
         step()
-        _BLOCK[row.label] = step
+        label = job.prefix + row.label
+        _BLOCK[label] = step
         found = [s.as_json() for s in report.REPORT.sites[first:]]
-        sites[row.label] = {
+        sites[label] = {
             "rewritten": sum(s["decision"] == "rewritten" for s in found),
             "found": len(found),
             "schedules": sorted({s["schedule"] for s in found if s["decision"] == "rewritten"}),
             "summary": [dataclasses.asdict(r) for r in summarize(found)],
+            "footprint": dataclasses.asdict(measure(step, n)),
         }
     return sites
 
@@ -202,8 +211,16 @@ def run_block(
     profile = base.file(rate, out / "profiles" / f"{spec.key}.json")
     progress.stage(f"{spec.key}: compiling {', '.join(v.label for v in others)}")
     sites.update(ranks.run(block_compile, BlockJob(shape, tuple(others), profile))[0])
-    progress.stage(f"{spec.key}: {len(block_rows)} rows x 1+{spec.reps} at {rate / 1e6:.0f} Mbit/s")
     labels = [v.label for v in block_rows]
+    if spec.compare is not None:
+        compared = spec.compare.fitted(ranks.world_size)
+        progress.stage(
+            f"{spec.key}: compiling the compared layout ({compared.mesh(ranks.world_size)})"
+        )
+        job = BlockJob(compared, tuple(block_rows), profile, COMPARED)
+        sites.update(ranks.run(block_compile, job)[0])
+        labels += [COMPARED + v.label for v in block_rows]
+    progress.stage(f"{spec.key}: {len(labels)} rows x 1+{spec.reps} at {rate / 1e6:.0f} Mbit/s")
     times = figures.slowest(ranks.run(block_times, labels, 1, spec.reps))
     block = figures.block_result(
         shape, rate, compute_s, times, sites, spec.ratio, ranks.world_size, os.cpu_count()

@@ -11,6 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 OVERLAP_PROBE = "both at once"  # comm alone with the matmul run meanwhile (cells._comm)
+# the label prefix of a block's rows in its compared layout (the plain-TP block's: the
+# same block with sequence parallelism written by hand)
+COMPARED = "TP+SP "
 
 # The capacity-MoE cell (dispatch all-to-all -> batched experts -> combine all-to-all):
 # each rank holds this many experts; its ``SiteShape.seq`` is the rank's token slots

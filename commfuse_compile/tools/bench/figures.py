@@ -13,7 +13,7 @@ import math
 import statistics
 from typing import Any
 
-from .config import OVERLAP_PROBE, BlockShape, SiteShape, Variant
+from .config import COMPARED, OVERLAP_PROBE, BlockShape, SiteShape, Variant
 
 KIND_TITLES = {
     "ag_mm": "all-gather -> matmul",
@@ -131,7 +131,9 @@ def block_result(
     cores: int | None = None,
 ) -> dict[str, Any]:
     """The block rows; ``compute_s``: the baseline's step on an unthrottled link;
-    ``world_size`` ranks on a machine of ``cores`` cores."""
+    ``world_size`` ranks on a machine of ``cores`` cores. A row of the compared layout
+    (``COMPARED``) is sped up against that layout's baseline; ``vs_first`` is every
+    row's speedup against the first baseline."""
     labels = list(times)
     baseline = statistics.median(times[labels[0]])
     comm = max(baseline - compute_s, 0.0)
@@ -139,13 +141,16 @@ def block_result(
     rows = []
     for label in labels:
         took = summary(times[label])
+        own = COMPARED + "baseline" if label.startswith(COMPARED) else labels[0]
         rows.append(
             {
                 "label": label,
                 **{f"{k}_s": v for k, v in took.items()},
-                "speedup": baseline / took["median"],
+                "speedup": statistics.median(times[own]) / took["median"],
+                "vs_first": baseline / took["median"],
                 "vs_limit": took["median"] / limit,
                 "sites": sites[label],
+                **sites[label].get("footprint", {}),
             }
         )
     return {
@@ -228,17 +233,23 @@ def format_block(block: dict[str, Any]) -> str:
         + (f"{rate / 1e6:.0f} Mbit/s" if rate else "UNTHROTTLED")
         + f"  compute {ms(block['compute_s'])} ms, communication {ms(block['comm_s'])} ms",
         f"  {'row':<22}{'median ms':>10}{'min':>8}{'max':>8}{'speedup':>9}{'/limit':>8}"
-        f"  sites rewritten",
+        f"{'sent MB':>9}{'saved MB':>9}{'peak MB':>9}  sites rewritten",
     ]
     for row in block["rows"]:
         sites = row["sites"]
         lines.append(
             f"  {row['label']:<22}{ms(row['median_s']):>10}{ms(row['min_s']):>8}"
             f"{ms(row['max_s']):>8}{row['speedup']:>8.2f}x{row['vs_limit']:>8.2f}"
+            f"{mb(row.get('sent_bytes')):>9}{mb(row.get('saved_bytes')):>9}"
+            f"{mb(row.get('peak_bytes')):>9}"
             f"  {sites['rewritten']}/{sites['found']} {','.join(sites['schedules'])}"
             f" ({site_counts(sites)})"
         )
     return "\n".join(lines)
+
+
+def mb(n_bytes: int | None) -> str:
+    return "-" if n_bytes is None else f"{n_bytes / 1e6:.2f}"
 
 
 def format_targets(targets: list[dict[str, Any]]) -> str:

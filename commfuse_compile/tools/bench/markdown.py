@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .figures import KIND_TITLES, ms, ranks_text, row_name, site_counts
+from .config import COMPARED
+from .figures import KIND_TITLES, mb, ms, ranks_text, row_name, site_counts
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -114,6 +115,17 @@ def _breakdown_table(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+COMPARED_NOTE = (
+    f"Rows `{COMPARED}...`: the same block written with sequence parallelism by hand "
+    "(DTensor's `SequenceParallel` norms, `ColwiseParallel(input_layouts=Shard(1))`, "
+    "`RowwiseParallel(output_layouts=Shard(1))`), on the same link, each row's speedup "
+    f"against `{COMPARED}baseline`. sent = the bytes a rank's collectives and P2P steps "
+    "send per step (a collective counted as a ring sends it); saved = the bytes saved for "
+    "the backward per rank (`saved_tensors_hooks`); peak = the most CPU memory allocated "
+    "during the step above what was live before it (the profiler's events)."
+)
+
+
 def _block_table(block: dict[str, Any]) -> list[str]:
     rate = block["rate_bits_per_s"]
     n = block.get("world_size", 2)
@@ -170,18 +182,22 @@ def _block_table(block: dict[str, Any]) -> list[str]:
             else ""
         ),
         "",
-        "| row | median ms | min-max ms | speedup | / limit | sites rewritten (schedules) "
-        "| per graph and kind |",
-        "|---|---|---|---|---|---|---|",
+        "| row | median ms | min-max ms | speedup | / limit | sent MB | saved MB | peak MB "
+        "| sites rewritten (schedules) | per graph and kind |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in block["rows"]:
         sites = row["sites"]
         lines.append(
             f"| {row['label']} | {ms(row['median_s'])} | {ms(row['min_s'])}-"
             f"{ms(row['max_s'])} | {row['speedup']:.2f}x | {row['vs_limit']:.2f} | "
+            f"{mb(row.get('sent_bytes'))} | {mb(row.get('saved_bytes'))} | "
+            f"{mb(row.get('peak_bytes'))} | "
             f"{sites['rewritten']}/{sites['found']} ({', '.join(sites['schedules']) or '-'}) "
             f"| {site_counts(sites)} |"
         )
+    if any(row["label"].startswith(COMPARED) for row in block["rows"]):
+        lines += ["", COMPARED_NOTE]
     return [*lines, ""]
 
 

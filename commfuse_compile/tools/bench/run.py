@@ -201,6 +201,7 @@ QUICK = Preset(
         schedules=("baseline", "ring", "auto"),
         reps=7,
         key="block_plain_tp",
+        compare=QUICK_BLOCK,
     ),
 )
 FULL_BLOCK = BlockShape(seq=256, dim=512, heads=8, hidden=1536, batch=4)
@@ -245,6 +246,7 @@ FULL = Preset(
         schedules=None,
         reps=7,
         key="block_plain_tp",
+        compare=FULL_BLOCK,
     ),
     block_moe=BlockBench(
         MOE_BLOCK, ratio=1.0, schedules=("baseline", "ring", "auto"), reps=7, key="block_moe"

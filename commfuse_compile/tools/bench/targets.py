@@ -18,6 +18,11 @@ AUTO_PAYS = 1.10  # where a schedule beats the baseline by more than this ...
 AUTO_NEAR_BEST = 1.05  # ... auto is within this of the best row
 AUTO_BLOCK = 0.95  # the whole block: auto at least this fraction of the best speedup
 MODEL_ERROR = 0.25  # predicted vs measured, every row of every cell
+# plain TP with the pass against the same block written with sequence parallelism:
+# its speedup within this much of TP+SP's, its bytes sent no more, its saved bytes
+# within this much more
+PLAIN_SPEEDUP = 0.05
+PLAIN_SAVED = 0.10
 
 
 def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -29,6 +34,7 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         _auto_target(cells),
         _model_target(cells),
         _block_target(results.get("block")),
+        _plain_tp_target(results.get("block_plain_tp")),
     ]
     if not results["meta"]["network"]["throttled"]:
         for target in targets:
@@ -190,6 +196,40 @@ def _block_target(block: dict[str, Any] | None) -> dict[str, Any]:
                 misses.append(line + f"; best {best['label']} {best['speedup']:.2f}x")
     return _target(
         f"whole block step: auto at least {AUTO_BLOCK:.2f}x the best schedule's speedup",
+        checked,
+        misses,
+    )
+
+
+def _plain_tp_target(block: dict[str, Any] | None) -> dict[str, Any]:
+    """Plain TP with the pass against TP+SP with the pass, row by row (``ring``,
+    ``auto``): the step's speedup over the program as written (plain TP without the
+    pass, the one baseline of the three layouts), the bytes sent, the bytes saved."""
+    from .config import COMPARED
+
+    checked, misses = [], []
+    rows = {} if block is None else {r["label"]: r for r in block["rows"]}
+    for label in ("ring", "auto"):
+        plain, sp = rows.get(label), rows.get(COMPARED + label)
+        if plain is None or sp is None or "saved_bytes" not in plain:
+            continue
+        line = (
+            f"plain TP {label} {plain['vs_first']:.2f}x, {plain['sent_bytes'] / 1e6:.2f} MB "
+            f"sent, {plain['saved_bytes'] / 1e6:.2f} MB saved; TP+SP {sp['vs_first']:.2f}x "
+            f"({sp['speedup']:.2f}x over its own baseline), {sp['sent_bytes'] / 1e6:.2f} MB, "
+            f"{sp['saved_bytes'] / 1e6:.2f} MB"
+        )
+        checked.append(line)
+        if (
+            plain["vs_first"] < (1 - PLAIN_SPEEDUP) * sp["vs_first"]
+            or plain["sent_bytes"] > sp["sent_bytes"]
+            or plain["saved_bytes"] > (1 + PLAIN_SAVED) * sp["saved_bytes"]
+        ):
+            misses.append(line)
+    return _target(
+        f"plain TP with the pass: its step's speedup over plain TP without it within "
+        f"{PLAIN_SPEEDUP:.0%} of TP+SP's with the pass, bytes sent not above TP+SP's, bytes "
+        f"saved within {PLAIN_SAVED:.0%} of TP+SP's",
         checked,
         misses,
     )

@@ -274,7 +274,7 @@ class _Reached:
         """The walk one op further: ``user``, its input this node."""
         if is_full_slice(user) or same_data(user):  # the same values: no step of the path
             return dataclasses.replace(self, node=user)
-        dim = None if self.dim is None else paths.dim_after(user, self.dim, n)
+        dim = None if self.dim is None else paths.dim_after(user, self.dim, dims.Split(n))
         plain = self.plain and (user.target in VIEWS or cast_to(user) is not None)
         step = ((user, dim),) if dim is not None else ()
         lost = self.lost or (user if dim is None else None)

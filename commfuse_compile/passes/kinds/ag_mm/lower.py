@@ -127,14 +127,15 @@ class _GatherBlocks:
     ) -> None:
         """What a batched or grouped use computes from the piece, laid out as its operand
         (``paths``)."""
-        path = paths.along(use.path, self.site.gather_dim, count)
+        split = dims.Split(count)
+        path = paths.along(use.path, self.site.gather_dim, split)
         if path is None:
             what = f"the gathered blocks on the way to {use.mm.node.name}"
             size = self.site.gathered_shape[self.site.gather_dim]
             raise decline("lower.slices", k=count // self.site.group_size, provably="",
                           what=what, size=size)  # fmt: skip
-        block = replay(self.em, piece, path, count, s, "compute")
-        paths.compute_block(self.em, self.products, i, use.mm, use.role, block, index, count, s)
+        block = replay(self.em, piece, path, split, index, s, "compute")
+        paths.compute_block(self.em, self.products, i, use.mm, use.role, block, index, split, s)
 
     def _rows_of(self, use: GatherUse, index: int, width: dims.Size, s: int, x: Node) -> Node:
         """Piece ``index``'s rows of ``x``, laid out like the rows of the gathered tensor
