@@ -33,7 +33,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from commfuse_compile import Options
 from commfuse_compile.passes import rewrite_graph
 from commfuse_compile.passes.kinds.unclaimed import COLLECTIVES
-from commfuse_compile.tools.training import moe
+from commfuse_compile.tools.training import moe, moe_loop
 
 N, RANK = 4, 1
 RING = Options(schedule="ring", inner="eager")
@@ -233,7 +233,7 @@ EXPECTED_SITES = {
 @pytest.mark.parametrize(("kind", "n", "inner"), list(cells()))
 def test_moe_trains_equal_with_the_pass(ranks, kind, n, inner):
     cfg = moe.MoEConfig(moe=kind, dim=32, hidden=32, tokens=24, steps=2)
-    for r in ranks(n).run(moe.compare, cfg, {"schedule": "ring", "inner": inner}):
+    for r in ranks(n).run(moe_loop.compare, cfg, {"schedule": "ring", "inner": inner}):
         fused, plain = r["losses"]
         sites = collections.Counter(r["sites"])
         print(kind, n, inner, "losses", fused, plain, "grad", r["grad_diff"], dict(sites))
@@ -258,7 +258,7 @@ def test_moe_trains_with_the_pass_inside_inductor(ranks, kind):
     plain ``torch.compile(fullgraph=True)``: the same sites rewritten as under the
     backend, losses as the uncompiled model's (bfloat16 experts: Inductor's rounding)."""
     cfg = moe.MoEConfig(moe=kind, dim=32, hidden=32, tokens=24, steps=2)
-    for r in ranks(3).run(moe.compare, cfg, {"schedule": "ring"}, True):
+    for r in ranks(3).run(moe_loop.compare, cfg, {"schedule": "ring"}, True):
         fused, plain = r["losses"]
         assert fused == pytest.approx(plain, rel=1e-5 if kind == "capacity" else 2e-3)
         assert r["compiles"] == 1

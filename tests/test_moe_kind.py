@@ -1,4 +1,4 @@
-"""The ``moe`` site kind on its own (``passes/kinds/moe.py``): a dropless MoE layer's
+"""The ``moe`` site kind on its own (``passes/kinds/moe/``): a dropless MoE layer's
 dispatch all-to-all -> experts (``_grouped_mm`` with offsets, element-wise ops, casts) ->
 put-back by the permutation -> combine all-to-all, one site.
 
@@ -267,6 +267,7 @@ def test_dispatch_experts_combine_is_one_rewritten_site(fake_world):
         "saved": ["_to_copy_1"],  # the activation the program returns
         "summed": [],
         "exchanged_shape": [sum(OUT), D],
+        "padded_rows": 0,  # torchtitan's alignment padding: test_moe_padding
     }
     kinds = targets(gm)
     assert A2A not in kinds and kinds.count(P2P) == record.p2p_ops == P2P_BATCHES[N]
@@ -513,10 +514,10 @@ def test_an_input_written_in_place_is_written(ranks):
 # on gloo ranks: the layer compiled, splits from the exchanged token counts
 
 
-def routed_layer(x, counts, w1, w2, local: int):
+def dispatched(x, counts):
     """torchtitan's expert-parallel dispatch: token counts per (rank, expert) exchanged,
-    the splits from ``.tolist()``, the rows permuted from (source, expert) to expert
-    order, grouped experts, put back, combined."""
+    the splits from ``.tolist()``, the tokens sent. Returns (the rows received, the
+    counts received, a combine of the experts' output back to the tokens)."""
     group = dist.group.WORLD
     n = dist.get_world_size(group)
     with torch.no_grad():
@@ -524,6 +525,18 @@ def routed_layer(x, counts, w1, w2, local: int):
         in_splits = counts.view(n, -1).sum(1).tolist()
         out_splits = counts_recv.view(n, -1).sum(1).tolist()
     recv = funcol.all_to_all_single_autograd(x, out_splits, in_splits, group)
+
+    def combine(out):
+        return funcol.all_to_all_single_autograd(out, in_splits, out_splits, group)
+
+    return recv, counts_recv, combine
+
+
+def routed_layer(x, counts, w1, w2, local: int):
+    """``dispatched``, the rows permuted from (source, expert) to expert order, grouped
+    experts, put back, combined."""
+    n = dist.get_world_size()
+    recv, counts_recv, combine = dispatched(x, counts)
     with torch.no_grad():
         expert_of_row = torch.arange(local).repeat(n)
         expert_of_row = expert_of_row.repeat_interleave(counts_recv, output_size=recv.shape[0])
@@ -532,14 +545,17 @@ def routed_layer(x, counts, w1, w2, local: int):
     out, _ = experts(recv[perm], w1, w2, offs)
     back = out.new_empty(out.shape)
     back[perm] = out
-    return funcol.all_to_all_single_autograd(back, in_splits, out_splits, group)
+    return combine(back)
 
 
-def run_routed(rank: int, n: int, local: int, routings: list, inner: str, seed: int) -> dict:
-    """On one gloo rank: ``routed_layer`` compiled once (``backend="commfuse"``, ring) and
-    run under each routing (``routing[r][e]``: rank r's tokens for global expert e),
-    forward and backward, against the uncompiled layer; the outputs and the gradients of
-    the tokens and both weights, and the records of the one compile."""
+def run_routed(
+    rank: int, n: int, local: int, routings: list, inner: str, seed: int, layer=None
+) -> dict:
+    """On one gloo rank: ``layer`` (``routed_layer``) compiled once (``backend="commfuse"``,
+    ring) and run under each routing (``routing[r][e]``: rank r's tokens for global expert
+    e), forward and backward, against the uncompiled layer; the outputs and the gradients
+    of the tokens and both weights, and the records of the one compile."""
+    layer = layer or routed_layer
     torch.set_num_threads(1)
     if inner == "inductor":
         from torch._inductor import config
@@ -548,7 +564,7 @@ def run_routed(rank: int, n: int, local: int, routings: list, inner: str, seed: 
     report.reset()
     torch._dynamo.reset()
     options = {"schedule": "ring", "inner": inner}
-    compiled = torch.compile(routed_layer, backend="commfuse", options=options, fullgraph=True)
+    compiled = torch.compile(layer, backend="commfuse", options=options, fullgraph=True)
     gen = torch.Generator().manual_seed(seed * 100 + rank)
     w1, w2 = bf16(local, D, H, gen=gen), bf16(local, H, D, gen=gen)
     runs = []
@@ -557,7 +573,7 @@ def run_routed(rank: int, n: int, local: int, routings: list, inner: str, seed: 
             counts = torch.tensor(routing[rank], dtype=torch.int64)
             x, dy = bf16(int(counts.sum()), D, gen=gen), bf16(int(counts.sum()), D, gen=gen)
             both = []
-            for fn in (routed_layer, compiled):
+            for fn in (layer, compiled):
                 leaves = [t.clone().requires_grad_(True) for t in (x, w1, w2)]
                 if fn is compiled:
                     torch._dynamo.decorators.mark_unbacked(leaves[0], 0)

@@ -89,8 +89,13 @@ def dispatched_grouped(x, perm, w, offs):
 
 
 def grouped_gradient(x, w, offs):
-    """A reduce-scatter of a grouped matmul's product (an expert's weight gradient)."""
+    """A reduce-scatter of a grouped matmul's product (experts tensor parallel too)."""
     return scattered(torch._grouped_mm(x, w, offs=offs), N, 0)
+
+
+def exchanged_grouped(x, w, offs):
+    """Exchanged tokens straight into a grouped matmul (no permutation, no combine)."""
+    return torch._grouped_mm(exchanged(x, N), w, offs=offs)
 
 
 def broadcast(x):
@@ -157,9 +162,15 @@ def test_an_moe_dispatch_into_grouped_matmuls_never_combined_is_declined():
     assert (record.kind, record.decline_code) == ("moe", "moe.no_put_back")
 
 
-def test_a_reduce_scatter_of_a_grouped_matmul_is_declined():
-    record = only(fx(grouped_gradient, bf16(8, 16), bf16(2, 16, 16), OFFS))
-    assert (record.kind, record.decline_code) == ("mm_rs", "site.grouped_mm")
+def test_a_reduce_scatter_of_a_grouped_matmul_is_the_reduce_scatter_kinds():
+    """``_grouped_mm`` is a matmul form of the tensor-parallel kinds (``test_etp``)."""
+    (record,) = records_of(fx(grouped_gradient, bf16(8, 16), bf16(2, 16, 16), OFFS))
+    assert (record.kind, record.decision) == ("mm_rs", "rewritten"), record.reason
+
+
+def test_an_all_to_all_into_a_grouped_matmul_is_declined():
+    record = only(fx(exchanged_grouped, bf16(8, 16), bf16(2, 16, 16), OFFS))
+    assert (record.kind, record.decline_code) == ("a2a_mm", "site.grouped_mm")
     assert record.reason.startswith("_grouped_mm (_grouped_mm.default) is a grouped matmul")
 
 

@@ -19,7 +19,7 @@ from torch.fx import Node
 from . import dims
 from .declines import decline
 from .emit import Emitter
-from .graph import CONVERT, VIEWS, Matmul, split_dim_in_input, val, varies_by_row
+from .graph import CONVERT, VIEWS, Matmul, cast_to, split_dim_in_input, val, varies_by_row
 
 aten = torch.ops.aten
 
@@ -42,12 +42,14 @@ def matmul(
     rows: Rows | None = None,
     cols: tuple[int, dims.Size] | None = None,
     span: Span | None = None,
+    offs: Node | None = None,
 ) -> Node:
     """One block of ``mm``'s product, by ``mm``'s own op: ``a``, the block's rows of A (cut
     by ``rows``, or all of them), times ``b``, its columns of B (block ``cols`` = (index,
-    width), or the columns ``span``; or all). What goes with an operand follows it: the
-    bias and B's per-column scale take the block's columns, A's per-row scale its rows; a
-    per-tensor scale and a row-broadcast bias are shared by every block."""
+    width), or the columns ``span``; or all); a grouped matmul's ``offs``, the block's
+    (``paths.offs_of_block``). What goes with an operand follows it: the bias and B's
+    per-column scale take the block's columns, A's per-row scale its rows; a per-tensor
+    scale and a row-broadcast bias are shared by every block."""
     bias, scale_a, scale_b = mm.bias, mm.scale_a, mm.scale_b
     if cols is not None:
         span = (cols[0] * cols[1], (cols[0] + 1) * cols[1])
@@ -56,7 +58,8 @@ def matmul(
         scale_b = scale_b and column_span(em, scale_b, span, step)
     if rows is not None and scale_a is not None and varies_by_row(scale_a):
         scale_a = _per_row(em, rows(scale_a), step)
-    args, kwargs = mm.args(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b)
+    given = {} if offs is None else {"offs": offs}
+    args, kwargs = mm.args(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b, **given)
     return _emit_matmul(em, mm, args, kwargs, step)
 
 
@@ -168,15 +171,28 @@ def column_span(em: Emitter, node: Node, span: Span, step: int) -> Node:
     return slice_span(em, node, -1, span, step, "compute")
 
 
-def accumulate(em: Emitter, mm: Matmul, total: Node | None, a: Node, b: Node, step: int) -> Node:
+def accumulate(
+    em: Emitter,
+    mm: Matmul,
+    total: Node | None,
+    a: Node,
+    b: Node,
+    step: int,
+    offs: Node | None = None,
+) -> Node:
     """``total + a @ b``, ``a @ b`` one block of ``mm``'s contracting dim: one addmm in
     float32/64; half-precision partials are summed in float32 (as one matmul would
     accumulate them), see ``finish_sum``; a scaled matmul's partial is computed in float32
-    (its scales, which the contracting dim does not cut, applied) and summed so."""
+    (its scales, which the contracting dim does not cut, applied) and summed so; a grouped
+    one's by its own op with ``offs`` (bfloat16 only), each partial summed in float32."""
     batched = mm.lead > 0
     product = aten.bmm.default if batched else aten.mm.default
     add_product = aten.baddbmm.default if batched else aten.addmm.default
-    if mm.scaled:
+    if mm.form.offs is not None:
+        args, kwargs = mm.args(a, b, offs=offs)
+        part = em(CONVERT, (_emit_matmul(em, mm, args, kwargs, step), torch.float32),
+                  step=step, lane="compute")  # fmt: skip
+    elif mm.scaled:
         args, kwargs = mm.args(a, b, bias=None, scale_result=None, out_dtype=torch.float32)
         part = _emit_matmul(em, mm, args, kwargs, step)
     elif val(a).dtype in (torch.float32, torch.float64):
@@ -223,10 +239,10 @@ def replay(
     step: int,
     lane: str,
 ) -> Node:
-    """``chain`` (layout ops, each with the dim of its output that holds the n blocks of
-    ``split``) applied to block ``b`` instead of the whole tensor: the same permutes, and
-    views with that dim's size the block's share of it (copying first where the block's
-    strides forbid one)."""
+    """``chain`` (layout ops and casts, each with the dim of its output that holds the n
+    blocks of ``split``) applied to block ``b`` instead of the whole tensor: the same
+    permutes and casts, and views with that dim's size the block's share of it (copying
+    first where the block's strides forbid one)."""
     for node, dim in chain:
         shape: list[dims.Size] = list(val(node).shape)
         if node.target in VIEWS:
@@ -237,6 +253,8 @@ def replay(
             block = em(aten.view.default, (block, em.shape(shape, step)), step=step, lane=lane)
         elif node.target in (aten.clone.default, aten.alias.default):
             block = contiguous(em, block, step)
+        elif (dtype := cast_to(node)) is not None:
+            block = em(CONVERT, (block, dtype), step=step, lane=lane)
         else:  # a permute or transpose, written as a permute
             perm = [split_dim_in_input(node, d, split) for d in range(len(shape))]
             block = em(aten.permute.default, (block, perm), step=step, lane=lane)

@@ -169,6 +169,11 @@ _REASONS = (
         "unsupported",
         "the product's {size} rows (tokens) are not provably divisible by the group size {n}",
     ),
+    Reason(
+        "ar.batch_blocks",
+        "unsupported",
+        "the all-reduce's rows (dim 0) are along the batch (or the groups) of {node}",
+    ),
     Reason("rs.shapes_differ", "unsupported", "the summed matmuls have different shapes ({node})"),
     Reason("rs.bias_rows", "unsupported", "bias of {node} has a row dim"),
     Reason("site.scales", "unsupported", "scaled matmul {node}: {problem}"),
@@ -177,6 +182,17 @@ _REASONS = (
         "unsupported",
         "scaled matmul {node} computes {dtype}: float8 partial sums cannot be added as the "
         "reduce-scatter adds them (torch adds no float8 tensors)",
+    ),
+    Reason(
+        "rs.batch_blocks",
+        "unsupported",
+        "the reduce-scatter's n blocks are along the batch (or the groups) of {node}",
+    ),
+    Reason(
+        "site.blocks_lost",
+        "unsupported",
+        "the collective's n blocks do not stay blocks of one dim through {node} ({op}) on "
+        "the way from matmul {mm}",
     ),
     Reason(
         "rs.not_a_block",
@@ -228,6 +244,12 @@ _REASONS = (
         "{node}, the tokens put back, goes to no all-to-all that reverses the dispatch",
     ),
     Reason("moe.size", "unsupported", "size {node} of a replaced tensor is not its row count"),
+    Reason(
+        "moe.pad_kept",
+        "unsupported",
+        "the rows appended to the dispatched tokens are not dropped after the put-back "
+        "{node} ({why})",
+    ),
     Reason(
         "a2a.batch_blocks",
         "unsupported",

@@ -94,6 +94,7 @@ class MatmulForm:
     scale_b: int | None = None
     scale_result: int | None = None
     out_dtype: int | None = None
+    offs: int | None = None  # a grouped matmul's: where each group's rows end
 
 
 MATMULS = {
@@ -112,8 +113,31 @@ MATMULS = {
 BATCHED_MATMULS = {aten.bmm.default: MatmulForm(a=0, b=1, bias=None)}
 
 
+# grouped (``_grouped_mm(A, B, offs, bias, out_dtype)``): A's rows in groups, each by its
+# group's weight ([M, K] x [G, K, N] -> [M, N], an MoE's experts), or the contraction in
+# groups, each summed on its own ([M, K] x [K, N] -> [G, M, N], their weights' gradient);
+# group g ends at offs[g]. Without offs ([G, M, K] x [G, K, N]) a batched matmul.
+GROUPED_MM = aten._grouped_mm.default
+GROUPED_MATMULS = {GROUPED_MM: MatmulForm(a=0, b=1, bias=3, offs=2, out_dtype=4)}
+
+
 OTHER_MATMULS = frozenset({aten.baddbmm.default, aten.matmul.default})
 MATMUL_OPS = frozenset(MATMULS) | frozenset(BATCHED_MATMULS) | OTHER_MATMULS
+# the TP kinds' matmuls: every form, grouped ones too
+ANY_MATMUL = MATMUL_OPS | frozenset(GROUPED_MATMULS)
+ALL_FORMS = {**MATMULS, **BATCHED_MATMULS, **GROUPED_MATMULS}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where M and K sit in A, K and N in B, M and N in the product (after any batch or
+    group dim), and what a grouped matmul's groups cut: A's rows ("M") or the
+    contraction ("K")."""
+
+    a: tuple[int, int]
+    b: tuple[int, int]
+    out: tuple[int, int]
+    groups: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,10 +152,12 @@ class Matmul:
     scale_b: Node | None = None  # per tensor, or [1, N] (per column of B)
 
     @staticmethod
-    def of(node: Node, batched: bool = False) -> Matmul | None:
+    def of(node: Node, batched: bool = False, grouped: bool = False) -> Matmul | None:
         """``node`` read as a matmul: a 2-D one, or with ``batched`` (a kind that cuts
-        the blocks of every batch entry, ``lead``) a batched one too."""
-        forms = {**MATMULS, **BATCHED_MATMULS} if batched else MATMULS
+        the blocks of every batch entry, ``lead``) a batched one too, and with
+        ``grouped`` a grouped one (a kind that follows its groups, ``layout``)."""
+        forms = {**MATMULS, **BATCHED_MATMULS} if batched else dict(MATMULS)
+        forms.update(GROUPED_MATMULS if grouped else {})
         form = forms.get(node.target) if node.op == "call_function" else None  # type: ignore[call-overload]
         if form is None:
             return None
@@ -146,7 +172,34 @@ class Matmul:
 
     @property
     def form(self) -> MatmulForm:
-        return {**MATMULS, **BATCHED_MATMULS}[self.node.target]  # type: ignore[index]
+        return ALL_FORMS[self.node.target]  # type: ignore[index]
+
+    @property
+    def offs(self) -> Node | None:
+        """A grouped matmul's group ends (None: not grouped, or batched)."""
+        return _form_arg(self.node, self.form.offs)
+
+    @property
+    def layout(self) -> Layout | None:
+        """Where its dims sit (``Layout``); None for a grouped form no kind cuts
+        ([G, M, K] x [K, N])."""
+        a, b = val(self.a).dim(), val(self.b).dim()
+        if a == b == 2 and self.offs is None:
+            return Layout((0, 1), (0, 1), (0, 1))
+        if a == b == 3:
+            return Layout((1, 2), (1, 2), (1, 2))
+        if (a, b) == (2, 3):
+            return Layout((0, 1), (1, 2), (0, 1), "M")
+        if (a, b) == (2, 2):
+            return Layout((0, 1), (0, 1), (1, 2), "K")
+        return None
+
+    def flops(self) -> float:
+        """Its multiply-adds x 2: each product element sums K terms (a grouped
+        contraction's, only its group's: K in all over the groups)."""
+        layout, k = self.layout, dims.hint(self.contracted)
+        per_group = layout is not None and layout.groups == "K"
+        return 2 * numel(self.node) * k / (dims.hint(val(self.node).shape[0]) if per_group else 1)
 
     @property
     def lead(self) -> int:
@@ -252,8 +305,8 @@ def val(node: Node) -> torch.Tensor:
     return value
 
 
-def is_matmul(node: Node) -> bool:
-    return node.op == "call_function" and node.target in MATMUL_OPS
+def is_matmul(node: Node, ops: frozenset[object] = MATMUL_OPS) -> bool:
+    return node.op == "call_function" and node.target in ops
 
 
 def data_users(node: Node) -> list[Node]:
@@ -419,15 +472,15 @@ def ordered_getitems(split: Node, n: int) -> list[Node] | None:
     return [parts[i] for i in range(n)]
 
 
-def reaches_matmul(node: Node) -> bool:
-    """Does the value flow into a matmul through layout, copy or reassembly ops only, and
-    through the buffers it is written into (``value_readers``)?
+def reaches_matmul(node: Node, ops: frozenset[object] = MATMUL_OPS) -> bool:
+    """Does the value flow into a matmul (of ``ops``) through layout, copy or reassembly
+    ops only, and through the buffers it is written into (``value_readers``)?
 
     With ``comes_from_matmul``, decides what counts as "next to a matmul", so that every
     such collective is reported (rewritten or declined with a reason), never silently
     skipped, however long the chain.
     """
-    return _matmul_through_pass_through(value_readers(node), value_readers)
+    return _matmul_through_pass_through(value_readers(node), value_readers, ops)
 
 
 def value_readers(node: Node) -> list[Node]:
@@ -466,25 +519,25 @@ def read_back(scatter: Node) -> list[Node]:
     return [
         reader
         for reader in part_readers(scatter, region(scatter))
-        if _matmul_through_pass_through([reader], value_readers)
+        if _matmul_through_pass_through([reader], value_readers, MATMUL_OPS)
     ]
 
 
-def comes_from_matmul(node: Node) -> bool:
-    """Is ``node`` (a reduce-scatter's input) a matmul, or computed from one through layout,
-    copy or reassembly ops only (a cast and a transpose, say)?"""
-    return _matmul_through_pass_through([node], lambda n: n.all_input_nodes)
+def comes_from_matmul(node: Node, ops: frozenset[object] = MATMUL_OPS) -> bool:
+    """Is ``node`` (a reduce-scatter's input) a matmul (of ``ops``), or computed from one
+    through layout, copy or reassembly ops only (a cast and a transpose, say)?"""
+    return _matmul_through_pass_through([node], lambda n: n.all_input_nodes, ops)
 
 
 def _matmul_through_pass_through(
-    frontier: list[Node], neighbours: Callable[[Node], list[Node]]
+    frontier: list[Node], neighbours: Callable[[Node], list[Node]], ops: frozenset[object]
 ) -> bool:
-    """Is a matmul in ``frontier`` or beyond it, following ``neighbours`` (users or inputs)
-    through ``PASS_THROUGH`` ops only?"""
+    """Is a matmul of ``ops`` in ``frontier`` or beyond it, following ``neighbours`` (users
+    or inputs) through ``PASS_THROUGH`` ops only?"""
     seen: set[Node] = set()
     while frontier:
         node = frontier.pop()
-        if is_matmul(node):
+        if is_matmul(node, ops):
             return True
         if node.target in PASS_THROUGH and node not in seen:
             seen.add(node)

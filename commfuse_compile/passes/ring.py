@@ -240,18 +240,20 @@ class Products:
         self.rw, self.matmuls = rw, matmuls  # (matmul, role) of each use
         self.blocks: list[dict[int, Node]] = [{} for _ in matmuls]
         self.sums: list[Node | None] = [None for _ in matmuls]
+        # uses whose row blocks are concatenated on a dim of their own
+        self.rows_dims: dict[int, int] = {}
 
     def put(self, use: int, index: int, block: Node) -> None:
         self.blocks[use][index] = block
 
-    def add(self, use: int, a: Node, b: Node, step: int) -> None:
+    def add(self, use: int, a: Node, b: Node, step: int, offs: Node | None = None) -> None:
         mm = self.matmuls[use][0]
-        self.sums[use] = accumulate(self.rw.emit, mm, self.sums[use], a, b, step)
+        self.sums[use] = accumulate(self.rw.emit, mm, self.sums[use], a, b, step, offs)
 
     def finish(self, count: int, step: int, rows_dim: int) -> None:
         """Each matmul's replacement: its sum, or its ``count`` blocks concatenated (on
-        ``rows_dim`` for a block of rows, after a batched matmul's batch dims; on the
-        columns otherwise)."""
+        ``rows_dim`` for a block of rows, after a batched matmul's batch dims, or on the
+        use's own ``rows_dims``; on the columns otherwise)."""
         em = self.rw.emit
         for i, (mm, role) in enumerate(self.matmuls):
             total = self.sums[i]
@@ -259,6 +261,6 @@ class Products:
                 self.rw.replaces(mm.node, finish_sum(em, total, mm.node, step))
                 continue
             pieces = [self.blocks[i][b] for b in range(count)]
-            dim = mm.lead + rows_dim if role == "rows" else -1
+            dim = self.rows_dims.get(i, mm.lead + rows_dim) if role == "rows" else -1
             full = em(aten.cat.default, (pieces, dim), step=step, lane="compute")
             self.rw.replaces(mm.node, viewed(em, full, list(val(mm.node).shape), step))

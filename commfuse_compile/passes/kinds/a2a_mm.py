@@ -32,8 +32,8 @@ from torch.fx import Graph, Node
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule, Transfer
-from .. import dims
-from ..blocks import column_span, contiguous, matmul, replay, row_block, slice_span
+from .. import dims, paths
+from ..blocks import contiguous, replay, slice_span
 from ..declines import Declined, decline
 from ..graph import (
     ALL_TO_ALL,
@@ -304,18 +304,6 @@ def _compute(
     s: int,
 ) -> None:
     """What ``use``'s matmul computes from block ``b`` of the exchanged tensor."""
-    em, mm = rw.emit, use.mm
+    em = rw.emit
     g = replay(em, block, use.path, split, b, s, "compute")  # the operand's block b
-    m = mm.lead  # M of A (K of B): after a batched matmul's batch dim
-    if use.role == "rows":  # block b: a span of A's rows
-        rows = row_block(em, split.bounds(val(mm.a).shape[m], b), s, dim=m)
-        products.put(i, b, matmul(em, mm, g, mm.b, s, rows=rows))
-    elif use.role == "columns":
-        span = split.bounds(val(mm.b).shape[-1], b)
-        products.put(i, b, matmul(em, mm, mm.a, g, s, span=span))
-    elif use.role == "contract":
-        w = slice_span(em, mm.b, m, split.bounds(mm.contracted, b), s, "compute")
-        products.add(i, g, w, s)
-    else:  # contract_left
-        y = column_span(em, mm.a, split.bounds(val(mm.b).shape[m], b), s)
-        products.add(i, y, g, s)
+    paths.compute_block(em, products, i, use.mm, use.role, g, b, split, s)

@@ -21,8 +21,8 @@ from torch.fx import Graph, Node
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule
-from .. import dims
-from ..blocks import column_span, contiguous, matmul, replay, row_block
+from .. import dims, paths
+from ..blocks import contiguous, replay
 from ..declines import Declined, decline
 from ..emit import Emitter
 from ..graph import (
@@ -220,11 +220,6 @@ def _input_block(em: Emitter, site: MmA2aSite, j: int, step: int) -> Node:
     collective reads it, in its own contiguous buffer (it is sent as it is)."""
     mm, split = site.product, site.sent
     assert mm is not None and split is not None
-    rows, cols = val(mm.node).shape[-2:]
-    if site.product_dim == 0:
-        cut = row_block(em, split.bounds(rows, j), step, dim=mm.lead)
-        part = matmul(em, mm, cut(mm.a), mm.b, step, rows=cut)
-    else:
-        span = split.bounds(cols, j)
-        part = matmul(em, mm, mm.a, column_span(em, mm.b, span, step), step, span=span)
+    span = split.bounds(val(mm.node).shape[mm.lead + site.product_dim], j)
+    part = paths.product_block(em, mm, site.product_dim == 1, span, step)
     return contiguous(em, replay(em, part, site.chain, split, j, step, "compute"), step)

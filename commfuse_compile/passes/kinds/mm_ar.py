@@ -29,6 +29,7 @@ from ..graph import Matmul, is_matmul, node_arg, op_name, the_wait, val, view_so
 from ..rewrite import Rewrite, Taken
 from ..ring import replace_collective
 from ..site_kind import SiteKind
+from . import reduced_product
 from .reduced_product import (
     REDUCE_OPS,
     ReducedProductSite,
@@ -97,10 +98,34 @@ def _match(ar: Node, taken: Taken) -> MmArSite:
     chain: list[Node] = []
     product = through_views(inp, chain, casts=True)
     terms, between = sum_of_matmuls(product)
+    laid = None
+    if not terms and n > 1:
+        # a batched or grouped product, or one behind copies and permutes: the rows of
+        # the all-reduce's value followed to it
+        laid = reduced_product.laid_out(inp, 0, n)
+        if laid.terms:
+            terms, between, product = laid.terms, laid.between, laid.product
+            chain += [node for node, _ in laid.path]
     fields: dict[str, Any] = {}
     declined = None
     try:
-        fields = _checked(ar, wait, str(reduce_op), n, product, terms, taken.window(product))
+        if laid is not None and laid.lost is not None:
+            stop, mm = laid.lost
+            raise decline("site.blocks_lost", node=stop.name, op=op_name(stop), mm=mm.name)
+        laid_terms = laid is not None and bool(laid.terms)
+        fields = _checked(
+            ar, wait, str(reduce_op), n, product, terms, taken.window(product), laid_terms
+        )
+        if laid is not None and laid.terms:
+            columns = reduced_product.check_blocks(terms, laid.product_dim, "ar.batch_blocks")
+            shape = dims.sizes(val(inp).shape)
+            if not dims.divisible(shape[0], n):
+                code = (
+                    "ar.not_provably_divisible" if dims.is_symbolic(shape[:1]) else "ar.indivisible"
+                )
+                raise decline(code, size=shape[0], n=n)
+            fields = {"product_shape": shape, "product_dim": laid.product_dim,
+                      "path": laid.path, "columns": columns}  # fmt: skip
     except Declined as why:
         declined = why.kept()
     return MmArSite(
@@ -125,10 +150,12 @@ def _checked(
     product: Node,
     terms: list[Matmul],
     window: tuple[int, int] | None,
+    laid: bool = False,
 ) -> dict[str, Any]:
     """The product's shape, or the first reason the site cannot be rewritten (in the
     order a user would fix them). ``window``: the rewrite window that emitted the
-    product, if another site's rewrite did."""
+    product, if another site's rewrite did; ``laid``: its rows followed to a batched or
+    grouped product (``laid_out``: proven a multiple of n on the way)."""
     if not terms:
         (source,) = view_sources(ar)
         if is_matmul(source):  # behind a view or cast that something else reads too
@@ -147,6 +174,8 @@ def _checked(
     if n < 2:
         raise decline("site.group_of_one")
     check_terms(terms, shared="ar.product_shared")
+    if laid:
+        return {}
     rows, cols = terms[0].out_shape
     if not dims.divisible(rows, n):
         symbolic = dims.is_symbolic([rows])

@@ -25,6 +25,7 @@ from .. import dims
 from ..blocks import viewed
 from ..declines import Declined, decline
 from ..graph import (
+    ANY_MATMUL,
     Matmul,
     comes_from_matmul,
     is_matmul,
@@ -39,6 +40,7 @@ from ..graph import (
 from ..rewrite import Rewrite, Taken
 from ..ring import replace_collective
 from ..site_kind import SiteKind
+from . import reduced_product
 from .reduced_product import (
     REDUCE_OPS,
     ReducedProductSite,
@@ -108,14 +110,29 @@ def _match(rs: Node, taken: Taken) -> MmRsSite | None:
     chain += casts
     product = through_views(scattered, chain, casts=True)
     terms, between = sum_of_matmuls(product)
+    laid = None
+    if not terms:  # a batched or grouped product, or one behind copies and permutes
+        laid = reduced_product.laid_out(scattered, g, int(n))
+        if laid.terms:
+            terms, between, product = laid.terms, laid.between, laid.product
+            chain += [node for node, _ in laid.path]
     window = taken.window(product)  # of an all-gather site that rewrote its matmul
-    from_matmul = comes_from_matmul(inp) or any(is_matmul(a) for a in view_sources(product))
+    from_matmul = (
+        comes_from_matmul(inp, ANY_MATMUL)
+        or any(is_matmul(a) for a in view_sources(product))
+        or (laid is not None and laid.lost is not None)
+    )
     if not terms and not from_matmul and window is None:
         return None
     fields: dict[str, Any] = {}
     declined = None
     try:
-        fields = _checked(rs, wait, inp, reduce_op, int(n), scattered, g, product, terms, window)
+        fields = _checked(
+            rs, wait, inp, reduce_op, int(n), scattered, g, product, terms, window, laid
+        )
+        if laid is not None and laid.terms:
+            columns = reduced_product.check_blocks(terms, laid.product_dim, "rs.batch_blocks")
+            fields.update(product_dim=laid.product_dim, path=laid.path, columns=columns)
     except Declined as why:
         declined = why.kept()
     return MmRsSite(
@@ -143,10 +160,12 @@ def _checked(
     product: Node,
     terms: list[Matmul],
     window: tuple[int, int] | None,
+    laid: reduced_product.LaidOut | None,
 ) -> dict[str, Any]:
     """The site's product shape and block layout, or the first reason it cannot be
     rewritten (in the order a user would fix them). ``window``: the rewrite window that
-    emitted the product, if another site's rewrite did."""
+    emitted the product, if another site's rewrite did; ``laid``: the blocks followed to
+    the product through layout ops (its block layout: ``check_blocks``)."""
     if wait is None or wait.target is not c10d.wait_tensor.default:
         raise decline("site.wait", node=rs.name)
     if not wait.users:
@@ -155,6 +174,9 @@ def _checked(
         raise decline("rs.taken", site=window[0])
     if any(a.target is aten.constant_pad_nd.default for a in (inp, *inp.all_input_nodes)):
         raise decline("rs.padded")
+    if laid is not None and laid.lost is not None:
+        stop, mm = laid.lost
+        raise decline("site.blocks_lost", node=stop.name, op=op_name(stop), mm=mm.name)
     if not terms:
         raise decline("rs.not_matmul", node=product.name, op=op_name(product))
     if reduce_op not in REDUCE_OPS:
@@ -167,6 +189,8 @@ def _checked(
         code = "rs.not_provably_divisible" if symbolic else "rs.indivisible"
         raise decline(code, dim=g, size=shape[g], n=n)
     check_terms(terms, shared="rs.product_shared")
+    if laid is not None:  # the blocks followed to the product (``laid_out``)
+        return {"product_shape": shape}
     rows, cols = terms[0].out_shape
     columns = g == len(shape) - 1 and dims.equal(shape[-1], cols)
     rows_match = dims.equal(shape[-1], cols) and dims.equal(math.prod(shape[:-1]), rows)

@@ -21,8 +21,17 @@ from torch.fx import Node
 
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule
-from .. import dims
-from ..blocks import chunk_width, column_block, matmul, rows_of_block, slice_block, viewed
+from .. import dims, paths
+from ..blocks import (
+    chunk_width,
+    column_block,
+    contiguous,
+    matmul,
+    replay,
+    rows_of_block,
+    slice_block,
+    viewed,
+)
 from ..declines import decline
 from ..emit import Emitter
 from ..graph import (
@@ -67,6 +76,11 @@ class ReducedProductSite(Site):
     columns: bool = False  # the blocks are the product's last (N) dim
     reduce_op: str = "sum"  # or "avg": the sum, scaled by 1/n once, on this rank's block
     chain: tuple[Node, ...] = ()
+    # the terms' blocks followed through layout ops and casts (``paths``: a batched or
+    # grouped product): the dim of the terms' product that holds them, and the ops from
+    # it to the collective, each with its dim that does (None: the views' 2-D blocks)
+    product_dim: int | None = None
+    path: paths.Path = ()
 
     @property
     def collectives(self) -> tuple[Node, ...]:
@@ -93,7 +107,7 @@ class ReducedProductSite(Site):
 
 def flops(site: ReducedProductSite) -> float:
     """The FLOPs of the site's whole product (every term)."""
-    return sum(2 * numel(t.node) * dims.hint(val(t.a).shape[1]) for t in site.terms)
+    return sum(t.flops() for t in site.terms)
 
 
 # ----------------------------------------------------------------------------------------
@@ -132,9 +146,10 @@ def through_casts(node: Node, chain: list[Node]) -> Node:
     return node
 
 
-def sum_of_matmuls(node: Node) -> tuple[list[Matmul], list[Node]]:
-    """(matmul terms, add/view nodes between) if ``node`` is a matmul or a sum of them."""
-    mm = Matmul.of(node)
+def sum_of_matmuls(node: Node, every_form: bool = False) -> tuple[list[Matmul], list[Node]]:
+    """(matmul terms, add/view nodes between) if ``node`` is a matmul or a sum of them
+    (of 2-D matmuls; with ``every_form`` batched and grouped ones too)."""
+    mm = Matmul.of(node, batched=every_form, grouped=every_form)
     if mm is not None:
         return [mm], []
     plain_add = node.target is aten.add.Tensor and node_arg(node, 2, "alpha", 1) == 1
@@ -144,7 +159,7 @@ def sum_of_matmuls(node: Node) -> tuple[list[Matmul], list[Node]]:
     for arg in node.args[:2]:
         source = through_views(arg, between)  # type: ignore[arg-type]
         single = len(data_users(source)) == 1
-        sub_terms, sub_between = sum_of_matmuls(source) if single else ([], [])
+        sub_terms, sub_between = sum_of_matmuls(source, every_form) if single else ([], [])
         if not sub_terms:
             return [], []
         terms += sub_terms
@@ -155,7 +170,7 @@ def sum_of_matmuls(node: Node) -> tuple[list[Matmul], list[Node]]:
 def check_terms(terms: list[Matmul], shared: str) -> None:
     """Each term can be cut into blocks and summed block by block, or the first reason
     it cannot; ``shared``: the code of a product read by more than the collective."""
-    rows, cols = terms[0].out_shape
+    shape = terms[0].out_shape
     for term in terms:
         name = term.node.name
         if len(data_users(term.node)) != 1:
@@ -163,14 +178,54 @@ def check_terms(terms: list[Matmul], shared: str) -> None:
         check_tensor(term.node, "matmul output")
         if has_zero_size_dim(term):
             raise decline("site.empty", node=name)
-        if not dims.same_shape(term.out_shape, (rows, cols)):
+        if not dims.same_shape(term.out_shape, shape):
             raise decline("rs.shapes_differ", node=name)
-        if term.bias is not None and not bias_is_row_broadcast(term.bias):
+        grouped_bias = term.bias is not None and term.form.offs is not None
+        if grouped_bias or term.bias is not None and not bias_is_row_broadcast(term.bias):
             raise decline("rs.bias_rows", node=name)
         if problem := scales_problem(term):
             raise decline("site.scales", node=name, problem=problem)
         if val(term.node).dtype in FLOAT8_DTYPES:
             raise decline("rs.scaled_sum", node=name, dtype=val(term.node).dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaidOut:
+    """A product whose blocks a collective's dim holds through layout ops and casts
+    (``paths.producer``): its terms and the adds between, the dim of it, the path."""
+
+    product: Node
+    terms: list[Matmul]
+    between: list[Node]
+    product_dim: int
+    path: paths.Path
+    # where the blocks stopped being blocks, and the matmul behind it
+    lost: tuple[Node, Node] | None = None
+
+
+def laid_out(node: Node, dim: int, n: int) -> LaidOut:
+    """``dim`` of ``node`` followed back to the product whose blocks it holds (no terms
+    where the blocks stop being blocks, ``lost`` if a matmul is behind, or no matmul
+    computes them)."""
+    product, product_dim, path, stop = paths.producer(node, dim, dims.Split(n))
+    if stop is not None:
+        behind = paths.matmul_behind(stop)
+        lost = None if behind is None else (stop, behind)
+        return LaidOut(product, [], [], product_dim, path, lost)
+    terms, between = sum_of_matmuls(product, every_form=True)
+    if any(not dims.same_shape(t.out_shape, val(product).shape) for t in terms):
+        terms, between = [], []  # (views between the terms: not one layout)
+    return LaidOut(product, terms, between, product_dim, path)
+
+
+def check_blocks(terms: list[Matmul], product_dim: int, code: str) -> bool:
+    """The product's blocks along ``product_dim`` are rows or columns of every batch
+    entry or group (``code``: the decline if they are the batch's or the groups'): True
+    for columns."""
+    layout = terms[0].layout
+    if layout is None or product_dim not in layout.out:
+        raise decline(code, node=terms[0].node.name)
+    return product_dim == layout.out[1]
 
 
 # ----------------------------------------------------------------------------------------
@@ -199,7 +254,7 @@ def _ring(rw: Rewrite, site: ReducedProductSite, group: Group, schedule: Schedul
     width = site.product_shape[site.scatter_dim] // group.size
 
     def compute(b: int, s: int) -> Node:
-        return _reduce_part(rw.emit, site, b, width, s)
+        return _reduce_part(rw.emit, site, b, width, s, group.size)
 
     held = compute_then_send(rw, group, schedule, Direction.REDUCE, compute)
     assert list(held) == [group.rank], "every partial sum received was added"
@@ -223,14 +278,16 @@ def _sliced(
 
     def compute(i: int, s: int) -> None:
         for b in range(n):
-            parts[b, i] = _reduce_part(em, site, b * k + i, width, s)
+            parts[b, i] = _reduce_part(em, site, b * k + i, width, s, n * k)
 
     def collected(i: int, reduced: Node, s: int) -> None:
         own[i] = reduced
 
     sliced(rw, schedule, Direction.REDUCE, k, issue, compute, collected)
     last = len(rw.steps)
-    if site.columns:
+    if site.product_dim is not None:  # chunks laid out as the collective's blocks
+        chunks, cat_dim = [own[i] for i in range(k)], dim
+    elif site.columns:
         chunks, cat_dim = [own[i] for i in range(k)], 1
     else:
         shape = [*site.product_shape[:dim], width, *site.product_shape[dim + 1 :]]
@@ -239,20 +296,32 @@ def _sliced(
 
 
 def _reduce_part(
-    em: Emitter, site: ReducedProductSite, b: int, width: dims.Size, step: int
+    em: Emitter, site: ReducedProductSite, b: int, width: dims.Size, step: int, count: int
 ) -> Node:
-    """This rank's partial of block ``b`` of the product: the sum over the site's terms,
-    cast to the collective's dtype where a cast stood before it (so the partial sums are
-    added in that dtype, as the collective adds them)."""
+    """This rank's partial of block ``b`` (of ``count``) of the product: the sum over the
+    site's terms, laid out as the collective's blocks where a path leads there, cast to
+    the collective's dtype where a cast stood before it (so the partial sums are added
+    in that dtype, as the collective adds them)."""
     part = None
     for term in site.terms:
-        term_part = _reduce_block(em, site, term, b, width, step)
+        if site.product_dim is None:
+            term_part = _reduce_block(em, site, term, b, width, step)
+        else:
+            term_part = _laid_out_block(em, site, term, b, count, step)
         part = (
             term_part
             if part is None
             else em(aten.add.Tensor, (part, term_part), step=step, lane="compute")
         )
     assert part is not None
+    if site.product_dim is not None:
+        split = dims.Split(count)
+        path = paths.along(site.path, site.product_dim, split)
+        if path is None:
+            what = f"the blocks on the way from {site.terms[0].node.name}"
+            raise decline("lower.slices", k=count // site.group_size, provably="", what=what,
+                          size=val(site.terms[0].node).shape[site.product_dim])  # fmt: skip
+        part = contiguous(em, replay(em, part, path, split, b, step, "compute"), step)
     dtype = val(site.anchor).dtype
     if val(part).dtype != dtype:
         part = em(CONVERT, (part, dtype), step=step, lane="compute")
@@ -274,6 +343,16 @@ def _reduce_block(
     else:
         a = rows(mm.a)
     return matmul(em, mm, a, mm.b, step, rows=rows)
+
+
+def _laid_out_block(
+    em: Emitter, site: ReducedProductSite, mm: Matmul, b: int, count: int, step: int
+) -> Node:
+    """Block ``b`` of ``count`` along ``site.product_dim`` of the product ``mm`` (rows or
+    columns of every batch entry or group; a grouped matmul's rows with their offsets)."""
+    assert site.product_dim is not None
+    span = dims.Split(count).bounds(val(mm.node).shape[site.product_dim], b)
+    return paths.product_block(em, mm, site.columns, span, step)
 
 
 def _block_rows(

@@ -32,18 +32,17 @@ has one rank: nothing to reduce.
   permutation (``out.new_empty(...)[perm] = out``), the combine all-to-all (splits
   swapped) and the scores' weighted sum back to the tokens (``scatter_add``). Compile it
   as torchtitan does: ``torch._dynamo.config.capture_scalar_outputs = True`` and
-  ``fullgraph=True`` per block (:func:`compile_blocks`).
+  ``fullgraph=True`` per block (``moe_loop.compile_blocks``).
 
 :class:`MoEModel` stacks blocks of one kind between a replicated input projection and
-head; :func:`train` runs SGD steps with or without the pass (a ``RankPool`` job and the
-example's loop).
+head; :class:`MoEConfig` is the front end ``moe_loop.train`` runs (SGD steps with or
+without the pass, a ``RankPool`` job and the example's loop).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -52,8 +51,6 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
-
-from ... import report
 
 MOES = ("capacity", "dropless")
 
@@ -247,13 +244,8 @@ class DroplessMoEBlock(nn.Module):
     def _experts_parallel(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """torchtitan's ``ExpertParallel``: dispatch (counts, then tokens), the local
         permutation, the grouped experts, back."""
-        group, n = self.group, self.n
-        with torch.no_grad():
-            counts_group = funcol.all_to_all_single(counts, None, None, group=group)
-            counts_group = torch.ops._c10d_functional.wait_tensor(counts_group)
-            input_splits = counts.view(n, -1).sum(dim=1).tolist()
-            output_splits = counts_group.view(n, -1).sum(dim=1).tolist()
-        received = funcol.all_to_all_single_autograd(routed, output_splits, input_splits, group)
+        n = self.n
+        received, counts_group, combine = token_dispatch(routed, counts, self.group)
         # rows come in (source rank, local expert) order; the experts want expert order
         with torch.no_grad():
             expert_of_row = torch.arange(self.local, device=routed.device).repeat(n)
@@ -262,20 +254,45 @@ class DroplessMoEBlock(nn.Module):
             )
             perm = torch.argsort(expert_of_row, stable=True)
             per_expert = counts_group.view(n, self.local).sum(dim=0)
-        out = self._grouped_experts(received[perm], per_expert)
+        out = grouped_swiglu(received[perm], self.w1, self.w2, self.w3, per_expert)
         unpermuted = out.new_empty(out.shape)
         unpermuted[perm] = out
-        return funcol.all_to_all_single_autograd(unpermuted, input_splits, output_splits, group)
+        return combine(unpermuted)
 
-    def _grouped_experts(self, x: torch.Tensor, per_expert: torch.Tensor) -> torch.Tensor:
-        """torchtitan's ``_run_experts_grouped_mm``: SwiGLU with one grouped matmul per
-        weight, rows of expert ``e`` ending at ``offs[e]``, in bfloat16 as torchtitan
-        casts them (``_grouped_mm``'s shape function takes bfloat16 only, on any device)."""
-        offs = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
-        h = x.bfloat16()
-        w1, w2, w3 = (w.bfloat16().transpose(-2, -1) for w in (self.w1, self.w2, self.w3))
-        h = F.silu(torch._grouped_mm(h, w1, offs=offs)) * torch._grouped_mm(h, w3, offs=offs)
-        return torch._grouped_mm(h, w2, offs=offs).type_as(x)
+
+def token_dispatch(
+    routed: torch.Tensor, counts: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """torchtitan's ``ExpertParallel._token_dispatch``: the tokens per (rank, expert)
+    exchanged (waited), the splits from ``.tolist()``, ``routed`` dispatched. Returns
+    (the rows received, the counts received per (source rank, local expert), the
+    ``_token_combine`` that sends a result's rows back)."""
+    n = dist.get_world_size(group)
+    with torch.no_grad():
+        counts_group = funcol.all_to_all_single(counts, None, None, group=group)
+        counts_group = torch.ops._c10d_functional.wait_tensor(counts_group)
+        input_splits = counts.view(n, -1).sum(dim=1).tolist()
+        output_splits = counts_group.view(n, -1).sum(dim=1).tolist()
+    received = funcol.all_to_all_single_autograd(routed, output_splits, input_splits, group)
+
+    def combine(out: torch.Tensor) -> torch.Tensor:
+        return funcol.all_to_all_single_autograd(out, input_splits, output_splits, group)
+
+    return received, counts_group, combine
+
+
+def grouped_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
+    """torchtitan's ``_run_experts_grouped_mm``: SwiGLU with one grouped matmul per weight
+    (``[E, out, in]``, transposed), rows of expert ``e`` ending at ``offs[e]``, in
+    bfloat16 as torchtitan casts them (``_grouped_mm``'s shape function takes bfloat16
+    only, on any device)."""
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    h = x.bfloat16()
+    w1, w2, w3 = (w.bfloat16().transpose(-2, -1) for w in (w1, w2, w3))
+    h = F.silu(torch._grouped_mm(h, w1, offs=offs)) * torch._grouped_mm(h, w3, offs=offs)
+    return torch._grouped_mm(h, w2, offs=offs).type_as(x)
 
 
 # ----------------------------------------------------------------------------------------
@@ -283,10 +300,10 @@ class DroplessMoEBlock(nn.Module):
 
 
 @dataclasses.dataclass(frozen=True)
-class MoEConfig:
-    """A small MoE model: ``blocks`` blocks of ``moe`` kind on ``tokens`` tokens per rank."""
+class MoEShape:
+    """A small MoE model's size and run: ``blocks`` blocks on ``tokens`` tokens per rank,
+    ``experts_per_rank`` experts of ``hidden`` units on each, ``steps`` SGD steps."""
 
-    moe: str = "capacity"
     blocks: int = 1
     dim: int = 32
     hidden: int = 32
@@ -294,6 +311,19 @@ class MoEConfig:
     tokens: int = 24
     steps: int = 2
     lr: float = 0.1
+
+    def inputs(self, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's tokens and targets at ``step`` (each rank its own)."""
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(self.tokens, self.dim, generator=gen)
+        return x, torch.randn(self.tokens, self.dim, generator=gen)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(MoEShape):
+    """Blocks of ``moe`` kind (expert parallel over every rank)."""
+
+    moe: str = "capacity"
     aux_weight: float = 0.01
     capacity_factor: float = 1.0
     score_func: str = "softmax"
@@ -302,28 +332,35 @@ class MoEConfig:
         if self.moe not in MOES:
             raise ValueError(f"moe {self.moe!r}: one of {MOES}")
 
+    def build(self) -> MoEModel:
+        return build(self)
+
+    def sync(self, model: nn.Module) -> None:
+        """DDP's gradient all-reduce of the replicated parameters (the backward ran on
+        the loss over ``n``: the sum is the global mean's gradient)."""
+        sync_replicated(model)
+
+    def router(self, model: nn.Module) -> nn.Module | None:
+        """The dropless first block's router (its tokens per expert are recorded)."""
+        blocks = model.blocks
+        assert isinstance(blocks, nn.ModuleList)
+        router = blocks[0].router if self.moe == "dropless" else None
+        assert router is None or isinstance(router, nn.Module)
+        return router
+
 
 class MoEModel(nn.Module):
     """Input projection, MoE blocks, final norm and head (all but the experts replicated);
     ``forward(x, target)`` is this rank's loss: mean squared error plus the blocks'
     load-balancing losses times ``aux_weight``."""
 
-    def __init__(self, cfg: MoEConfig, group: Any) -> None:
+    def __init__(self, dim: int, blocks: list[nn.Module], aux_weight: float) -> None:
         super().__init__()
-        self.cfg = cfg
-        self.proj = nn.Linear(cfg.dim, cfg.dim)
-        block: Callable[[], nn.Module]
-        if cfg.moe == "capacity":
-            block = lambda: CapacityMoEBlock(  # noqa: E731
-                cfg.dim, cfg.hidden, cfg.experts_per_rank, group, cfg.capacity_factor
-            )
-        else:
-            block = lambda: DroplessMoEBlock(  # noqa: E731
-                cfg.dim, cfg.hidden, cfg.experts_per_rank, group, score_func=cfg.score_func
-            )
-        self.blocks = nn.ModuleList(block() for _ in range(cfg.blocks))
-        self.norm = nn.LayerNorm(cfg.dim)
-        self.head = nn.Linear(cfg.dim, cfg.dim)
+        self.aux_weight = aux_weight
+        self.proj = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(blocks)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         h = self.proj(x)
@@ -331,172 +368,44 @@ class MoEModel(nn.Module):
         for block in self.blocks:
             h, l_aux = block(h)
             aux = aux + l_aux
-        return F.mse_loss(self.head(self.norm(h)), target) + self.cfg.aux_weight * aux
+        return F.mse_loss(self.head(self.norm(h)), target) + self.aux_weight * aux
+
+
+def rank_inputs(tokens: int, dim: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's tokens and targets at ``step`` (each rank its own)."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(tokens, dim, generator=gen)
+    return x, torch.randn(tokens, dim, generator=gen)
 
 
 def is_expert(name: str) -> bool:
-    """A parameter sharded by expert (the rest are replicated)."""
+    """A parameter sharded by expert."""
     return name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")
 
 
 def build(cfg: MoEConfig, group: Any = None) -> MoEModel:
     """The model, from one seed on every rank (replicated weights equal everywhere)."""
     torch.manual_seed(0)
-    return MoEModel(cfg, group if group is not None else dist.group.WORLD)
-
-
-def inputs(cfg: MoEConfig, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's tokens and targets at ``step`` (each rank its own)."""
-    gen = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(cfg.tokens, cfg.dim, generator=gen)
-    return x, torch.randn(cfg.tokens, cfg.dim, generator=gen)
-
-
-def sync_replicated(model: nn.Module, group: Any = None) -> None:
-    """DDP's gradient all-reduce of the replicated parameters (the backward ran on the
-    loss over ``n``: the sum is the global mean's gradient)."""
-    for name, param in model.named_parameters():
-        if not is_expert(name) and param.grad is not None:
-            dist.all_reduce(param.grad, group=group)
-
-
-class CompileCounter:
-    """How many graphs Dynamo handed the backend (one per compile or recompile)."""
-
-    def __init__(self) -> None:
-        self.frames = 0
-
-    def wrap(self, options: Mapping[str, Any] | None) -> Callable[..., Any]:
-        """The commfuse backend with ``options``; None: Inductor (the pass, if installed
-        with :func:`commfuse_compile.install_inductor_pass`, runs inside it)."""
-        from torch._inductor.compile_fx import compile_fx
-
-        from ...backend import commfuse_backend
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
-            self.frames += 1
-            if options is None:
-                return compile_fx(gm, example_inputs)
-            return commfuse_backend(gm, example_inputs, options)
-
-        return backend
-
-
-def compile_blocks(
-    model: MoEModel, options: Mapping[str, Any] | None, counter: CompileCounter
-) -> None:
-    """torchtitan's ``apply_compile``: each block compiled on its own, ``fullgraph=True``,
-    to be called, and the blocks run, under ``torch._dynamo.config.patch(
-    capture_scalar_outputs=True)`` (torchtitan sets it for good: the dropless block's
-    ``.tolist()`` splits become unbacked sizes; :func:`train` patches it for its run)."""
-    backend = counter.wrap(None if options is None else dict(options))
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block, backend=backend, fullgraph=True)  # type: ignore[assignment]
-
-
-@dataclasses.dataclass
-class MoEResult:
-    """Per step: this rank's loss and wall time; the replicated and expert gradients
-    after the first backward (synced); the sites the pass recorded; the compiles; without
-    the pass, the dropless first block's tokens per expert at each step."""
-
-    losses: list[float]
-    step_s: list[float]
-    grads: dict[str, torch.Tensor]
-    sites: list[dict[str, Any]]
-    compiles: int
-    routing: list[list[int]] = dataclasses.field(default_factory=list)  # uncompiled only
-
-
-def train(
-    cfg: MoEConfig,
-    options: Mapping[str, Any] | None,
-    on_step: Callable[[int, float, float], None] | None = None,
-    inductor_pass: bool = False,
-) -> MoEResult:
-    """``cfg.steps`` SGD steps; ``options`` None: uncompiled, else each block compiled
-    with ``backend="commfuse"`` and ``options``; with ``inductor_pass``, compiled by
-    Inductor with the pass installed in it with ``options`` (how a framework that
-    insists on ``backend="inductor"`` runs it)."""
-    from ... import inductor_pass as hook
-
-    report.reset()
-    torch._dynamo.reset()
-    model = build(cfg)
-    counter = CompileCounter()
-    if inductor_pass:
-        assert options is not None, "the pass's options"
-        hook.install_inductor_pass(**options)
-        compile_blocks(model, None, counter)
-    elif options is not None:
-        compile_blocks(model, options, counter)
-    result = MoEResult([], [], {}, [], 0)
-    if options is None and cfg.moe == "dropless":  # the first block's tokens per expert
-        router = model.blocks[0].router
-        assert isinstance(router, nn.Module)
-        router.register_forward_hook(
-            lambda _module, _args, out: result.routing.append(out[2].tolist())
+    group = group if group is not None else dist.group.WORLD
+    block: Callable[[], nn.Module]
+    if cfg.moe == "capacity":
+        block = lambda: CapacityMoEBlock(  # noqa: E731
+            cfg.dim, cfg.hidden, cfg.experts_per_rank, group, cfg.capacity_factor
         )
-    sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    try:
-        with torch._dynamo.config.patch(capture_scalar_outputs=True):
-            _steps(cfg, model, sgd, result, on_step)
-    finally:
-        if inductor_pass:
-            hook.uninstall_inductor_pass()
-    result.sites = [s.as_json() for s in report.REPORT.sites]
-    result.compiles = counter.frames
-    return result
+    else:
+        block = lambda: DroplessMoEBlock(  # noqa: E731
+            cfg.dim, cfg.hidden, cfg.experts_per_rank, group, score_func=cfg.score_func
+        )
+    return MoEModel(cfg.dim, [block() for _ in range(cfg.blocks)], cfg.aux_weight)
 
 
-def _steps(
-    cfg: MoEConfig,
-    model: MoEModel,
-    sgd: torch.optim.Optimizer,
-    result: MoEResult,
-    on_step: Callable[[int, float, float], None] | None,
-) -> None:
-    rank, n = dist.get_rank(), dist.get_world_size()
-    for step in range(cfg.steps):
-        x, target = inputs(cfg, step, rank)
-        start = time.perf_counter()
-        loss = model(x, target)
-        (loss / n).backward()
-        sync_replicated(model)
-        if step == 0:
-            result.grads = {
-                k.replace("._orig_mod", ""): p.grad.detach().clone()
-                for k, p in model.named_parameters()
-                if p.grad is not None
-            }
-        sgd.step()
-        sgd.zero_grad(set_to_none=True)
-        result.step_s.append(time.perf_counter() - start)
-        result.losses.append(loss.item())
-        if on_step is not None:
-            on_step(step, result.losses[-1], result.step_s[-1])
-
-
-def compare(
-    rank: int, n: int, cfg: MoEConfig, options: Mapping[str, Any], inductor_pass: bool = False
-) -> dict[str, Any]:
-    """A ``RankPool`` job: the run with the pass and without; the losses, the largest
-    gradient difference, the sites as (graph, kind, decision, decline code), compiles."""
-    import torch._inductor.config
-
-    torch.set_num_threads(1)
-    torch._inductor.config.compile_threads = 1
-    fused, plain = train(cfg, options, inductor_pass=inductor_pass), train(cfg, None)
-    grad_diff = max(
-        ((fused.grads[k] - g).abs().max() / g.abs().max().clamp(min=1e-30)).item()
-        for k, g in plain.grads.items()
-    )
-    return {
-        "losses": (fused.losses, plain.losses),
-        "grad_diff": grad_diff,
-        "grad_names": sorted(plain.grads) == sorted(fused.grads),
-        "sites": [(s["graph"], s["kind"], s["decision"], s["decline_code"]) for s in fused.sites],
-        "compiles": fused.compiles,
-        "step_s": fused.step_s,
-        "routing": plain.routing,
-    }
+def sync_replicated(model: nn.Module, over: Mapping[str, Any] | None = None) -> None:
+    """DDP's gradient all-reduce of the parameters that are not experts' (the backward
+    ran on the loss over ``n``: the sum is the global mean's gradient): over the group
+    ``over`` names for a module on the parameter's path, else over every rank."""
+    over = over or {}
+    for name, param in model.named_parameters():
+        if is_expert(name) or param.grad is None:
+            continue
+        group = next((over[part] for part in name.split(".") if part in over), None)
+        dist.all_reduce(param.grad, group=group)

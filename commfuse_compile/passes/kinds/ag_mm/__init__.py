@@ -17,7 +17,6 @@ from torch.fx import Graph, Node
 from ....cost.simulator import Work
 from ....runtime.groups import Group
 from ....schedules import Direction, Schedule
-from ... import dims
 from ...graph import numel, val
 from ...rewrite import Rewrite, Taken
 from ...site_kind import SiteKind
@@ -47,7 +46,7 @@ class AgMm(SiteKind[AgMmSite]):
         return site.without_roles(disabled)
 
     def work(self, site: AgMmSite, n: int) -> Work:
-        flops = sum(2 * numel(u.mm.node) * dims.hint(val(u.mm.a).shape[1]) for u in site.uses)
+        flops = sum(u.mm.flops() for u in site.uses)
         shards = (site.shard, *((site.beside.shard,) if site.beside else ()))
         shard_bytes = sum(numel(shard) * val(shard).element_size() for shard in shards)
         return Work(self.direction, n, flops / n, shard_bytes, len(site.uses))

@@ -10,9 +10,11 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from ... import dims
+from ... import dims, paths
 from ...declines import Declined, decline
 from ...graph import (
+    ANY_MATMUL,
+    LAYOUT_OPS,
     SLICE_SCATTER,
     VIEWS,
     Matmul,
@@ -80,8 +82,8 @@ def match(key: tuple[Node, int, str], gathers: list[Node]) -> AgMmSite | None:
             continue
         waits.append(wait)
         gathered.append(_reassembled(wait, n))
-    if not any(reaches_matmul(g) for g, _, _ in gathered) and not any(
-        reaches_matmul(user) for ag in gathers for user in ag.users
+    if not any(reaches_matmul(g, ANY_MATMUL) for g, _, _ in gathered) and not any(
+        reaches_matmul(user, ANY_MATMUL) for ag in gathers for user in ag.users
     ):
         return None
     g_dims = {g for _, g, _ in gathered}
@@ -204,29 +206,34 @@ def _reassembled(wait: Node, n: int) -> tuple[Node, int, list[Node]]:
 
 def _collect_uses(site: _Uses, gathered: Node) -> None:
     """Follow view/reshape users of the gathered tensor to the matmuls that read its rows,
-    and its dtype casts (element by element: each block is cast as the whole was)."""
-    frontier: list[tuple[Node, torch.dtype | None]] = [(gathered, None)]
+    and its dtype casts (element by element: each block is cast as the whole was); and,
+    while the n blocks stay blocks of one dim (``paths``), its other layout ops to the
+    batched and grouped matmuls that read them (and the 2-D ones behind such ops)."""
+    frontier: list[_Reached] = [_Reached(gathered, None, site.gather_dim, ())]
     while frontier:
-        node, cast = frontier.pop()
+        reached = frontier.pop()
+        node, cast = reached.node, reached.cast
         for user in node.users:
             check_read_only(user, node)
-            mm = Matmul.of(user)
-            if (user.target in VIEWS or is_full_slice(user) or same_data(user)) and (
-                user.args[0] is node
+            mm, any_form = Matmul.of(user), Matmul.of(user, batched=True, grouped=True)
+            if user.args[0] is node and (
+                user.target in VIEWS or is_full_slice(user) or same_data(user)
             ):
                 site.chain.append(user)
-                frontier.append((user, cast))
+                frontier.append(reached.then(user, cast, site.n))
             elif cast_to(user) is not None and user.args[0] is node:
                 site.chain.append(user)
-                frontier.append((user, cast_to(user)))
+                frontier.append(reached.then(user, cast_to(user), site.n))
             elif user.target is SLICE_SCATTER and node_arg(user, 1, "src") is node:
                 _check_read_back(user)
+            elif any_form is not None and (mm is None or not reached.plain):
+                _add_path_use(site, reached, any_form)
             elif mm is not None and node not in (mm.a, mm.b):
                 what = mm.reads_as(node)
                 site.unmatched.append(f"{mm.node.name}: the gathered tensor is its {what}")
             elif mm is not None:
                 _add_use(site, node, mm, "rows" if mm.a is node else "contract_left", cast)
-            elif is_transpose_2d(user) and user.args[0] is node:
+            elif is_transpose_2d(user) and user.args[0] is node and val(user).dim() == 2:
                 site.chain.append(user)
                 for consumer in user.users:
                     mm = Matmul.of(consumer)
@@ -235,11 +242,71 @@ def _collect_uses(site: _Uses, gathered: Node) -> None:
                         _add_use(site, node, mm, role, cast)
                     elif is_transpose_2d(consumer):  # t(t(G)) is G
                         site.chain.append(consumer)
-                        frontier.append((consumer, cast))
-                    elif reaches_matmul(consumer):
+                        frontier.append(_Reached(consumer, cast, None, ()))
+                    elif reaches_matmul(consumer, ANY_MATMUL):
                         site.unmatched.append(between_note(consumer))
-            elif reaches_matmul(user):
+            elif user.target in LAYOUT_OPS and user.args[0] is node and reached.dim is not None:
+                then = reached.then(user, cast, site.n)
+                if then.dim is not None:
+                    site.chain.append(user)
+                    frontier.append(then)
+                elif reaches_matmul(user, ANY_MATMUL):
+                    site.unmatched.append(f"{user.name}: the gathered blocks do not stay blocks")
+            elif reaches_matmul(user, ANY_MATMUL):
                 site.unmatched.append(between_note(user))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reached:
+    """A node the walk reached: the dtype the gathered values were cast to on the way,
+    the dim of its value that holds the n gathered blocks (None: not one dim's outermost
+    split) and the path of layout ops and casts to it (``plain``: views and casts only,
+    the 2-D uses' way)."""
+
+    node: Node
+    cast: torch.dtype | None
+    dim: int | None
+    path: paths.Path
+    plain: bool = True
+    lost: Node | None = None  # the op after which the blocks are not one dim's
+
+    def then(self, user: Node, cast: torch.dtype | None, n: int) -> _Reached:
+        """The walk one op further: ``user``, its input this node."""
+        if is_full_slice(user) or same_data(user):  # the same values: no step of the path
+            return dataclasses.replace(self, node=user)
+        dim = None if self.dim is None else paths.dim_after(user, self.dim, dims.Split(n))
+        plain = self.plain and (user.target in VIEWS or cast_to(user) is not None)
+        step = ((user, dim),) if dim is not None else ()
+        lost = self.lost or (user if dim is None else None)
+        return _Reached(user, cast, dim, (*self.path, *step), plain, lost)
+
+
+def _add_path_use(site: _Uses, reached: _Reached, mm: Matmul) -> None:
+    """Record the batched or grouped ``mm`` (or a 2-D one behind copies and permutes)
+    reading the gathered blocks along ``reached.dim`` of its operand ``reached.node``."""
+    node = reached.node
+    if node not in (mm.a, mm.b) or mm.a is mm.b:
+        site.unmatched.append(f"{mm.node.name}: the gathered tensor is its {mm.reads_as(node)}")
+        return
+    role = None if reached.dim is None else paths.role(mm, node, reached.dim, reached.path)
+    problem = None
+    if reached.lost is not None:
+        problem = f"the gathered blocks do not stay blocks of one dim through {reached.lost.name}"
+    elif role is None:
+        problem = "the gathered blocks are along its batch or groups"
+    elif not mm.node.users:
+        problem = "its product is never read"
+    elif has_zero_size_dim(mm):
+        problem = "a zero-size dim: nothing to overlap"
+    elif mm.bias is not None:
+        problem = "a bias"
+    elif mm.scaled:
+        problem = "a scaled matmul"
+    if problem or role is None:
+        site.unmatched.append(f"{mm.node.name} ({role or 'no role'}): {problem}")
+        return
+    check_tensor(mm.node, "matmul output")
+    site.uses.append(GatherUse(mm=mm, row_dims=0, role=role, laid_out=True, path=reached.path))
 
 
 def _check_read_back(scatter: Node) -> None:

@@ -13,13 +13,14 @@ from torch.fx import Node
 
 from ....runtime.groups import Group
 from ....schedules import Direction, Schedule
-from ... import dims
+from ... import dims, paths
 from ...blocks import (
     chunk_width,
     column_block,
     contiguous,
     matmul,
     packed,
+    replay,
     rows_of_block,
     slice_block,
     transposed,
@@ -48,14 +49,27 @@ class _GatherBlocks:
         self.em, self.site = rw.emit, site
         self.products = Products(rw, [(u.mm, u.role) for u in site.uses])
         self.others: dict[int, Node] = {}  # contract: the other operand viewed like G
+        for i, use in enumerate(site.uses):
+            if use.laid_out and use.mm.layout is not None:  # rows of each batch entry
+                self.products.rows_dims[i] = use.mm.layout.out[0]
 
     def add(
-        self, piece: Node, scale: Node | None, index: int, shape: Sequence[dims.Size], s: int
+        self,
+        piece: Node,
+        scale: Node | None,
+        index: int,
+        shape: Sequence[dims.Size],
+        s: int,
+        count: int,
     ) -> None:
-        """``scale``: the piece's rows' scales, where they came beside it (``Beside``)."""
+        """Piece ``index`` of ``count`` (``shape``); ``scale``: the piece's rows' scales,
+        where they came beside it (``Beside``)."""
         em, site = self.em, self.site
         views: dict[tuple[object, ...], Node] = {}  # one 2-D view of the piece per shape
         for i, use in enumerate(site.uses):
+            if use.laid_out:
+                self._laid_out(i, use, piece, index, count, s)
+                continue
             shape2d = (math.prod(shape[: use.row_dims]), math.prod(shape[use.row_dims :]))
             # the operand's dtype: the piece cast (``use.cast``), or float8 data that
             # travelled as bytes viewed as itself again
@@ -108,6 +122,21 @@ class _GatherBlocks:
             y_b = self._columns_meeting(i, use, index, width, shape2d[0], s)
             self.products.add(i, y_b, g2d, s)
 
+    def _laid_out(
+        self, i: int, use: GatherUse, piece: Node, index: int, count: int, s: int
+    ) -> None:
+        """What a batched or grouped use computes from the piece, laid out as its operand
+        (``paths``)."""
+        split = dims.Split(count)
+        path = paths.along(use.path, self.site.gather_dim, split)
+        if path is None:
+            what = f"the gathered blocks on the way to {use.mm.node.name}"
+            size = self.site.gathered_shape[self.site.gather_dim]
+            raise decline("lower.slices", k=count // self.site.group_size, provably="",
+                          what=what, size=size)  # fmt: skip
+        block = replay(self.em, piece, path, split, index, s, "compute")
+        paths.compute_block(self.em, self.products, i, use.mm, use.role, block, index, split, s)
+
     def _rows_of(self, use: GatherUse, index: int, width: dims.Size, s: int, x: Node) -> Node:
         """Piece ``index``'s rows of ``x``, laid out like the rows of the gathered tensor
         viewed 2-D (a per-row scale of A: the rows the piece holds, in its order)."""
@@ -155,7 +184,7 @@ def lower_ring(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule) ->
     def compute(b: int, message: Node, s: int) -> None:
         if b not in pieces:
             pieces[b] = _piece(em, message, local, scale, s)
-        products.add(*pieces[b], b, shard_shape, s)
+        products.add(*pieces[b], b, shard_shape, s, n)
 
     collect_then_compute(
         rw, group, schedule, Direction.GATHER, held, lambda t, _: held[t.block], compute
@@ -184,7 +213,7 @@ def lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, 
 
     def compute(i: int, s: int) -> None:
         for b in range(n):
-            products.add(*pieces[b, i], b * k + i, chunk_shape, s)
+            products.add(*pieces[b, i], b * k + i, chunk_shape, s, n * k)
 
     def collected(i: int, gathered: Node, s: int) -> None:
         chunk, scale = chunks[i]

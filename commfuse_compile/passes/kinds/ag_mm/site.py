@@ -32,6 +32,11 @@ class GatherUse(Use):
 
     row_dims: int  # the gathered tensor's dims [:row_dims] fold into G2d's rows
     cast: torch.dtype | None = None  # the dtype G is cast to before the matmul reads it
+    # a batched or grouped matmul (or one behind copies and permutes) is ``laid_out``:
+    # the layout ops and casts from the gathered tensor to its operand, with the dims
+    # that hold the blocks (``paths``); the role from where they are there
+    laid_out: bool = False
+    path: tuple[tuple[Node, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""All-to-all -> experts -> all-to-all: a dropless MoE layer with expert parallelism
+(torchtitan's token dispatcher), one site for both all-to-alls. The tokens peer j sends
+are run through the experts as soon as they arrive and sent straight back to j, while
+the next peer's arrive; this rank's own tokens, which travel nowhere, run in two halves,
+under the first transfer and under the last (``schedules/round_trip.py``).
+
+What the graph holds (the splits are the graph's own sizes, from ``.tolist()``):
+    recv = wait(all_to_all_single(x, out_splits, in_splits))    # dispatch, uneven
+    xp = recv[perm]                                               # rows sorted by expert
+    ... _grouped_mm(., W, offs), pointwise ops, casts ...         # the experts
+    y = new_empty(...).index_put([perm], out)                     # rows put back
+    wait(all_to_all_single(y, in_splits, out_splits))            # combine
+
+Every op between ``xp`` and ``out`` computes a row from that row alone (a grouped
+matmul with its group's weight: group g holds rows offs[g-1] to offs[g]), so row i of
+``recv`` goes through expert ``g(i) = bucketize(pinv[i], offs, right=True)``, ``pinv``
+inverting ``perm``: a property of the program, not of how ``perm`` was built. Each
+peer's block of ``recv`` is sorted by g, run through the experts with its own offsets,
+and unsorted. ``perm`` must be a permutation of the rows: it has their count, and the
+program's ``index_put`` would leave rows unwritten otherwise.
+"""
+
+from __future__ import annotations
+
+from torch.fx import Graph, Node
+
+from ....cost.simulator import Work
+from ....runtime.groups import Group
+from ....schedules import Direction, Schedule
+from ... import dims
+from ...graph import ALL_TO_ALL, node_arg, numel, val
+from ...rewrite import Rewrite, Taken
+from ...site_kind import SiteKind
+from .find import match
+from .lower import lower, peers
+from .site import MoeSite
+
+__all__ = ["KIND", "MoeSite", "peers"]
+
+
+class Moe(SiteKind[MoeSite]):
+    name = "moe"
+    direction = Direction.EXCHANGE_IN
+    nests = False
+
+    def find(self, graph: Graph) -> list[MoeSite]:
+        found = map(match, graph.find_nodes(op="call_function", target=ALL_TO_ALL))
+        return [site for site in found if site is not None]
+
+    def rematch(self, site: MoeSite, taken: Taken) -> MoeSite | None:
+        return match(site.dispatch)
+
+    def without(self, site: MoeSite, disabled: frozenset[str]) -> MoeSite:
+        return site  # one fused computation: nothing to leave out but the whole site
+
+    def work(self, site: MoeSite, n: int) -> Work:
+        """The grouped matmuls' FLOPs and both all-to-alls' bytes. The rows received are
+        known only at run time (torch hints each unbacked split at thousands): they are
+        taken as many as this rank sends where that is a static count (the tokens it
+        routed: balanced routing), at the hints otherwise."""
+        assert site.dispatch_wait is not None
+        received = val(site.dispatch_wait).shape[0]
+        sent = val(node_arg(site.dispatch, 0, "input")).shape[0]
+        scale = sent / dims.hint(received) if isinstance(sent, int) else 1.0
+        flops = sum(_flops(mm) for mm in site.grouped) * scale
+        collectives = [site.dispatch, *([site.combine] if site.combine is not None else [])]
+        message = sum(numel(c) * val(c).element_size() for c in collectives) * scale
+        return Work(self.direction, n, flops / n, message / n, len(site.grouped))
+
+    def start(self, site: MoeSite, taken: Taken) -> tuple[MoeSite, Node]:
+        assert site.permuted is not None, "a matched site has its permuted read"
+        return site, site.permuted
+
+    def lower(
+        self, rw: Rewrite, site: MoeSite, group: Group, schedule: Schedule, slices: int
+    ) -> None:
+        lower(rw, site, group)
+
+
+KIND = Moe()
+
+
+def _flops(mm: Node) -> float:
+    """A grouped matmul's: rows by a weight per group ([rows, N] from K), or a sum over
+    the rows per group ([groups, K, N]: each row in one group's sum)."""
+    a = node_arg(mm, 0, "self")
+    assert isinstance(a, Node)
+    out = val(mm)
+    per_group = out.shape[0] if out.dim() == 3 else 1
+    return 2 * numel(mm) / dims.hint(per_group) * dims.hint(val(a).shape[-1])
