@@ -19,7 +19,7 @@ from .inductor_pass import (  # noqa: E402
     uninstall_inductor_pass,
 )
 from .options import CommfuseOptionError, Options  # noqa: E402
-from .passes.custom_ops import register_collective_op, unregister_collective_op  # noqa: E402
+from .passes.fx.custom_ops import register_collective_op, unregister_collective_op  # noqa: E402
 from .report import REPORT, SiteRecord  # noqa: E402
 
 __all__ = [

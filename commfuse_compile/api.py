@@ -8,8 +8,8 @@ from typing import Any, TypeVar
 import torch
 from torch.fx import GraphModule
 
-from .options import CommfuseOptionError, Options, given_options
-from .passes import rewrite_graph
+from .options import CommfuseOptionError, given_options
+from .passes import resolve_options, rewrite_graph
 
 G = TypeVar("G", GraphModule, torch.export.ExportedProgram)
 
@@ -30,7 +30,7 @@ def apply(obj: G, options: Mapping[str, Any] | None = None, **more: Any) -> G:
             "compile the result yourself, or use torch.compile(model, backend='commfuse', "
             "options={'inner': 'inductor'})"
         )
-    opts = Options.from_mapping({**given, "inner": "eager"})
+    opts = resolve_options({**given, "inner": "eager"})
     if isinstance(obj, torch.export.ExportedProgram):
         rewrite_graph(obj.graph_module, "export", opts)
         return obj

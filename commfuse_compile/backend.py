@@ -21,7 +21,7 @@ from torch.fx import GraphModule
 
 from . import async_collectives, deferred_logging
 from .options import CommfuseOptionError, Options
-from .passes import joint, rewrite_and_compile, rewrite_graph
+from .passes import joint, resolve_options, rewrite_and_compile, rewrite_graph
 
 # Dynamo traces the model before it calls a backend, so these are done when the backend is
 # imported: hand-overlapped collectives (async_op=True, .wait() later) traced into the
@@ -41,7 +41,7 @@ def commfuse_backend(
     gm: GraphModule, example_inputs: Sequence[Any], options: Mapping[str, Any] | None = None
 ) -> Callable[..., Any]:
     try:
-        opts = Options.from_mapping(options)
+        opts = resolve_options(options)
     except CommfuseOptionError as err:
         # the traceback starts here, at the backend, not in Dynamo's frames
         raise BackendOptionError(str(err), first_useful_frame=inspect.currentframe()) from None

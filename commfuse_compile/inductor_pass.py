@@ -29,8 +29,8 @@ from torch.fx import Graph
 
 from . import deferred_logging
 from .options import CommfuseOptionError, Options, given_options
-from .passes import PASSED, decline_graph, joint, rewrite_graph
-from .passes.declines import decline
+from .passes import PASSED, decline_graph, joint, resolve_options, rewrite_graph
+from .passes.fx.declines import decline
 from .passes.joint import JointPass, slot_passes, slot_value
 
 SLOT = "post_grad_custom_pre_pass"
@@ -115,7 +115,7 @@ def install_inductor_pass(
             f"{given['inner']!r}: the pass runs inside Inductor; for another inner compiler "
             "use torch.compile(model, backend='commfuse', options={'inner': ...})"
         )
-    fixed = Options.from_mapping({**given, "inner": "inductor"})
+    fixed = resolve_options({**given, "inner": "inductor"})
     installed = CommfuseInductorPass(fixed)
     _install(SLOT, installed)
     _install(joint.SLOT, JointPass(fixed))

@@ -10,14 +10,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from .schedules import NAMES
-from .site_kinds import EVERY_ROLE, ROLES
 
 SCHEDULES = ("auto", *NAMES, "off")
 INNER_COMPILERS = ("inductor", "eager")
 DEBUG_DIR_ENV = "COMMFUSE_DEBUG_DIR"
 DISABLE_ENV = "COMMFUSE_DISABLE"
-# What ``disable`` can switch off, for bisecting: site kinds, matmul roles, schedules.
-DISABLEABLE = (*ROLES, *EVERY_ROLE, *NAMES)
 PROFILE_ENV = "COMMFUSE_PROFILE"
 MAX_SLICES = 64
 
@@ -117,10 +114,15 @@ class _Given(NamedTuple):
 def _given_or_env(given: Mapping[str, Any], name: str) -> _Given:
     """The option's value, else its environment variable's (a string), else None."""
     if given.get(name) is not None or (name in given and name not in UNSET_BY_NONE):
-        return _Given(given[name], f"option {name!r}", "option")
+        return _Given(given[name], where(name, "option"), "option")
     variable = f"environment variable {ENV[name]}"
     raw = os.environ.get(ENV[name], "").strip()
-    return _Given(raw or None, f"{variable} (option {name!r})", variable if raw else "default")
+    return _Given(raw or None, where(name, variable), variable if raw else "default")
+
+
+def where(name: str, origin: str) -> str:
+    """Where messages say option ``name`` came from (``origin``: as ``Options.origins``)."""
+    return f"option {name!r}" if origin == "option" else f"{origin} (option {name!r})"
 
 
 def _plain(value: object) -> object:
@@ -154,13 +156,7 @@ def _disable(got: _Given) -> frozenset[str]:
         value = [d for d in value.split(",") if d.strip()]
     if isinstance(value, str) or not all(isinstance(d, str) for d in value):
         raise CommfuseOptionError(f"commfuse: {got.where} must be a list of names, got {value!r}")
-    names = frozenset(d.strip() for d in value)
-    if names - set(DISABLEABLE):
-        raise CommfuseOptionError(
-            f"commfuse: {got.where}: cannot disable {sorted(names - set(DISABLEABLE))}; "
-            f"names are {list(DISABLEABLE)}"
-        )
-    return names
+    return frozenset(d.strip() for d in value)  # names: ``passes.kinds.check_disable``
 
 
 def _profile(got: _Given) -> str | None:

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import commfuse_compile
-from commfuse_compile.passes import custom_ops, rewrite_graph
+from commfuse_compile.passes import rewrite_graph
+from commfuse_compile.passes.fx import custom_ops
 from commfuse_compile.passes.kinds.unclaimed import COLLECTIVES as ALL_COLLECTIVES
 
 c10d = torch.ops._c10d_functional

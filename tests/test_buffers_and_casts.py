@@ -33,7 +33,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commfuse_compile import Options, report
 from commfuse_compile.passes import rewrite_graph
-from commfuse_compile.passes.graph import writes_into
+from commfuse_compile.passes.fx.graph import writes_into
 
 N, RANK = 4, 1
 aten = torch.ops.aten

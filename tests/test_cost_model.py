@@ -32,7 +32,7 @@ from commfuse_compile.cost.simulator import (
 )
 from commfuse_compile.options import PROFILE_ENV
 from commfuse_compile.passes import match
-from commfuse_compile.passes.declines import Declined
+from commfuse_compile.passes.fx.declines import Declined
 from commfuse_compile.passes.plan import MIN_GAIN, plan, site_work
 from commfuse_compile.schedules import Direction
 from commfuse_compile.tools import calibrate as cal

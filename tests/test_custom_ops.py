@@ -1,4 +1,4 @@
-"""Collectives that frameworks wrap in custom ops (``passes/custom_ops.py``): a known op
+"""Collectives that frameworks wrap in custom ops (``passes/fx/custom_ops.py``): a known op
 (DeepSpeed's ``deepspeed::dim_zero_all_to_all``, defined here as DeepSpeed defines it by
 ``tools/training/deepspeed_hf.py``) or one a user registers is rewritten as the
 functional collective it computes; any other op that takes a process group gets a
@@ -20,7 +20,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import commfuse_compile
 from commfuse_compile import CommfuseOptionError
-from commfuse_compile.passes import custom_ops
+from commfuse_compile.passes.fx import custom_ops
 from commfuse_compile.tools.training import deepspeed_hf  # noqa: F401 (defines deepspeed::dim_zero_all_to_all)
 
 N, RANK = 4, 1

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import commfuse_compile
-from commfuse_compile.passes.declines import REASONS, Declined, decline, markdown_table
+from commfuse_compile.passes.fx.declines import REASONS, Declined, decline, markdown_table
 
 PACKAGE = Path(commfuse_compile.__file__).parent
 # the docs page that holds the generated table, between its "declines" markers
@@ -43,7 +43,7 @@ def test_docs_table_is_generated_from_the_registry():
     table = text.split(begin)[1].split(end)[0].strip()
     assert table == markdown_table(), (
         f"the table in {DECLINES_PAGE} is not the registry's: put the output of "
-        "`python -m commfuse_compile.passes.declines` between its declines markers"
+        "`python -m commfuse_compile.passes.fx.declines` between its declines markers"
     )
 
 
@@ -58,12 +58,3 @@ def test_decline_fills_the_template_and_carries_code_and_kind():
     assert decline("plan.off").category == "off"
     with pytest.raises(KeyError):
         decline("rs.no_such_code")
-
-
-def test_the_disable_vocabulary_names_every_site_kind_the_pass_has():
-    from commfuse_compile import site_kinds
-    from commfuse_compile.options import DISABLEABLE
-    from commfuse_compile.passes.kinds import KINDS
-
-    assert list(site_kinds.ROLES) == list(KINDS)
-    assert set(KINDS) | set(site_kinds.EVERY_ROLE) <= set(DISABLEABLE)

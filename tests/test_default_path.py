@@ -13,7 +13,7 @@ float32 within 1e-5; bfloat16 within 3e-2 (Inductor alone, without the pass, is 
 to 1.7e-2 away from eager in bfloat16 on these shapes). Every site next to a matmul is
 rewritten with the requested schedule: with Inductor, a rewritten graph whose generated
 program reused or wrote a transfer's buffer before its wait would have been compiled
-without the pass (``passes/program.py``) and show here as declined.
+without the pass (``passes/ranks/program.py``) and show here as declined.
 
 By default (``default``): cells on 3 ranks in float32, every schedule with Inductor on
 one front at least and each front with three (TP+SP: ring, push, 2-chunk slicing;

@@ -1,5 +1,5 @@
 """``bmm`` and ``_grouped_mm`` as matmul forms of the tensor-parallel kinds (``ag_mm``,
-``mm_rs``, ``mm_ar``): experts that are tensor parallel too (``passes/paths.py``), as
+``mm_rs``, ``mm_ar``): experts that are tensor parallel too (``passes/kit/paths.py``), as
 Megatron-Core's drop-and-pad dispatcher lays the experts' slots out (all-gathered over
 the tensor-parallel group, ``view``, ``transpose``, ``contiguous`` into each local
 expert's rows) and as grouped GEMMs over each expert's rows read them.

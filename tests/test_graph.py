@@ -30,8 +30,10 @@ import commfuse_compile
 from commfuse_compile import CommfuseOptionError, Options, report
 from commfuse_compile.cost.profiles import BUILTIN, save
 from commfuse_compile.options import DEBUG_DIR_ENV
-from commfuse_compile.passes import rewrite_and_compile, rewrite_graph, ring, unfuse
+from commfuse_compile.passes import resolve_options, rewrite_and_compile, rewrite_graph
 from commfuse_compile.passes.kinds import mm_a2a
+from commfuse_compile.passes.kit import ring
+from commfuse_compile.passes.prepare import unfuse
 
 N, RANK = 4, 1
 PREV, NEXT = (RANK - 1) % N, (RANK + 1) % N
@@ -844,9 +846,9 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
     """The graph's P2P peers must be this rank's steps of the schedule, and the schedule,
     run for all ranks, must match every receive with a send (no rank waits forever)."""
     from commfuse_compile.passes import match, verify
-    from commfuse_compile.passes.declines import Declined
+    from commfuse_compile.passes.fx.declines import Declined
+    from commfuse_compile.passes.kit.rewrite import Taken, tag_of
     from commfuse_compile.passes.lower import lower, start
-    from commfuse_compile.passes.rewrite import Taken, tag_of
     from commfuse_compile.runtime import groups
     from commfuse_compile.schedules import (
         Direction,
@@ -987,7 +989,7 @@ def test_disable_from_the_environment_and_bad_names(monkeypatch):
     monkeypatch.setenv("COMMFUSE_DISABLE", "bidir, mm_rs")
     assert Options.from_mapping({}).disable == {"bidir", "mm_rs"}
     with pytest.raises(CommfuseOptionError, match=r"cannot disable \['ringg'\]"):
-        Options.from_mapping({"disable": ["ringg"]})
+        resolve_options({"disable": ["ringg"]})
     with pytest.raises(CommfuseOptionError, match="must be a list of names"):
         Options.from_mapping({"disable": "ring"})
 

@@ -1,4 +1,4 @@
-"""The program Inductor generates from a rewritten graph, read back (``passes/program.py``).
+"""The program Inductor generates from a rewritten graph, read back (``passes/ranks/program.py``).
 
 On real gloo ranks, for every matmul role and reduce-scatter form and every schedule:
 no transfer's buffer is reused, freed, written (or, received, read) before its wait;
@@ -14,7 +14,7 @@ import pytest
 import torch
 from cases import AgMm, MmRs
 
-from commfuse_compile.passes import program
+from commfuse_compile.passes.ranks import program
 
 
 def compiled_code(rank, n, case, schedule="ring"):

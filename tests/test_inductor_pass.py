@@ -27,8 +27,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import commfuse_compile
 from commfuse_compile import inductor_pass
 from commfuse_compile.inductor_pass import SLOT
-from commfuse_compile.passes import PASSED, agree, match, program, sequence
-from commfuse_compile.passes.declines import decline
+from commfuse_compile.passes import PASSED, match
+from commfuse_compile.passes.fx.declines import decline
+from commfuse_compile.passes.ranks import agree, program, sequence
 from commfuse_compile.runtime import groups
 
 c10d = torch.ops._c10d_functional

@@ -1,5 +1,5 @@
 """In-place c10d collectives, as Megatron-LM and DeepSpeed write them (the canonical form,
-``passes/canonical.py``, and the one predicate of value readers, ``graph.data_users``).
+``passes/prepare/canonical.py``, and the one predicate of value readers, ``graph.data_users``).
 
 Graph level, on torch's fake process group through ``torch.compile`` (Dynamo traces the
 in-place API into a functional collective and a copy into the preallocated buffer): each
@@ -169,7 +169,7 @@ def test_a_copy_that_converts_or_broadcasts_is_not_the_value(fake_world):
         return out @ w.double()
 
     gm = aten_graph(gather_into_half)
-    from commfuse_compile.passes.canonical import canonicalize
+    from commfuse_compile.passes.prepare.canonical import canonicalize
 
     assert not canonicalize(gm.graph, before_change=lambda: None)
     assert any(n.target is aten.copy.default for n in gm.graph.nodes)

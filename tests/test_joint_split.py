@@ -158,7 +158,7 @@ def test_the_split_runs_once_per_joint_graph_and_leaves_inference_alone(fake_wor
 
 
 def test_an_internal_error_in_the_joint_split_warns_and_keeps_the_graph(fake_world, monkeypatch):
-    from commfuse_compile.passes import shard_tokens
+    from commfuse_compile.passes.prepare import shard_tokens
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

@@ -1,7 +1,7 @@
 """Plain tensor parallelism, sequence parallelism done by the pass: the all-reduce after
 a row-parallel matmul is split into a reduce-scatter, the residual add and the norm on
 this rank's tokens, and an all-gather that the next column-parallel matmuls read
-(``passes/shard_tokens.py``); those become ``mm_rs`` and ``ag_mm`` sites.
+(``passes/prepare/shard_tokens.py``); those become ``mm_rs`` and ``ag_mm`` sites.
 
 Graph level on torch's fake process group (rank 1 of 4) for what moves and what is
 gathered; numbers on 3 and 4 gloo ranks, forward, backward and optimizer steps, eager and
@@ -140,7 +140,7 @@ def test_all_reduce_value_returned_whole_is_gathered_once(fake_world):
 
 
 def test_split_that_fails_leaves_the_all_reduce_to_its_site(fake_world, monkeypatch):
-    from commfuse_compile.passes.shard_tokens import build
+    from commfuse_compile.passes.prepare.shard_tokens import build
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

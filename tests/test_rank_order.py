@@ -1,5 +1,5 @@
-"""One order of transfers on every rank (``passes/order.py``), checked across the ranks
-(``passes/sequence.py``).
+"""One order of transfers on every rank (``passes/ranks/order.py``), checked across the ranks
+(``passes/ranks/sequence.py``).
 
 Inductor compiles each rank's graph on its own and may order independent work
 differently on different ranks; two ranks that start two independent rings in opposite
@@ -36,8 +36,9 @@ from models import relative_error, sequence_parallel_blocks
 from test_graph import calls, fx, wrapped
 
 from commfuse_compile import Options, report
-from commfuse_compile.passes import program, rewrite_graph, sequence
-from commfuse_compile.passes.sequence import START, WAIT, Event
+from commfuse_compile.passes import rewrite_graph
+from commfuse_compile.passes.ranks import program, sequence
+from commfuse_compile.passes.ranks.sequence import START, WAIT, Event
 
 N, RANK = 4, 1
 P2P = torch.ops.commfuse.p2p.default
@@ -110,7 +111,7 @@ def test_an_eager_graphs_sequence_is_its_node_order(fake_world):
 def test_a_forward_graph_that_falls_back_compiles_again_with_inductor(fake_world, monkeypatch):
     """A fallback compiles the original graph in the same tracing context as the first
     compile (Inductor asserts the context's output strides were not reported yet)."""
-    from commfuse_compile.passes import program as program_module
+    from commfuse_compile.passes.ranks import program as program_module
 
     def violated(code, group_ranks=None):
         return program_module.Result(["line 1: a made-up violation"], [], 0, [])
@@ -225,7 +226,7 @@ def train_blocks(rank: int, n: int, options: dict, debug_dir: str, chained: bool
     the pass and without (eager, the same initialization and data)."""
     import torch._inductor.config
 
-    from commfuse_compile.passes import order
+    from commfuse_compile.passes.ranks import order
 
     torch._inductor.config.compile_threads = 1
     torch._dynamo.reset()

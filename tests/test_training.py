@@ -405,7 +405,7 @@ def test_ulysses_trains_like_eager_and_like_one_process(ranks, tmp_path):
         ("backward", "a2a_mm", "rewritten", RING): 4 * CFG.blocks,
     }
     # fused q/k/v (and GQA): the one projection is split into one matmul per all-to-all
-    # first (passes/unfuse.py), in the forward and in the backward's concatenation
+    # first (passes/prepare/unfuse.py), in the forward and in the backward's concatenation
     assert tables[2, True, False] == every_one
 
 

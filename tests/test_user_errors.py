@@ -19,6 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import commfuse_compile
 from commfuse_compile import CommfuseOptionError, Options
 from commfuse_compile.cost.profiles import BUILTIN
+from commfuse_compile.passes import resolve_options
 from commfuse_compile.tools.cli import main
 
 N, RANK = 2, 1
@@ -169,11 +170,11 @@ def test_an_error_from_the_environment_names_the_variable(env, value, message, i
     monkeypatch.setenv(env, value)
     option = env.removeprefix("COMMFUSE_").lower()
     with pytest.raises(CommfuseOptionError) as info:
-        Options.from_mapping({})
+        resolve_options({})
     assert str(info.value).startswith(f"commfuse: environment variable {env} (option '{option}'): ")
     assert message in str(info.value)
     with pytest.raises(CommfuseOptionError, match=f"^commfuse: option '{option}': "):
-        Options.from_mapping({option: [value] if option == "disable" else value})
+        resolve_options({option: [value] if option == "disable" else value})
 
 
 @pytest.mark.parametrize(

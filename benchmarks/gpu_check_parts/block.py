@@ -18,7 +18,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commfuse_compile import report
 from commfuse_compile.options import SCHEDULES
-from commfuse_compile.passes import program
+from commfuse_compile.passes.ranks import program
 from commfuse_compile.runtime import groups
 from commfuse_compile.tools.training import fronts
 

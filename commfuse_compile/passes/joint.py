@@ -40,10 +40,12 @@ from torch.fx import Graph, GraphModule
 from ..options import Options
 from ..report import REPORT, SiteRecord, dump_code, log
 from ..runtime import groups
-from . import agree, plan, shard_tokens
-from .canonical import canonicalize
-from .declines import Declined, decline
-from .rewrite import graph_digest
+from . import plan
+from .fx.declines import Declined, decline
+from .kit.rewrite import graph_digest
+from .prepare import shard_tokens
+from .prepare.canonical import canonicalize
+from .ranks import agree
 
 SLOT = "joint_custom_pre_pass"  # Inductor's config: passes on the joint graph, first
 META = shard_tokens.META

@@ -12,12 +12,12 @@ from torch.fx import Graph, Node
 
 from ..runtime.groups import Group
 from ..schedules import Schedule
-from .declines import decline
-from .emit import Emitter
-from .graph import SIZE_READERS, in_graph_order, val
+from .fx.declines import decline
+from .fx.graph import SIZE_READERS, in_graph_order, val
 from .kinds import of
-from .rewrite import Rewrite, Taken
-from .site import Site
+from .kit.emit import Emitter
+from .kit.rewrite import Rewrite, Taken
+from .kit.site import Site
 
 
 def start(

@@ -13,11 +13,11 @@ import dataclasses
 
 from torch.fx import Graph, Node
 
-from .declines import decline
-from .graph import is_matmul
+from .fx.declines import decline
+from .fx.matmuls import is_matmul
 from .kinds import KINDS, of, unclaimed
-from .rewrite import Taken
-from .site import Site
+from .kit.rewrite import Taken
+from .kit.site import Site
 
 
 def find_sites(graph: Graph) -> list[Site]:

@@ -17,17 +17,18 @@ from typing import Any, TypeVar
 
 from torch.fx import Graph, GraphModule
 
-from ..cost.simulator import Timeline
 from ..options import Options
 from ..report import REPORT, SiteRecord, dump_code
 from ..runtime import groups
 from ..schedules import by_name
-from . import agree, match, order, plan, program, sequence, shard_tokens, unfuse, verify
-from .canonical import canonicalize
-from .declines import Declined, decline
+from . import match, plan, verify
+from .fx.declines import Declined, decline
+from .kit.rewrite import Rewrite, Taken, graph_digest, tag_of, transfers_digest
+from .kit.site import Site
 from .lower import lower, start
-from .rewrite import Rewrite, Taken, graph_digest, tag_of, transfers_digest
-from .site import Site
+from .prepare import shard_tokens, unfuse
+from .prepare.canonical import canonicalize
+from .ranks import agree, order, program, sequence
 
 T = TypeVar("T")
 PASSED = "commfuse_graph"  # GraphModule.meta key: the pass ran on it (its graph's number)
@@ -74,12 +75,12 @@ def rewrite_and_compile(
     site as declined and compile the original graph (on every rank, for the second)."""
     result = _rewrite(gm, graph_role, options)
     try:
-        return _compile_checked(gm, result, options, compile_fn, program_of)
+        return _compile_and_check(gm, result, options, compile_fn, program_of)
     finally:
         _finish(result, options)
 
 
-def _compile_checked(
+def _compile_and_check(
     gm: GraphModule,
     result: _Result,
     options: Options,
@@ -268,7 +269,9 @@ def _rewrite_site(
         if site.declined:
             raise site.declined.error()
         group = plan.site_group(site)
-        site, predicted, chosen = _planned(site, group, options, result, record)
+        inputs = plan.decision_inputs(options, plan.profile_for(site, options))
+        result.groups[record.site] = (group, inputs)
+        site, predicted, chosen = plan.plan_site(site, group, options, record)
         result.original.keep()
         rewrite = start(site, record.site, tag, gm.graph, taken, options.measure)
         record.match = _described(rewrite.site)  # some matmuls may be left out
@@ -283,7 +286,7 @@ def _rewrite_site(
             raise  # the graph is half rewritten: rewrite_graph restores all of it
         if rewrite is not None:
             rewrite.discard()
-        _declined(record, err)
+        _record_decline(record, err)
         return None
     record.decision, record.schedule, record.reason = "rewritten", chosen.schedule, chosen.why
     record.timeline = predicted[chosen.schedule].as_json(group.rank)
@@ -292,24 +295,12 @@ def _rewrite_site(
     return rewrite
 
 
-def _planned(
-    site: Site, group: groups.Group, options: Options, result: _Result, record: SiteRecord
-) -> tuple[Site, dict[str, Timeline], plan.Plan]:
-    """The site as the options leave it, every schedule's predicted timeline, and the
-    plan. What the cost model said goes into ``record``, its timeline the collective's
-    until the site is rewritten (what runs if it is declined)."""
-    profile = plan.profile_for(site, options)
-    result.groups[record.site] = (group, plan.decision_inputs(options, profile))
-    site, predicted = plan.predicted(site, group, options, profile, record)
-    return site, predicted, plan.plan(predicted, options)
-
-
 def _described(site: Site) -> dict[str, Any]:
     """What the report shows of a site: its match, and the split it came from."""
     return {**site.describe(), **site.anchor.meta.get(shard_tokens.META, {})}
 
 
-def _declined(record: SiteRecord, err: Exception) -> None:
+def _record_decline(record: SiteRecord, err: Exception) -> None:
     """Record why the site is declined; an internal error warns too."""
     if isinstance(err, Declined):
         record.declined(err)

@@ -21,9 +21,9 @@ from ..cost.simulator import Timeline, Work, collective_model, matmuls_s, predic
 from ..options import Options
 from ..report import SiteRecord
 from ..runtime import groups
-from .declines import Declined, decline
+from .fx.declines import Declined, decline
 from .kinds import of
-from .site import Site
+from .kit.site import Site
 
 # ``auto`` decomposes only for a predicted gain of at least 5%: within the model's
 # error, the collective (one call, no extra steps) is the safer choice.
@@ -112,7 +112,7 @@ def site_group(site: Site) -> groups.Group:
         raise decline("site.group", error=err) from None
 
 
-def predicted(
+def predict_site(
     site: Site,
     group: groups.Group,
     options: Options,
@@ -135,6 +135,17 @@ def predicted(
     return site, timelines
 
 
+def plan_site(
+    site: Site, group: groups.Group, options: Options, record: SiteRecord
+) -> tuple[Site, dict[str, Timeline], Plan]:
+    """The site as the options leave it, every schedule's predicted timeline, and the
+    plan; declined where the options or the prediction rule the site out. What the cost
+    model said goes into ``record``, its timeline the collective's until the site is
+    rewritten (what runs if it is declined)."""
+    site, predicted = predict_site(site, group, options, profile_for(site, options), record)
+    return site, predicted, plan(predicted, options)
+
+
 def without_disabled(site: Site, disabled: frozenset[str]) -> Site:
     """``disable``: decline a disabled kind; leave out the parts of a site it names."""
     if site.kind in disabled:
@@ -151,7 +162,7 @@ def plannable(site: Site, options: Options) -> groups.Group | Declined:
             plan_options(options)
             without_disabled(site, options.disable)
         else:
-            predicted(site, group, options, profile_for(site, options))
+            predict_site(site, group, options, profile_for(site, options))
     except Declined as why:
         return why
     except Exception as err:  # noqa: BLE001 - its own planning fails: never a compile's
@@ -174,7 +185,7 @@ def site_times(site: Site, options: Options) -> SiteTimes | None:
     collective); None where it has no prediction (declined, or its planning fails)."""
     try:
         group, profile = site_group(site), profile_for(site, options)
-        _, timelines = predicted(site, group, options, profile)
+        _, timelines = predict_site(site, group, options, profile)
     except Exception:  # noqa: BLE001 - declined, or its own planning fails
         return None
     written = timelines["collective"].end_s

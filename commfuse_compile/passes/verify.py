@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import functools
 import operator
-from typing import Any
 
 import torch
 
 from ..runtime.groups import Group
-from ..schedules import Direction, Schedule, exchange, round_trip, slicing
-from . import dims
-from .declines import decline
-from .emit import P2P
-from .graph import val
-from .kinds import a2a_mm, mm_a2a, moe, of
-from .rewrite import Rewrite
+from ..schedules import Direction, Schedule, exchange, slicing
+from .fx import dims
+from .fx.collectives import P2P
+from .fx.declines import decline
+from .fx.graph import val
+from .kinds import of
+from .kit.rewrite import Rewrite
 
 c10d = torch.ops._c10d_functional
 COLLECTIVES = (c10d.all_gather_into_tensor.default, c10d.reduce_scatter_tensor.default)
@@ -74,65 +72,36 @@ def check_committed(rw: Rewrite) -> None:
 
 
 def check_exchange(rw: Rewrite, group: Group, schedule: Schedule, slices: int = 2) -> None:
-    """Cross-rank check: the graph's P2P ops are exactly this rank's steps of ``schedule``,
-    and the schedule, run for every rank of the group, matches each receive with the
-    peer's send of the same block in the same step (so no rank waits for a message that
-    is never sent) and leaves every rank with the right blocks. Tensors are the same
-    shape on every rank (SPMD), so each received buffer has the shape of what is sent
-    (an uneven all-to-all's blocks: but for their rows, the graph's split sizes).
-    Under slicing, every rank runs the same k collectives on the site's group in the
-    same order, each chunk collected before use."""
-    direction = of(rw.site).direction
+    """Cross-rank check: the graph's P2P ops are exactly this rank's steps (the kind's
+    ``expected_peers``: the schedule's, or the kind's own), and the steps, run for every
+    rank of the group, match each receive with the peer's send of the same block in the
+    same step (so no rank waits for a message that is never sent) and leave every rank
+    with the right blocks (``check_schedule``). Tensors are the same shape on every rank
+    (SPMD), so each received buffer has the shape of what is sent (``alike_from``: an
+    uneven all-to-all's blocks, but for their rows). Under slicing, every rank runs the
+    same k collectives on the site's group in the same order, each chunk collected
+    before use."""
+    kind = of(rw.site)
     if schedule.sliced:
-        _check_sliced(rw, group, slices, direction)
+        _check_sliced(rw, group, slices, kind.direction)
         return
-    n = group.size
     p2p = [node for node in rw.created if node.target is P2P]
     emitted = [(list(node.args[1]), list(node.args[3])) for node in p2p]  # type: ignore[arg-type]
-    if isinstance(rw.site, moe.MoeSite):  # its own steps, blocks of the graph's sizes
-        _check_round_trip(emitted, moe.peers(group), n)
-        return
-    steps = schedule.steps(direction, group.rank, n, slices)
-    expected = [
-        ([group.peer(t.peer) for t in st.sends], [group.peer(t.peer) for t in st.recvs])
-        for st in steps
-        if st.sends or st.recvs
-    ]
+    expected = kind.expected_peers(rw.site, group, schedule, slices)
     if emitted != expected:
         raise decline("internal.peers", emitted=emitted, expected=expected)
-    uneven = isinstance(rw.site, a2a_mm.A2aMmSite | mm_a2a.MmA2aSite) and rw.site.uneven
-    for node in p2p:
+    alike_from = kind.alike_from(rw.site)
+    for node in p2p if alike_from is not None else ():
         buffers = (*node.args[0], *node.args[2])  # type: ignore[misc]
-        shapes = {tuple(dims.as_json(val(t).shape)[uneven:]) for t in buffers}
+        shapes = {tuple(dims.as_json(val(t).shape)[alike_from:]) for t in buffers}
         if len(shapes) != 1:
             raise decline("internal.shapes", node=node.name, shapes=shapes)
-    _check_schedule_all_ranks(schedule, n, direction)
-
-
-def _check_round_trip(emitted: list[Any], expected: list[Any], n: int) -> None:
-    if emitted != expected:
-        raise decline("internal.peers", emitted=emitted, expected=expected)
     try:
-        round_trip.check(n)
+        kind.check_schedule(schedule, group.size)
     except exchange.ScheduleError as err:
-        raise decline("internal.schedule", schedule="round_trip", n=n, error=err) from None
-
-
-@functools.cache
-def _check_schedule_all_ranks(schedule: Schedule, n: int, direction: Direction) -> None:
-    try:
-        if direction in (Direction.EXCHANGE_IN, Direction.EXCHANGE_OUT):
-            exchange.all_to_all(schedule.module, n, direction)
-        elif direction is Direction.GATHER:
-            held = exchange.gather(schedule.module, list(range(n)), lambda b, x: x)
-            if any(sorted(h) != list(range(n)) for h in held):
-                raise exchange.ScheduleError("a rank does not multiply every block")
-        else:
-            sums = exchange.reduce(schedule.module, n, lambda r, b: {(r, b)}, lambda x, y: x | y)
-            if sums != [{(r, b) for r in range(n)} for b in range(n)]:
-                raise exchange.ScheduleError("a block does not sum every rank's partial")
-    except exchange.ScheduleError as err:
-        raise decline("internal.schedule", schedule=schedule.name, n=n, error=err) from None
+        raise decline(
+            "internal.schedule", schedule=schedule.name, n=group.size, error=err
+        ) from None
 
 
 def _check_sliced(rw: Rewrite, group: Group, k: int, direction: Direction) -> None:

@@ -15,7 +15,7 @@ buffer alive and unwritten, and the point where the transfer is known to be done
 no compiler can reuse or overwrite the buffer before the transfer completes. The same
 holds on NCCL: the wait orders the compute stream after the communication stream, so
 kernels that later write the memory, or read what was received, run after the transfer.
-The program Inductor generates is checked against this (``passes/program.py``).
+The program Inductor generates is checked against this (``passes/ranks/program.py``).
 
 A send buffer that is not contiguous is sent from a contiguous copy made here; the
 registered work holds that copy until it is waited, whatever the backend keeps.

@@ -7,6 +7,7 @@ computes, so a schedule can be compared with the unfused collective + matmul.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TypeVar
@@ -134,3 +135,20 @@ def all_to_all(schedule: ModuleType, n: int, direction: Direction) -> None:
     for r in range(n):
         if sorted(done[r]) != list(range(n)) or held[r] != set(range(n)):
             raise ScheduleError(f"rank {r} does not end with every block exactly once")
+
+
+@functools.cache
+def check(schedule: ModuleType, n: int, direction: Direction) -> None:
+    """``schedule``'s steps in ``direction``, run for all n ranks: every block reaches
+    the ranks that need it (gathered: every rank multiplies every block; reduced: every
+    block sums every rank's partial; exchanged: ``all_to_all``)."""
+    if direction in (Direction.EXCHANGE_IN, Direction.EXCHANGE_OUT):
+        all_to_all(schedule, n, direction)
+    elif direction is Direction.GATHER:
+        held = gather(schedule, list(range(n)), lambda b, x: x)
+        if any(sorted(h) != list(range(n)) for h in held):
+            raise ScheduleError("a rank does not multiply every block")
+    else:
+        sums = reduce(schedule, n, lambda r, b: {(r, b)}, lambda x, y: x | y)
+        if sums != [{(r, b) for r in range(n)} for b in range(n)]:
+            raise ScheduleError("a block does not sum every rank's partial")

@@ -32,34 +32,33 @@ from torch.fx import Graph, Node
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule, Transfer
-from .. import dims, paths
-from ..blocks import contiguous, replay, slice_span
-from ..declines import Declined, decline
-from ..graph import (
-    ALL_TO_ALL,
+from ..fx import dims
+from ..fx.collectives import ALL_TO_ALL, check_own_block, exchange_splits, split_sizes, the_wait
+from ..fx.declines import Declined, decline
+from ..fx.graph import (
     LAYOUT_OPS,
-    Matmul,
     between_note,
-    bias_is_row_broadcast,
-    check_own_block,
     check_tensor,
-    exchange_splits,
-    has_zero_size_dim,
     node_arg,
     numel,
     position,
-    reaches_matmul,
-    scales_problem,
     split_dim_in_output,
-    split_sizes,
-    sums_problem,
-    the_wait,
     val,
 )
-from ..rewrite import Rewrite, Taken
-from ..ring import Products, collect_then_compute, replace_collective
-from ..site_kind import SiteKind
-from ..uses import Use, UsesSite, check_read_only, without_read_twice
+from ..fx.matmuls import (
+    Matmul,
+    bias_is_row_broadcast,
+    has_zero_size_dim,
+    reaches_matmul,
+    scales_problem,
+    sums_problem,
+)
+from ..kit import paths
+from ..kit.blocks import contiguous, replay, slice_span
+from ..kit.rewrite import Rewrite, Taken
+from ..kit.ring import Products, collect_then_compute, replace_collective
+from ..kit.site_kind import SiteKind
+from ..kit.uses import Use, UsesSite, check_read_only, without_read_twice
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -117,6 +116,7 @@ class A2aMmSite(UsesSite):
 
 class A2aMm(SiteKind[A2aMmSite]):
     name = "a2a_mm"
+    roles = ("rows", "contract", "columns", "contract_left")
     direction = Direction.EXCHANGE_IN
     nests = False
 
@@ -146,6 +146,9 @@ class A2aMm(SiteKind[A2aMmSite]):
         self, rw: Rewrite, site: A2aMmSite, group: Group, schedule: Schedule, slices: int
     ) -> None:
         _lower(rw, site, group, schedule)
+
+    def alike_from(self, site: A2aMmSite) -> int | None:
+        return int(site.uneven)  # uneven blocks differ in their rows only
 
 
 KIND = A2aMm()

@@ -21,36 +21,41 @@ from torch.fx import Graph, Node
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule
-from .. import dims, paths
-from ..blocks import contiguous, replay
-from ..declines import Declined, decline
-from ..emit import Emitter
-from ..graph import (
+from ..fx import dims
+from ..fx.collectives import (
     ALL_TO_ALL,
-    LAYOUT_OPS,
-    Matmul,
-    bias_is_row_broadcast,
     check_own_block,
-    check_tensor,
-    comes_from_matmul,
-    data_users,
     exchange_splits,
-    has_zero_size_dim,
+    saved_unwaited,
+    split_sizes,
+    the_wait,
+)
+from ..fx.declines import Declined, decline
+from ..fx.graph import (
+    LAYOUT_OPS,
+    check_tensor,
+    data_users,
     node_arg,
     numel,
     op_name,
-    reaches_matmul,
-    saved_unwaited,
-    scales_problem,
     split_dim_in_input,
-    split_sizes,
-    the_wait,
     val,
 )
-from ..rewrite import Rewrite, Taken
-from ..ring import compute_then_send, replace_collective
-from ..site import Site
-from ..site_kind import SiteKind
+from ..fx.matmuls import (
+    Matmul,
+    bias_is_row_broadcast,
+    comes_from_matmul,
+    has_zero_size_dim,
+    reaches_matmul,
+    scales_problem,
+)
+from ..kit import paths
+from ..kit.blocks import contiguous, replay
+from ..kit.emit import Emitter
+from ..kit.rewrite import Rewrite, Taken
+from ..kit.ring import compute_then_send, replace_collective
+from ..kit.site import Site
+from ..kit.site_kind import SiteKind
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -121,6 +126,9 @@ class MmA2a(SiteKind[MmA2aSite]):
         self, rw: Rewrite, site: MmA2aSite, group: Group, schedule: Schedule, slices: int
     ) -> None:
         _lower(rw, site, group, schedule)
+
+    def alike_from(self, site: MmA2aSite) -> int | None:
+        return int(site.uneven)  # uneven blocks differ in their rows only
 
 
 KIND = MmA2a()

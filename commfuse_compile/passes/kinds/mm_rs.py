@@ -21,36 +21,26 @@ from torch.fx import Graph, Node
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule
-from .. import dims
-from ..blocks import viewed
-from ..declines import Declined, decline
-from ..graph import (
-    ANY_MATMUL,
-    Matmul,
-    comes_from_matmul,
-    is_matmul,
-    node_arg,
-    normalized_dim,
-    op_name,
-    ordered_getitems,
-    the_wait,
-    val,
-    view_sources,
-)
-from ..rewrite import Rewrite, Taken
-from ..ring import replace_collective
-from ..site_kind import SiteKind
-from . import reduced_product
-from .reduced_product import (
+from ..fx import dims
+from ..fx.collectives import the_wait
+from ..fx.declines import Declined, decline
+from ..fx.graph import node_arg, normalized_dim, op_name, ordered_getitems, val, view_sources
+from ..fx.matmuls import ANY_MATMUL, Matmul, comes_from_matmul, is_matmul
+from ..kit.blocks import viewed
+from ..kit.reduced import (
     REDUCE_OPS,
+    LaidOut,
     ReducedProductSite,
+    check_blocks,
     check_terms,
+    find_product,
     flops,
     reduced_block,
-    sum_of_matmuls,
     through_casts,
-    through_views,
 )
+from ..kit.rewrite import Rewrite, Taken
+from ..kit.ring import replace_collective
+from ..kit.site_kind import SiteKind
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -108,14 +98,9 @@ def _match(rs: Node, taken: Taken) -> MmRsSite | None:
     casts: list[Node] = []
     scattered, g, chain = _scattered(through_casts(inp, casts), int(n))
     chain += casts
-    product = through_views(scattered, chain, casts=True)
-    terms, between = sum_of_matmuls(product)
-    laid = None
-    if not terms:  # a batched or grouped product, or one behind copies and permutes
-        laid = reduced_product.laid_out(scattered, g, int(n))
-        if laid.terms:
-            terms, between, product = laid.terms, laid.between, laid.product
-            chain += [node for node, _ in laid.path]
+    # (a batched or grouped product, or one behind copies and permutes)
+    found = find_product(scattered, g, int(n), chain, follow=True)
+    terms, between, product, laid = found.terms, found.between, found.product, found.laid
     window = taken.window(product)  # of an all-gather site that rewrote its matmul
     from_matmul = (
         comes_from_matmul(inp, ANY_MATMUL)
@@ -127,11 +112,11 @@ def _match(rs: Node, taken: Taken) -> MmRsSite | None:
     fields: dict[str, Any] = {}
     declined = None
     try:
-        fields = _checked(
+        fields = _check(
             rs, wait, inp, reduce_op, int(n), scattered, g, product, terms, window, laid
         )
         if laid is not None and laid.terms:
-            columns = reduced_product.check_blocks(terms, laid.product_dim, "rs.batch_blocks")
+            columns = check_blocks(terms, laid.product_dim, "rs.batch_blocks")
             fields.update(product_dim=laid.product_dim, path=laid.path, columns=columns)
     except Declined as why:
         declined = why.kept()
@@ -149,7 +134,7 @@ def _match(rs: Node, taken: Taken) -> MmRsSite | None:
     )
 
 
-def _checked(
+def _check(
     rs: Node,
     wait: Node | None,
     inp: Node,
@@ -160,7 +145,7 @@ def _checked(
     product: Node,
     terms: list[Matmul],
     window: tuple[int, int] | None,
-    laid: reduced_product.LaidOut | None,
+    laid: LaidOut | None,
 ) -> dict[str, Any]:
     """The site's product shape and block layout, or the first reason it cannot be
     rewritten (in the order a user would fix them). ``window``: the rewrite window that

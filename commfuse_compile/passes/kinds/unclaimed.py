@@ -21,11 +21,13 @@ import torch
 from torch.fx import Graph, Node
 
 from ...runtime.groups import ranks_of
-from .. import custom_ops
-from ..declines import Declined, decline
-from ..graph import ALL_TO_ALL, PASS_THROUGH, check_tensor, is_matmul, node_arg, op_name
-from ..graph import value_readers as readers
-from ..site import Site
+from ..fx import custom_ops
+from ..fx.collectives import ALL_TO_ALL
+from ..fx.declines import Declined, decline
+from ..fx.graph import PASS_THROUGH, check_tensor, node_arg, op_name
+from ..fx.graph import value_readers as readers
+from ..fx.matmuls import is_matmul
+from ..kit.site import Site
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

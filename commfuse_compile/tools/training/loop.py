@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ... import report
-from ...passes.declines import REASONS
+from ...passes.fx.declines import REASONS
 from .fronts import TrainConfig, build, compile_blocks
 
 

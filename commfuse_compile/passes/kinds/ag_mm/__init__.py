@@ -17,9 +17,9 @@ from torch.fx import Graph, Node
 from ....cost.simulator import Work
 from ....runtime.groups import Group
 from ....schedules import Direction, Schedule
-from ...graph import numel, val
-from ...rewrite import Rewrite, Taken
-from ...site_kind import SiteKind
+from ...fx.graph import numel, val
+from ...kit.rewrite import Rewrite, Taken
+from ...kit.site_kind import SiteKind
 from .find import gathers_by_shard, match
 from .lower import lower_ring, lower_sliced
 from .place import placed
@@ -28,6 +28,7 @@ from .site import AgMmSite
 
 class AgMm(SiteKind[AgMmSite]):
     name = "ag_mm"
+    roles = ("rows", "contract", "columns", "contract_left", "contract_k")
     direction = Direction.GATHER
     nests = True
 

@@ -10,37 +10,39 @@ import operator
 import torch
 from torch.fx import Graph, Node
 
-from ... import dims, paths
-from ...declines import Declined, decline
-from ...graph import (
-    ANY_MATMUL,
+from ...fx import dims
+from ...fx.collectives import saved_unwaited, the_wait
+from ...fx.declines import Declined, decline
+from ...fx.graph import (
     LAYOUT_OPS,
     SLICE_SCATTER,
     VIEWS,
-    Matmul,
     between_note,
-    bias_is_row_broadcast,
     cast_to,
     check_tensor,
     data_users,
-    has_zero_size_dim,
     is_full_slice,
     is_transpose_2d,
     node_arg,
     normalized_dim,
     ordered_getitems,
-    reaches_matmul,
-    read_back,
     region,
     same_data,
-    saved_unwaited,
+    val,
+)
+from ...fx.matmuls import (
+    ANY_MATMUL,
+    Matmul,
+    bias_is_row_broadcast,
+    has_zero_size_dim,
+    reaches_matmul,
+    read_back,
     scales_problem,
     sums_problem,
-    the_wait,
-    val,
     varies_by_row,
 )
-from ...uses import check_read_only, without_read_twice
+from ...kit import paths
+from ...kit.uses import check_read_only, without_read_twice
 from .site import AgMmSite, Beside, GatherUse
 
 aten = torch.ops.aten

@@ -13,8 +13,11 @@ from torch.fx import Node
 
 from ....runtime.groups import Group
 from ....schedules import Direction, Schedule
-from ... import dims, paths
-from ...blocks import (
+from ...fx import dims
+from ...fx.declines import decline
+from ...fx.graph import CONVERT, same_data, val
+from ...kit import paths
+from ...kit.blocks import (
     chunk_width,
     column_block,
     contiguous,
@@ -27,11 +30,9 @@ from ...blocks import (
     unpacked,
     viewed,
 )
-from ...declines import decline
-from ...emit import Emitter
-from ...graph import CONVERT, same_data, val
-from ...rewrite import Rewrite
-from ...ring import Products, collect_then_compute, replace_collective, sliced
+from ...kit.emit import Emitter
+from ...kit.rewrite import Rewrite
+from ...kit.ring import Products, collect_then_compute, replace_collective, sliced
 from .site import AgMmSite, GatherUse
 
 aten = torch.ops.aten

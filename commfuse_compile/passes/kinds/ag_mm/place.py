@@ -7,13 +7,10 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from ...declines import decline
-from ...graph import (
-    data_users,
-    position,
-)
-from ...placement import hoistable
-from ...rewrite import Taken
+from ...fx.declines import decline
+from ...fx.graph import data_users, position
+from ...kit.placement import hoistable
+from ...kit.rewrite import Taken
 from .site import AgMmSite, GatherUse
 
 aten = torch.ops.aten

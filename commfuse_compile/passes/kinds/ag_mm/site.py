@@ -10,8 +10,8 @@ from typing import ClassVar
 import torch
 from torch.fx import Node
 
-from ... import dims
-from ...uses import U, Use, UsesSite
+from ...fx import dims
+from ...kit.uses import U, Use, UsesSite
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

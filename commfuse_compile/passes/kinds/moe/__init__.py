@@ -26,11 +26,12 @@ from torch.fx import Graph, Node
 
 from ....cost.simulator import Work
 from ....runtime.groups import Group
-from ....schedules import Direction, Schedule
-from ... import dims
-from ...graph import ALL_TO_ALL, node_arg, numel, val
-from ...rewrite import Rewrite, Taken
-from ...site_kind import SiteKind
+from ....schedules import Direction, Schedule, round_trip
+from ...fx import dims
+from ...fx.collectives import ALL_TO_ALL
+from ...fx.graph import node_arg, numel, val
+from ...kit.rewrite import Rewrite, Taken
+from ...kit.site_kind import Peers, SiteKind
 from .find import match
 from .lower import lower, peers
 from .site import MoeSite
@@ -75,6 +76,17 @@ class Moe(SiteKind[MoeSite]):
         self, rw: Rewrite, site: MoeSite, group: Group, schedule: Schedule, slices: int
     ) -> None:
         lower(rw, site, group)
+
+    def expected_peers(
+        self, site: MoeSite, group: Group, schedule: Schedule, slices: int
+    ) -> list[Peers]:
+        return peers(group)  # its own round trip, whatever the schedule
+
+    def check_schedule(self, schedule: Schedule, n: int) -> None:
+        round_trip.check(n)
+
+    def alike_from(self, site: MoeSite) -> int | None:
+        return None  # each peer's block has the graph's own split sizes
 
 
 KIND = Moe()

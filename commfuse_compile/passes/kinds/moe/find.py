@@ -10,10 +10,10 @@ from typing import Any
 import torch
 from torch.fx import Node
 
-from ... import dims
-from ...declines import Declined, decline
-from ...graph import (
-    ALL_TO_ALL,
+from ...fx import dims
+from ...fx.collectives import ALL_TO_ALL, the_wait
+from ...fx.declines import Declined, decline
+from ...fx.graph import (
     ALLOCATE_LIKE,
     SIZE_READERS,
     cast_to,
@@ -24,7 +24,6 @@ from ...graph import (
     node_arg,
     op_name,
     position,
-    the_wait,
     val,
 )
 from .padding import padded, unpadded

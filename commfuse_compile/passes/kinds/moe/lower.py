@@ -12,11 +12,11 @@ from torch.fx import Node, map_arg
 
 from ....runtime.groups import Group
 from ....schedules import Transfer, round_trip
-from ... import dims
-from ...declines import decline
-from ...graph import CONVERT, node_arg, val
-from ...rewrite import Rewrite
-from ...ring import replace_collective, start_transfers, wait_transfers
+from ...fx import dims
+from ...fx.declines import decline
+from ...fx.graph import CONVERT, node_arg, val
+from ...kit.rewrite import Rewrite
+from ...kit.ring import replace_collective, start_transfers, wait_transfers
 from .padding import ALLOCATE_NEW
 from .site import GROUPED_MM, MoeSite
 

@@ -29,8 +29,8 @@ import dataclasses
 import torch
 from torch.fx import Node
 
-from ... import dims
-from ...graph import SIZE_READERS, data_users, node_arg, region, val
+from ...fx import dims
+from ...fx.graph import SIZE_READERS, data_users, node_arg, region, val
 
 aten = torch.ops.aten
 

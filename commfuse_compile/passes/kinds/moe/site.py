@@ -10,9 +10,9 @@ from typing import ClassVar
 import torch
 from torch.fx import Node
 
-from ... import dims
-from ...graph import val
-from ...site import Site
+from ...fx import dims
+from ...fx.graph import val
+from ...kit.site import Site
 from .padding import Pad
 
 aten = torch.ops.aten

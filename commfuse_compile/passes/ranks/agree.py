@@ -30,11 +30,11 @@ from typing import Any
 
 from torch.fx import Graph
 
-from ..options import Options
-from ..report import SiteRecord, log
-from ..runtime import exchange, groups
+from ...options import Options
+from ...report import SiteRecord, log
+from ...runtime import exchange, groups
+from ..fx.declines import Declined, decline
 from . import sequence
-from .declines import Declined, decline
 
 _known: dict[str, tuple[int, Declined | None]] = {}  # transfers agreed on -> (digest, verdict)
 _warned: set[str] = set()  # groups whose ranks were warned of graphs given up on

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from .declines import decline
-from .graph import position
+from ..fx.declines import decline
+from ..fx.graph import position
 
 c10d = torch.ops._c10d_functional
 

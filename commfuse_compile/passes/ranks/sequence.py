@@ -28,14 +28,11 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import torch
 from torch.fx import Graph, Node
 
-from ..runtime import p2p as _registers_the_op  # noqa: F401 (commfuse::p2p)
+from ..fx.collectives import P2P, WAIT_TENSOR, is_transfer_start
 
 START, WAIT = "start", "wait"
-P2P = torch.ops.commfuse.p2p.default
-WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,14 +178,6 @@ def _needs(programs: Mapping[int, Sequence[Event]]) -> dict[tuple[int, int], lis
                 in_job = member in programs and index < len(theirs)
                 needs[(rank, e.transfer)].append((member, theirs[index]) if in_job else _NEVER)
     return needs
-
-
-def is_transfer_start(node: Node) -> bool:
-    """Does ``node`` start a transfer: a P2P op, or a functional collective (not a wait)?"""
-    if node.op != "call_function":
-        return False
-    functional = getattr(node.target, "namespace", None) == "_c10d_functional"
-    return node.target is P2P or (functional and node.target is not WAIT_TENSOR)
 
 
 def from_graph(graph: Graph, group_ranks: Callable[[str], tuple[int, ...]]) -> list[Event]:

@@ -4,7 +4,7 @@ A reason has a stable code (``rs.not_sum``), the category the graph's summary co
 it under (``report.DECLINE_CATEGORIES``) and a message template filled with the site's names and
 sizes. ``decline`` is the one way to decline a site; report.json carries the code and
 the message; the table of reasons in docs/rewrites.md is generated from ``REASONS``
-(``python -m commfuse_compile.passes.declines`` prints it, for the page's declines
+(``python -m commfuse_compile.passes.fx.declines`` prints it, for the page's declines
 markers) and tests/test_declines.py keeps the two in sync.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ..report import DECLINE_CATEGORIES
+from ...report import DECLINE_CATEGORIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,7 +415,7 @@ def decline(code: str, **fields: Any) -> Declined:
 
 def markdown_table() -> str:
     """The table of reasons in docs/rewrites.md (between its declines markers), one row
-    per code; ``python -m commfuse_compile.passes.declines`` prints it."""
+    per code; ``python -m commfuse_compile.passes.fx.declines`` prints it."""
     rows = ["| code | counted as | message |", "|---|---|---|"]
     for reason in _REASONS:
         message = reason.template.replace("|", "\\|")

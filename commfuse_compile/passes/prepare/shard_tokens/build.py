@@ -17,11 +17,11 @@ from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ...runtime.groups import Group
-from .. import dims
-from ..emit import JOINT_MARKS, Emitter
-from ..graph import normalized_dim, val
-from ..kinds.mm_ar import MmArSite
+from ....runtime.groups import Group
+from ...fx import dims
+from ...fx.graph import normalized_dim, val
+from ...kit.all_reduce import AllReduceSite
+from ...kit.emit import JOINT_MARKS, Emitter
 from .region import FULL_SIZED, Region, for_matmul, nbytes, operand
 
 aten = torch.ops.aten
@@ -214,7 +214,7 @@ class _Rows:
 
 
 def _reduce_scattered(
-    em: Emitter, site: MmArSite, wait: Node, region: Region, group: Group
+    em: Emitter, site: AllReduceSite, wait: Node, region: Region, group: Group
 ) -> tuple[Node, Node]:
     """The all-reduce's operand reduce-scattered on its rows, shaped as the shard of the
     wait's value (the token rows first, then the rest of the value's dims)."""

@@ -23,8 +23,8 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 
-from .emit import JOINT_MARKS, Emitter
-from .graph import VIEWS, val
+from ..fx.graph import VIEWS, val
+from ..kit.emit import JOINT_MARKS, Emitter
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -21,8 +21,23 @@ from torch.fx import Node
 
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule
-from .. import dims, paths
-from ..blocks import (
+from ..fx import dims
+from ..fx.declines import decline
+from ..fx.graph import (
+    CONVERT,
+    FLOAT8_DTYPES,
+    VIEWS,
+    cast_to,
+    check_tensor,
+    data_users,
+    is_transpose_2d,
+    node_arg,
+    numel,
+    val,
+)
+from ..fx.matmuls import Matmul, bias_is_row_broadcast, has_zero_size_dim, scales_problem
+from . import paths
+from .blocks import (
     chunk_width,
     column_block,
     contiguous,
@@ -32,27 +47,10 @@ from ..blocks import (
     slice_block,
     viewed,
 )
-from ..declines import decline
-from ..emit import Emitter
-from ..graph import (
-    CONVERT,
-    FLOAT8_DTYPES,
-    VIEWS,
-    Matmul,
-    bias_is_row_broadcast,
-    cast_to,
-    check_tensor,
-    data_users,
-    has_zero_size_dim,
-    is_transpose_2d,
-    node_arg,
-    numel,
-    scales_problem,
-    val,
-)
-from ..rewrite import Rewrite
-from ..ring import compute_then_send, sliced
-from ..site import Site
+from .emit import Emitter
+from .rewrite import Rewrite
+from .ring import compute_then_send, sliced
+from .site import Site
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -216,6 +214,33 @@ def laid_out(node: Node, dim: int, n: int) -> LaidOut:
     if any(not dims.same_shape(t.out_shape, val(product).shape) for t in terms):
         terms, between = [], []  # (views between the terms: not one layout)
     return LaidOut(product, terms, between, product_dim, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Product:
+    """What a collective sums, found from its operand: the matmul terms and the adds
+    between, the product node, and the blocks followed through layout ops (``laid``:
+    None where the terms were found behind views and casts alone)."""
+
+    terms: list[Matmul]
+    between: list[Node]
+    product: Node
+    laid: LaidOut | None
+
+
+def find_product(value: Node, dim: int, n: int, chain: list[Node], follow: bool) -> Product:
+    """The product ``value`` sums, behind views and casts (added to ``chain``), or with
+    ``follow`` its blocks along ``dim`` followed to a batched or grouped product, or one
+    behind copies and permutes (the path's nodes added to ``chain``)."""
+    product = through_views(value, chain, casts=True)
+    terms, between = sum_of_matmuls(product)
+    laid = None
+    if not terms and follow:
+        laid = laid_out(value, dim, n)
+        if laid.terms:
+            terms, between, product = laid.terms, laid.between, laid.product
+            chain += [node for node, _ in laid.path]
+    return Product(terms, between, product, laid)
 
 
 def check_blocks(terms: list[Matmul], product_dim: int, code: str) -> bool:

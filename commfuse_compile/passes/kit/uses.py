@@ -12,8 +12,10 @@ from typing import ClassVar, Self, TypeVar
 
 from torch.fx import Node
 
-from .declines import decline
-from .graph import Matmul, data_users, position, saved_unwaited, writes_into
+from ..fx.collectives import saved_unwaited
+from ..fx.declines import decline
+from ..fx.graph import data_users, position, writes_into
+from ..fx.matmuls import Matmul
 from .site import Site
 
 # roles where the collected tensor is the matmul's first operand (A); in the others

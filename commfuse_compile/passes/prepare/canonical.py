@@ -72,10 +72,10 @@ from torch._prims_common import is_contiguous_or_false
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import custom_ops, dims
-from .emit import Emitter
-from .graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, Region, node_arg, region, val, writes_into
-from .sequence import WAIT_TENSOR
+from ..fx import custom_ops, dims
+from ..fx.collectives import WAIT_TENSOR
+from ..fx.graph import SLICE_ARGS, SLICE_SCATTER, VIEWS, Region, node_arg, region, val, writes_into
+from ..kit.emit import Emitter
 
 aten = torch.ops.aten
 COPIES = frozenset({aten.copy.default, aten.copy_.default})

@@ -21,12 +21,13 @@ import torch
 import torch._inductor.inductor_prims  # noqa: F401 (prims.inductor_force_stride_order)
 from torch.fx import Node
 
-from ..runtime.groups import Group
-from ..schedules import Direction, Schedule, Transfer
-from . import dims
+from ...runtime.groups import Group
+from ...schedules import Direction, Schedule, Transfer
+from ..fx import dims
+from ..fx.collectives import P2P, saved_unwaited
+from ..fx.graph import LAYOUT_OPS, val
+from ..fx.matmuls import Matmul, is_matmul
 from .blocks import accumulate, finish_sum, viewed
-from .emit import P2P
-from .graph import LAYOUT_OPS, Matmul, is_matmul, saved_unwaited, val
 from .rewrite import Rewrite
 
 aten = torch.ops.aten

@@ -35,16 +35,17 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule
 
-from ...cost.simulator import Work, collective_s
-from ...options import Options
-from ...runtime.groups import Group
-from ...schedules import Direction
-from .. import dims, match, plan
-from ..declines import Declined, decline
-from ..graph import saved_unwaited, val
-from ..kinds import KINDS
-from ..kinds.mm_ar import MmArSite
-from ..kinds.reduced_product import REDUCE_OPS
+from ....cost.simulator import Work, collective_s
+from ....options import Options
+from ....runtime.groups import Group
+from ....schedules import Direction
+from ... import match, plan
+from ...fx import dims
+from ...fx.collectives import saved_unwaited
+from ...fx.declines import Declined, decline
+from ...fx.graph import val
+from ...kit.all_reduce import AllReduceSite, all_reduces
+from ...kit.reduced import REDUCE_OPS
 from ..merge_reduces import merge_summed
 from .build import META, emit_split
 from .region import nbytes, region_after
@@ -66,8 +67,7 @@ def split_planned(gm: GraphModule, options: Options, before_change: Change) -> b
     (``_split_faster``): a few tokens' all-reduce (decode) stays. An all-reduce decided
     on before (the joint graph's, in its forward or backward graph) keeps that
     decision."""
-    sites = [s for s in KINDS["mm_ar"].find(gm.graph) if META not in s.collective.meta]
-    sites = [s for s in sites if isinstance(s, MmArSite)]
+    sites = [s for s in all_reduces(gm.graph) if META not in s.collective.meta]
     if not sites:
         return False
     planned = {site.collective: plan.plannable(site, options) for site in sites}
@@ -88,7 +88,7 @@ def split_planned(gm: GraphModule, options: Options, before_change: Change) -> b
 
 def split_all_reduces(
     graph: Graph,
-    sites: Sequence[MmArSite],
+    sites: Sequence[AllReduceSite],
     group_of: Callable[[Any], Group | Declined],
     before_change: Change,
 ) -> bool:
@@ -99,7 +99,7 @@ def split_all_reduces(
     nothing, the gather after the norm does. All-reduced values added together are
     reduce-scattered as one (``merge_reduces``). Every all-reduce left whole is marked
     with why (``META``: ``not_split``)."""
-    together: dict[tuple[str, Any], list[tuple[MmArSite, Group]]] = {}
+    together: dict[tuple[str, Any], list[tuple[AllReduceSite, Group]]] = {}
     for site in sites:
         tokens = _tokens(site)
         group = tokens if isinstance(tokens, Declined) else group_of(site.collective)
@@ -122,7 +122,7 @@ def split_all_reduces(
         before_change()
         waits = merge_summed(graph, set(region.sources), before_change)
         if waits != set(region.sources):  # the sums of all-reduced values, one each
-            merged = {s.wait: s for s in KINDS["mm_ar"].find(graph) if s.wait in waits}
+            merged = {s.wait: s for s in all_reduces(graph) if s.wait in waits}
             region = region_after(graph, tokens, merged)  # type: ignore[arg-type]
         changed |= emit_split(graph, region, members[0][1])
     return changed
@@ -138,7 +138,7 @@ def not_split(why: Declined, all_reduce: Any) -> dict[str, Any]:
     }
 
 
-def _tokens(site: MmArSite) -> dims.Size | Declined:
+def _tokens(site: AllReduceSite) -> dims.Size | Declined:
     """The rows the all-reduce's value is split into: its product's rows, or for an
     all-reduce of no matmul (a vocabulary-parallel embedding's lookup) the value's rows
     before its last dim; why not, where the site is declined otherwise or n does not

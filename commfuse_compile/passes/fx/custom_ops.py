@@ -30,8 +30,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import Node
 
-from ..options import CommfuseOptionError
-from ..runtime.groups import ranks_of
+from ...options import CommfuseOptionError
+from ...runtime.groups import ranks_of
 from . import dims
 from .graph import node_arg
 

@@ -16,10 +16,11 @@ import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx import Graph, Node
 
-from .emit import P2P, Emitter
-from .graph import in_graph_order, is_matmul, position
+from ..fx.collectives import P2P, is_transfer_start
+from ..fx.graph import in_graph_order, position
+from ..fx.matmuls import is_matmul
+from .emit import Emitter
 from .placement import inputs_to_hoist
-from .sequence import is_transfer_start
 from .site import Site
 
 # P2P tags start high up, so that a user's own send/recv on the same group (small tags)

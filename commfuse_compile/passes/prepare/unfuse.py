@@ -25,10 +25,12 @@ import torch
 from torch._guards import detect_fake_mode
 from torch.fx import Graph, Node
 
-from .blocks import can_view
-from .declines import Declined
-from .emit import Emitter, fake_eval
-from .graph import ALL_TO_ALL, LAYOUT_OPS, VIEWS, Matmul, data_users, is_transpose_2d, val
+from ..fx.collectives import ALL_TO_ALL
+from ..fx.declines import Declined
+from ..fx.graph import LAYOUT_OPS, VIEWS, data_users, is_transpose_2d, val
+from ..fx.matmuls import Matmul
+from ..kit.blocks import can_view
+from ..kit.emit import Emitter, fake_eval
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -16,10 +16,11 @@ import torch
 from torch._prims_common import is_contiguous_or_false
 from torch.fx import Node
 
-from . import dims
-from .declines import decline
+from ..fx import dims
+from ..fx.declines import decline
+from ..fx.graph import CONVERT, VIEWS, cast_to, split_dim_in_input, val
+from ..fx.matmuls import Matmul, varies_by_row
 from .emit import Emitter
-from .graph import CONVERT, VIEWS, Matmul, cast_to, split_dim_in_input, val, varies_by_row
 
 aten = torch.ops.aten
 

@@ -24,24 +24,21 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from . import dims
-from .blocks import Span, column_span, matmul, row_block, slice_span
-from .emit import Emitter
-from .graph import (
-    ANY_MATMUL,
+from ..fx import dims
+from ..fx.graph import (
     CONVERT,
     LAYOUT_OPS,
     TRANSPOSES,
-    Layout,
-    Matmul,
     cast_to,
     data_users,
-    is_matmul,
     node_arg,
     split_dim_in_input,
     split_dim_in_output,
     val,
 )
+from ..fx.matmuls import ANY_MATMUL, Layout, Matmul, is_matmul
+from .blocks import Span, column_span, matmul, row_block, slice_span
+from .emit import Emitter
 from .ring import Products
 
 aten = torch.ops.aten

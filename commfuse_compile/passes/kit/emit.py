@@ -22,15 +22,15 @@ from torch.fx.proxy import GraphAppendingTracer, Proxy
 from torch.utils._sympy.interp import sympy_interp
 from torch.utils._sympy.reference import PythonReferenceAnalysis
 
-from ..runtime.p2p import p2p_fake  # (importing it registers commfuse::p2p)
-from . import dims
-from .declines import decline
-from .graph import MATMUL_OPS
+from ...runtime.p2p import p2p_fake  # (importing it registers commfuse::p2p)
+from ..fx import dims
+from ..fx.collectives import P2P
+from ..fx.declines import decline
+from ..fx.matmuls import MATMUL_OPS
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-P2P = torch.ops.commfuse.p2p.default
 # ops that only view their input: one such node per (input, arguments) and rewrite
 VIEW_OPS = frozenset({aten.view.default, aten.permute.default, aten.slice.Tensor})
 # what AOTAutograd's partitioner and activation checkpointing read off a joint graph's

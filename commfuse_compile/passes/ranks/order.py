@@ -38,8 +38,8 @@ from torch._inductor.fx_passes.control_dependencies import preserve_node_orderin
 from torch.fx import Graph, Node
 from torch.utils._ordered_set import OrderedSet
 
-from .rewrite import Step
-from .sequence import is_transfer_start
+from ..fx.collectives import is_transfer_start
+from ..kit.rewrite import Step
 
 
 def keep_order(graph: Graph, steps: Iterable[Step]) -> None:

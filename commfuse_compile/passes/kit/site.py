@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from torch.fx import Node
 
-from .declines import Decline
+from ..fx.declines import Decline
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

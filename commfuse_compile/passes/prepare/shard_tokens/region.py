@@ -28,10 +28,11 @@ from collections.abc import Sequence
 import torch
 from torch.fx import Graph, Node
 
-from .. import dims
-from ..declines import Declined, decline
-from ..graph import VIEWS, data_users, is_matmul, normalized_dim, numel, op_name, val
-from ..kinds.mm_ar import MmArSite
+from ...fx import dims
+from ...fx.declines import Declined, decline
+from ...fx.graph import VIEWS, data_users, normalized_dim, numel, op_name, val
+from ...fx.matmuls import is_matmul
+from ...kit.all_reduce import AllReduceSite
 
 aten = torch.ops.aten
 
@@ -67,7 +68,7 @@ class Region:
     """What the split moves: per node in graph order, how it runs on the shard."""
 
     tokens: dims.Size
-    sources: dict[Node, MmArSite]  # an all-reduce's wait -> its site
+    sources: dict[Node, AllReduceSite]  # an all-reduce's wait -> its site
     moved: dict[Node, str] = dataclasses.field(default_factory=dict)  # node -> how
     # read from the shard, whole values: sums over the tokens, full-sized allocations
     replaced: dict[Node, str] = dataclasses.field(default_factory=dict)
@@ -101,7 +102,7 @@ def nbytes(node: Node) -> int:
     return numel(node) * val(node).element_size()
 
 
-def region_after(graph: Graph, tokens: dims.Size, sources: dict[Node, MmArSite]) -> Region:
+def region_after(graph: Graph, tokens: dims.Size, sources: dict[Node, AllReduceSite]) -> Region:
     """The token-wise region after ``sources`` (waits), in graph order."""
     region = Region(tokens, sources)
     node: Node | None = min(sources, key=lambda n: n._sort_key)

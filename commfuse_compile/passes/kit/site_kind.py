@@ -1,0 +1,83 @@
+"""What every site kind provides to the pipeline (``SiteKind``).
+
+A site kind is one module (or package) in ``kinds/``: it finds its sites in a graph,
+says what they cost, and computes one block of a site; the ring core (``kit/ring.py``)
+runs the schedule around that. The stages only talk to this interface, so a new pattern
+is one new module plus its entry in ``kinds.KINDS``. What verify holds a rewrite to has
+defaults here (the schedule's own steps); a kind that runs steps of its own (``moe``)
+says what they are.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, TypeVar
+
+from torch.fx import Graph, Node
+
+from ...cost.simulator import Work
+from ...runtime.groups import Group
+from ...schedules import Direction, Schedule, exchange
+from .rewrite import Rewrite, Taken
+from .site import Site
+
+S = TypeVar("S", bound=Site)
+
+
+Peers = tuple[list[int], list[int]]  # one P2P op's (ranks sent to, ranks received from)
+
+
+class SiteKind(Protocol[S]):
+    name: str
+    # the matmul roles this kind gives its uses, which the ``disable`` option can leave
+    # out of a site (``kinds.DISABLEABLE``)
+    roles: tuple[str, ...] = ()
+    direction: Direction  # which steps of a schedule run it (``Schedule.steps``)
+    # can run inside one window of a site that shares its matmul and is rewritten first
+    # (``match.find_sites`` orders such sites so)
+    nests: bool
+
+    def find(self, graph: Graph) -> list[S]:
+        """Every site of this kind in the graph, matched or declined (nothing rewritten)."""
+        ...
+
+    def rematch(self, site: S, taken: Taken) -> S | None:
+        """``site`` matched again where it stands after other sites were rewritten (what
+        they emitted: ``taken``)."""
+        ...
+
+    def without(self, site: S, disabled: frozenset[str]) -> S:
+        """``site`` less the parts the ``disable`` option names (declines if none is left)."""
+        ...
+
+    def work(self, site: S, n: int) -> Work:
+        """Per-block matmul FLOPs and message bytes, for the cost model."""
+        ...
+
+    def start(self, site: S, taken: Taken) -> tuple[S, Node]:
+        """The site as it will be lowered, and the node its new nodes go before."""
+        ...
+
+    def lower(self, rw: Rewrite, site: S, group: Group, schedule: Schedule, slices: int) -> None:
+        """Emit ``site`` as ``schedule``'s steps for this rank of ``group``."""
+        ...
+
+    def expected_peers(self, site: S, group: Group, schedule: Schedule, slices: int) -> list[Peers]:
+        """This rank's P2P ops as the rewrite must emit them, in order: the schedule's
+        steps in the kind's direction, those that send or receive."""
+        steps = schedule.steps(self.direction, group.rank, group.size, slices)
+        return [
+            ([group.peer(t.peer) for t in st.sends], [group.peer(t.peer) for t in st.recvs])
+            for st in steps
+            if st.sends or st.recvs
+        ]
+
+    def check_schedule(self, schedule: Schedule, n: int) -> None:
+        """Raise ``exchange.ScheduleError`` unless the steps, run for all n ranks, leave
+        every rank with the right blocks."""
+        exchange.check(schedule.module, n, self.direction)
+
+    def alike_from(self, site: S) -> int | None:
+        """The dim from which every buffer of one P2P op has the same shape (blocks of
+        an uneven all-to-all differ in their rows: 1); None: not checked (a kind whose
+        blocks have the graph's own sizes)."""
+        return 0
