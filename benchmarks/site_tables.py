@@ -64,6 +64,11 @@ RUNS: list[tuple[str, int, list[str]]] = [
                 "examples/train_deepspeed_ulysses.py",
                 ["--gqa", "4", "--fused-qkv"],
             ),
+            ("hf-tp-3", 3, "examples/train_hf_tp.py", []),  # plain TP split on the joint graph
+            ("moe-3-capacity", 3, "examples/train_moe.py", []),
+            ("moe-3-dropless", 3, "examples/train_moe.py", ["--moe", "dropless"]),
+            ("moe-4-titan", 4, "examples/train_moe.py", ["--moe", "titan"]),
+            ("moe-4-megatron", 4, "examples/train_moe.py", ["--moe", "megatron"]),
         ]
     ),
 ]

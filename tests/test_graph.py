@@ -31,7 +31,7 @@ from commfuse_compile import CommfuseOptionError, Options, report
 from commfuse_compile.cost.profiles import BUILTIN, save
 from commfuse_compile.options import DEBUG_DIR_ENV
 from commfuse_compile.passes import resolve_options, rewrite_and_compile, rewrite_graph
-from commfuse_compile.passes.kinds import mm_a2a
+from commfuse_compile.passes.kinds import KINDS, mm_a2a
 from commfuse_compile.passes.kit import ring
 from commfuse_compile.passes.prepare import unfuse
 
@@ -688,7 +688,7 @@ def _boom(*args, **kwargs):
             "verify", "check_committed", "eager", "graph left as it was", id="after-commit"
         ),
         pytest.param(
-            "order", "preserve_node_ordering", "inductor", "graph left as it was", id="order"
+            "ranks.order", "preserve_node_ordering", "inductor", "graph left as it was", id="order"
         ),
     ],
 )
@@ -851,11 +851,11 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
     from commfuse_compile.passes.lower import lower, start
     from commfuse_compile.runtime import groups
     from commfuse_compile.schedules import (
-        Direction,
         GatherStep,
         Schedule,
         Transfer,
         by_name,
+        exchange,
         ring,
     )
 
@@ -888,9 +888,9 @@ def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():
         def gather_steps(rank, n):
             return [GatherStep((rank,), (Transfer(rank, +1),), (Transfer((rank + 1) % n, +1),))]
 
-    with pytest.raises(Declined, match="schedule Deadlocks on 3 ranks"):
-        deadlocks = Schedule("Deadlocks", Deadlocks, sliced=False)
-        verify._check_schedule_all_ranks(deadlocks, 3, Direction.GATHER)
+    deadlocks = Schedule("Deadlocks", Deadlocks, sliced=False)
+    with pytest.raises(exchange.ScheduleError, match="receives"):
+        KINDS["ag_mm"].check_schedule(deadlocks, 3)
 
 
 def test_p2p_tags_come_from_the_graph_and_the_site_not_from_what_was_compiled_before():

@@ -1,5 +1,5 @@
 """In-place c10d collectives, as Megatron-LM and DeepSpeed write them (the canonical form,
-``passes/prepare/canonical.py``, and the one predicate of value readers, ``graph.data_users``).
+``passes/prepare/canonical.py``, and the one predicate of value readers, ``fx.graph.data_users``).
 
 Graph level, on torch's fake process group through ``torch.compile`` (Dynamo traces the
 in-place API into a functional collective and a copy into the preallocated buffer): each

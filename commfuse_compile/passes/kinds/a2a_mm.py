@@ -3,6 +3,13 @@ of the q/k/v projections' input and weights): block j of the all-to-all's output
 from rank j, so each block is multiplied as soon as it arrives, this rank's own block
 first, under the first transfer. Partial products are never sent.
 
+    # before                          # after (rank r of n)
+    g = wait(all_to_all(x))           y_[r] = x[block r] @ w      # own block: under the first
+    y = g @ w                         for s in range(1, n):
+                                          blk = wait(p2p(send x[block r+s] to r+s, recv from r-s))
+                                          y_[r - s] = blk @ w
+                                      y = cat(y_)                # (rows; other roles: columns, K)
+
 ``all_to_all_single`` stacks the n received blocks on dim 0. That dim is followed
 through the views, permutes and copies to each matmul operand that reads it, where the
 blocks are rows or columns of the 2-D operand G; where G sits decides what a block

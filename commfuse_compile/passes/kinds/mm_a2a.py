@@ -4,6 +4,13 @@ is a row or a column block of the product, so each is computed, then sent while 
 next is computed; this rank's own block is computed last, under the final transfer.
 Same FLOPs and bytes as the matmul and the collective.
 
+    # before                          # after (rank r of n)
+    p = x @ w                         for s in range(1, n):
+    y = wait(all_to_all(p))               blk = x[block r+s] @ w      # while the last travels
+                                          y_[r - s] = wait(p2p(send blk to r+s, recv from r-s))
+                                      y_[r] = x[block r] @ w      # own block: under the last
+                                      y = cat(y_)
+
 ``all_to_all_single`` splits dim 0 into n equal blocks. That dim is followed back
 through the views, permutes and copies between the product and the collective (its
 outermost n-way split must stay the outermost n-way split of one dim at every step) to

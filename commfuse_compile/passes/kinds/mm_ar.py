@@ -2,8 +2,12 @@
 ``RowwiseParallel`` with its replicated output, Hugging Face's ``tp_plan="auto"``,
 Megatron without sequence parallelism) and the column-parallel input's gradient.
 
+    # before                          # after
+    y = wait(all_reduce(x @ w))       blk = mm_rs's ring over the rows of x @ w   # block r, summed
+                                      y = wait(all_gather(blk))
+
 An all-reduce is a reduce-scatter then an all-gather. The reduce-scatter half runs as
-``mm_rs`` runs it (``reduced_product``): the product is cut into n blocks of its rows
+``mm_rs`` runs it (``kit/reduced``): the product is cut into n blocks of its rows
 (the tokens), each block's partial sent on while the next is computed; each rank then
 holds its block summed over the group, and one all-gather of those blocks (the
 all-reduce's second half, the same bytes) gives every rank the whole sum. Every

@@ -6,6 +6,14 @@ views to the product, where it is a block of its rows or of its columns. A dtype
 the way (mixed precision: a bfloat16 weight gradient reduced in float32) is element by
 element, so it commutes with all of that: each block's partial is cast as the
 collective's operand was, and the partial sums are added in the collective's dtype.
+
+    # before                          # after (ring, rank r of n)
+    p = x @ w                         acc = x[block b_0] @ w
+    y = wait(reduce_scatter(p))       for s in range(1, n):
+                                          got = p2p(send acc to r-1, recv from r+1)
+                                          part = x[block b_s] @ w     # while acc travels
+                                          acc = part + wait(got)
+                                      y = acc                    # block r, summed over the group
 """
 
 from __future__ import annotations

@@ -6,6 +6,14 @@ through view/reshape into the matmul's rows, where any block of rows is an indep
 piece of the product; transposed uses (weight gradients, gathered weights) contract or
 fill columns block by block (``GatherUse.role``).
 
+    # before                          # after (ring, rank r of n)
+    x = wait(all_gather(x_r))         blk = x_r
+    y = x @ w                         for s in range(n):
+                                          nxt = p2p(send blk to r+1, recv from r-1)  # s < n-1
+                                          y_[(r - s) % n] = blk @ w   # while nxt travels
+                                          blk = wait(nxt)
+                                      y = cat(y_)                # (rows; other roles: columns, K)
+
 ``site``: what a site is; ``find``: matching; ``place``: where its ring goes, and what it
 leaves out to go there; ``lower``: what each piece computes, on the ring core.
 """

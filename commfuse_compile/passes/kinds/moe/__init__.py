@@ -11,6 +11,13 @@ What the graph holds (the splits are the graph's own sizes, from ``.tolist()``):
     y = new_empty(...).index_put([perm], out)                     # rows put back
     wait(all_to_all_single(y, in_splits, out_splits))            # combine
 
+The same layer after (rank r of n; n + 1 steps of ``round_trip``):
+    step 0:    send the tokens for r+1, receive r-1's   | experts(own tokens, first half)
+    step s:    send/receive the next peer's tokens       | experts(peer r-s's block, sorted by
+               and send peer r-s+1's result back         |   expert, its own offsets, unsorted)
+    step n:    receive the last result                   | experts(own tokens, second half)
+    y = cat(the results, in the combine's order)
+
 Every op between ``xp`` and ``out`` computes a row from that row alone (a grouped
 matmul with its group's weight: group g holds rows offs[g-1] to offs[g]), so row i of
 ``recv`` goes through expert ``g(i) = bucketize(pinv[i], offs, right=True)``, ``pinv``
