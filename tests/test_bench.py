@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from commfuse_compile.tools.bench.block import BlockJob, block_compile, block_times
-from commfuse_compile.tools.bench.cells import SiteJob, dropless_routing, measure_site
+from commfuse_compile.tools.bench.cells import SiteJob, measure_site
 from commfuse_compile.tools.bench.config import (
     DROPLESS_KIND,
     DROPLESS_SKEW,
@@ -38,6 +38,7 @@ from commfuse_compile.tools.bench.markdown import markdown
 from commfuse_compile.tools.bench.netns import PREFIX, can_throttle, remove_stale_namespaces
 from commfuse_compile.tools.bench.plot import plot_speedup
 from commfuse_compile.tools.bench.run import FULL, QUICK, kind_rows, variants
+from commfuse_compile.tools.bench.sites import dropless_routing
 from commfuse_compile.tools.cli import _parser, main
 
 ROOT_ONLY = pytest.mark.skipif(can_throttle() is not None, reason=str(can_throttle()))

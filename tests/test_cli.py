@@ -95,7 +95,7 @@ def test_the_cost_models_figure_is_the_simulated_block():
 def test_sim_prints_every_schedule_and_writes_traces(tmp_path, capsys):
     from commfuse_compile.cost.simulator import SCHEDULES
     from commfuse_compile.tools.cli import main
-    from commfuse_compile.tools.sim import PRESETS, layer_sites
+    from commfuse_compile.tools.sim.layer import PRESETS, layer_sites
 
     assert (
         main(["sim", "--model", "llama3-70b", "--group-size", "2,8", "--out", str(tmp_path)]) == 0

@@ -36,7 +36,7 @@ from commfuse_compile.passes.fx.declines import Declined
 from commfuse_compile.passes.plan import MIN_GAIN, plan, site_work
 from commfuse_compile.schedules import Direction
 from commfuse_compile.tools import calibrate as cal
-from commfuse_compile.tools.sim import write_trace
+from commfuse_compile.tools.sim.layer import write_trace
 
 PROFILES = [pytest.param(p, id=name) for name, p in BUILTIN.items()]
 KINDS = ("gather", "reduce")

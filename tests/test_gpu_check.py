@@ -24,7 +24,7 @@ from gpu_check_parts.split_gemm import DIRECTIONS, Split, run_blocks
 
 from commfuse_compile.cost import profiles
 from commfuse_compile.tools import cli
-from commfuse_compile.tools.sim import PRESETS
+from commfuse_compile.tools.sim.layer import PRESETS
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 

@@ -13,7 +13,7 @@ from commfuse_compile.cost.profiles import BUILTIN
 from commfuse_compile.cost.simulator import simulate
 from commfuse_compile.schedules import Direction
 from commfuse_compile.tools.cli import main
-from commfuse_compile.tools.sim import (
+from commfuse_compile.tools.sim.moe import (
     MOE_PRESETS,
     MOE_SKEW,
     MOE_TOKENS,

@@ -11,7 +11,7 @@ import pytest
 
 from commfuse_compile.cost.profiles import BUILTIN
 from commfuse_compile.tools.cli import main
-from commfuse_compile.tools.sim import (
+from commfuse_compile.tools.sim.layer import (
     PRESETS,
     simulate_layer,
     simulate_plain_tp,

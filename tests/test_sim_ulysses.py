@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from commfuse_compile.cost.profiles import BUILTIN
 from commfuse_compile.passes.kinds import KINDS
 from commfuse_compile.tools.cli import main
-from commfuse_compile.tools.sim import (
+from commfuse_compile.tools.sim.layer import (
     PRESETS,
     UP_GROUP_SIZES,
     UP_SEQUENCES,

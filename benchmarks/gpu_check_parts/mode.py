@@ -11,7 +11,7 @@ import torch
 from torch.utils import benchmark
 
 from commfuse_compile.options import Options
-from commfuse_compile.tools.sim import PRESETS
+from commfuse_compile.tools.sim.layer import PRESETS
 from commfuse_compile.tools.training import fronts
 
 WORLD_SIZE, RANK = 4, 1  # the fake group, and this process's rank in it (neighbours 0, 2)

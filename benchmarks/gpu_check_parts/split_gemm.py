@@ -14,7 +14,7 @@ import torch
 
 from commfuse_compile.cost.profiles import Profile, for_device, load, save
 from commfuse_compile.tools.calibrate import fit_line
-from commfuse_compile.tools.sim import PRESETS, ModelShape, simulate_layer
+from commfuse_compile.tools.sim.layer import PRESETS, ModelShape, simulate_layer
 
 from .mode import DTYPE, GROUP_SIZES, MODELS, SLICES, Mode, seconds
 

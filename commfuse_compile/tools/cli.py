@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 from ..cost.profiles import Profile, ProfileError, load
 from ..options import INNER_COMPILERS, MAX_SLICES, SCHEDULES, dump_dir_problem
 from .bench.config import CELL_KINDS, DROPLESS_KIND, MOE_KIND
-from .sim import MOE_GROUP_SIZES, MOE_PRESETS, MOE_TOKENS, PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
+from .sim.layer import PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
+from .sim.moe import MOE_GROUP_SIZES, MOE_PRESETS, MOE_TOKENS
 
 if TYPE_CHECKING:
     _Commands = argparse._SubParsersAction[argparse.ArgumentParser]  # add_subparsers' result
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
 def _sim(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from .sim import (
+    from .sim.layer import (
         format_plain_tp,
         format_table,
         simulate_layer,
@@ -384,7 +385,7 @@ def _sim_ulysses(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
     """The Ulysses layer: a table per sequence length, then one summary of them all."""
     import dataclasses
 
-    from .sim import (
+    from .sim.layer import (
         format_table,
         format_ulysses_summary,
         simulate_ulysses,
@@ -415,7 +416,7 @@ def _sim_moe(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """The MoE layer's expert parallelism: one section of projections per preset."""
     import dataclasses
 
-    from .sim import format_moe, moe_problem, simulate_moe
+    from .sim.moe import format_moe, moe_problem, simulate_moe
 
     name = args.model or "deepseek-v3-moe"
     if name not in MOE_PRESETS:

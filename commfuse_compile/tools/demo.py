@@ -32,7 +32,7 @@ from .. import report
 from ..cost.profiles import BUILTIN
 from .bench.figures import slowest
 from .bench.netns import throttled_ranks
-from .sim import ModelShape, simulate_layer
+from .sim.layer import ModelShape, simulate_layer
 from .training.models import Block, block_plan
 
 LINK_RATE = 400e6  # bit/s of each rank's link: the baseline's communication about its compute

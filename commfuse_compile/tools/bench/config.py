@@ -26,7 +26,7 @@ EXPERTS_PER_RANK = 2
 # expert's hidden size; ``EXPERTS_PER_RANK`` experts per rank; the pass's ``moe`` site
 DROPLESS_KIND = "a2a_gmm_a2a"
 # skewed routing (``SiteShape.skew``): each rank sends this many times the average rows
-# to one peer (``cells.dropless_routing``)
+# to one peer (``sites.dropless_routing``)
 DROPLESS_SKEW = 2.0
 # every cell kind (``commfuse bench --kinds``): TP+SP's, Ulysses', plain TP's, the MoEs'
 CELL_KINDS = ("ag_mm", "mm_rs", "mm_a2a", "a2a_mm", "mm_ar_mm", MOE_KIND, DROPLESS_KIND)
