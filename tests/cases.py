@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -29,6 +30,15 @@ COLLECTIVES = (
     c10d.reduce_scatter_tensor.default,
     c10d.all_to_all_single.default,
 )
+
+
+def examples(default: int, thorough: int) -> list:
+    """A property's example counts: ``default`` in the default run, ``thorough`` under
+    ``-m matrix`` (the first examples again, then more)."""
+    return [
+        pytest.param(default, id=f"{default}-examples"),
+        pytest.param(thorough, id=f"{thorough}-examples", marks=pytest.mark.matrix),
+    ]
 
 
 def gathered(x: torch.Tensor, n: int, dim: int) -> torch.Tensor:

@@ -16,8 +16,8 @@ program reused or wrote a transfer's buffer before its wait would have been comp
 without the pass (``passes/ranks/program.py``) and show here as declined.
 
 By default (``default``): cells on 3 ranks in float32, every schedule with Inductor on
-one front at least and each front with three (TP+SP: ring, push, 2-chunk slicing;
-sharded DP: ring, bidir, push), and the 3-chunk slicing eager on both. On 4 ranks the
+one front (TP+SP: ring, 2-chunk slicing; sharded DP: bidir, push), and the 3-chunk
+slicing eager on TP+SP. On 4 ranks the
 default run has this path elsewhere: test_rank_order's two TP+SP blocks with Inductor,
 with the default options and with the ring (forward, backward, AdamW steps: losses
 equal, every site rewritten), test_e2e's TP+SP MLP with Inductor (bidir: every gradient
@@ -103,18 +103,18 @@ CELLS = (
 )
 
 
-# The Inductor cells of the default run on 3 ranks: every schedule on one front at least
-# (bidir and 2-chunk slicing on one: the other front's cell is the same schedule with the
-# same compiler on the same ranks; test_inductor_order also checks every schedule's
-# program and numbers for every matmul role, test_e2e bidir with Inductor on 4 ranks),
-# every front with the ring and two more.
-DEFAULT_INDUCTOR = {"tp": ("ring", "push", "slicing2"), "fsdp": ("ring", "bidir", "push")}
+# The Inductor cells of the default run on 3 ranks: every schedule on one front (the
+# other front's cell is the same schedule with the same compiler on the same ranks;
+# test_inductor_order also checks every schedule's program and numbers for every matmul
+# role, test_e2e bidir with Inductor on 4 ranks, test_framework_fronts SimpleFSDP's
+# gathers with the ring and Inductor).
+DEFAULT_INDUCTOR = {"tp": ("ring", "slicing2"), "fsdp": ("bidir", "push")}
 
 
 def default(front: str, inner: str, name: str, n: int, dtype: str) -> bool:
     """The cells of the default run: float32 on 3 ranks, ``DEFAULT_INDUCTOR`` with
     Inductor, the default inner compiler (its 3-chunk slicing in the matrix: the chunk
-    count changes no structure), the eager compiler with the 3-chunk slicing (its ring,
+    count changes no structure), the eager compiler with the 3-chunk slicing on TP+SP (its ring,
     bidir, push and 2-chunk slicing in the matrix: the same schedules as Inductor's
     cells, on the same ranks; eager P2P schedules also run in test_e2e, test_training and
     test_diverged by default). Not 4 ranks: the TP+SP block with Inductor and the ring on
@@ -122,7 +122,9 @@ def default(front: str, inner: str, name: str, n: int, dtype: str) -> bool:
     Inductor on 4 ranks in test_e2e."""
     if dtype != "float32" or n != 3:
         return False
-    return name in DEFAULT_INDUCTOR[front] if inner == "inductor" else name == "slicing3"
+    if inner == "inductor":
+        return name in DEFAULT_INDUCTOR[front]
+    return front == "tp" and name == "slicing3"
 
 
 def cells():

@@ -20,12 +20,11 @@ import math
 
 import pytest
 import torch
-from cases import AgMm, Experts, FusedQkv, MmRs, Ulysses, run_case
+from cases import AgMm, Experts, FusedQkv, MmRs, Ulysses, examples, run_case
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 PROPERTY = settings(
-    max_examples=40,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -105,42 +104,52 @@ def scatter_cases(draw):
     return n, case, draw(st.integers(0, 10_000)), schedule, k, draw(INNER)
 
 
-@PROPERTY
-@given(gather_cases())
-def test_all_gather_matmul_matches(ranks, example):
+@pytest.mark.parametrize("examples", examples(12, 40))
+def test_all_gather_matmul_matches(ranks, examples):
     """Every matmul output matches up to summation order; the rebuilt gathered tensor
     (the extra user) is bit-exact: it is the same bytes, moved by P2P instead."""
-    n, case, seed, schedule, k, symbolic, inner = example
-    if case.consumers + case.contract + case.columns + case.left == 0:
-        case = dataclasses.replace(case, consumers=1)
-    # Inductor turns a matmul with a dim of 1 (of M, K, N) into element-wise ops before the
-    # pass sees it
-    assume(inner == "eager" or min(case.shard[-1], case.n_out) > 1)
-    rtol, atol = SUM_TOLERANCE[case.dtype]
-    mode = "symbolic" if symbolic else "fake"
-    for out in _run(ranks(n), case, seed, schedule, k, mode, inner):
-        assert len(out["actual"]) == len(out["expected"])
-        pairs = list(zip(out["actual"], out["expected"], strict=True))
-        if case.extra_user:
-            actual, expected = pairs.pop()
-            torch.testing.assert_close(actual, expected, rtol=0, atol=0)
-        for actual, expected in pairs:
-            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * 4)
+
+    @settings(PROPERTY, max_examples=examples)
+    @given(gather_cases())
+    def check(example):
+        n, case, seed, schedule, k, symbolic, inner = example
+        if case.consumers + case.contract + case.columns + case.left == 0:
+            case = dataclasses.replace(case, consumers=1)
+        # Inductor turns a matmul with a dim of 1 (of M, K, N) into element-wise ops before the
+        # pass sees it
+        assume(inner == "eager" or min(case.shard[-1], case.n_out) > 1)
+        rtol, atol = SUM_TOLERANCE[case.dtype]
+        mode = "symbolic" if symbolic else "fake"
+        for out in _run(ranks(n), case, seed, schedule, k, mode, inner):
+            assert len(out["actual"]) == len(out["expected"])
+            pairs = list(zip(out["actual"], out["expected"], strict=True))
+            if case.extra_user:
+                actual, expected = pairs.pop()
+                torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+            for actual, expected in pairs:
+                torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol * 4)
+
+    check()
 
 
-@PROPERTY
-@given(scatter_cases())
-def test_matmul_reduce_scatter_matches(ranks, example):
+@pytest.mark.parametrize("examples", examples(12, 40))
+def test_matmul_reduce_scatter_matches(ranks, examples):
     """Partials are rounded to the dtype before they are summed (by gloo or by the ring), so
     in bfloat16 two summation orders differ by a few units in the last place of the
     largest values, whatever a cancelling result's own magnitude."""
-    n, case, seed, schedule, k, inner = example
-    assume(inner == "eager" or min(math.prod(case.lead), case.k, case.n_out) > 1)  # (as above)
-    rtol, atol = SUM_TOLERANCE[case.dtype]
-    for out in _run(ranks(n), case, seed, schedule, k, inner=inner):
-        (actual,), (expected,) = out["actual"], out["expected"]
-        scale = expected.abs().max().item() if case.dtype == torch.bfloat16 else 0.0
-        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol + scale * 2**-5)
+
+    @settings(PROPERTY, max_examples=examples)
+    @given(scatter_cases())
+    def check(example):
+        n, case, seed, schedule, k, inner = example
+        assume(inner == "eager" or min(math.prod(case.lead), case.k, case.n_out) > 1)  # (as above)
+        rtol, atol = SUM_TOLERANCE[case.dtype]
+        for out in _run(ranks(n), case, seed, schedule, k, inner=inner):
+            (actual,), (expected,) = out["actual"], out["expected"]
+            scale = expected.abs().max().item() if case.dtype == torch.bfloat16 else 0.0
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol + scale * 2**-5)
+
+    check()
 
 
 def test_exact_for_two_ranks_reduce_scatter(ranks):
@@ -177,19 +186,24 @@ def exchange_cases(draw):
     return draw(st.sampled_from([2, 3, 4])), case, draw(st.integers(0, 10_000)), draw(INNER)
 
 
-@settings(PROPERTY, max_examples=16)
-@given(exchange_cases())
-def test_all_to_all_matmul_matches(ranks, example):
+@pytest.mark.parametrize("examples", examples(8, 16))
+def test_all_to_all_matmul_matches(ranks, examples):
     """Ulysses' all-to-alls next to a projection, both directions, in the pairwise order:
     blocks of the product are sent (never partial sums), so only the contracting side
     ("out") changes the summation order."""
-    n, case, seed, inner = example
-    assume(inner == "eager" or min(case.dim, case.head_dim, case.batch * case.seq_per_rank) > 1)
-    rtol, atol = SUM_TOLERANCE[case.dtype]
-    for out in _run(ranks(n), case, seed, "ring", inner=inner):
-        (actual,), (expected,) = out["actual"], out["expected"]
-        scale = expected.abs().max().item() if case.dtype == torch.bfloat16 else 0.0
-        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol + scale * 2**-5)
+
+    @settings(PROPERTY, max_examples=examples)
+    @given(exchange_cases())
+    def check(example):
+        n, case, seed, inner = example
+        assume(inner == "eager" or min(case.dim, case.head_dim, case.batch * case.seq_per_rank) > 1)
+        rtol, atol = SUM_TOLERANCE[case.dtype]
+        for out in _run(ranks(n), case, seed, "ring", inner=inner):
+            (actual,), (expected,) = out["actual"], out["expected"]
+            scale = expected.abs().max().item() if case.dtype == torch.bfloat16 else 0.0
+            torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol + scale * 2**-5)
+
+    check()
 
 
 def test_all_to_all_of_blocks_copied_before_they_are_sent_under_inductor(ranks):

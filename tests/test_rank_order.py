@@ -292,7 +292,7 @@ def test_tp_sp_blocks_on_4_ranks_with_inductor_finish_and_match(ranks, tmp_path)
     print("lines of each rank's generated programs:", lines)
 
 
-@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("n", [pytest.param(3, marks=pytest.mark.matrix), 4])
 def test_tp_sp_blocks_with_default_options_finish_and_match(ranks, tmp_path, n):
     """The same shape with ``backend="commfuse"`` and nothing else (Inductor, ``auto``):
     every rank decides alike, nothing falls back, the losses match."""
