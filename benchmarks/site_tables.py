@@ -64,7 +64,7 @@ RUNS: list[tuple[str, int, list[str]]] = [
                 "examples/train_deepspeed_ulysses.py",
                 ["--gqa", "4", "--fused-qkv"],
             ),
-            ("tp-3-plain", 3, "examples/train_tp_transformer.py", ["--plain-tp"]),
+            ("tp-4-plain", 4, "examples/train_tp_transformer.py", ["--plain-tp"]),
             ("hf-tp-3", 3, "examples/train_hf_tp.py", []),  # plain TP split on the joint graph
             ("moe-3-capacity", 3, "examples/train_moe.py", []),
             ("moe-3-dropless", 3, "examples/train_moe.py", ["--moe", "dropless"]),
