@@ -69,6 +69,11 @@ CLI_ERRORS = [
         "argument --world-size: must be an integer >= 2 (one rank has no collectives to "
         "rewrite), got '1'",
     ),
+    (
+        ["demo", "--world-size", "3"],
+        "argument --world-size: the block's 4 attention heads are split over the ranks: give "
+        "a world size that divides 4",
+    ),
     (["calibrate", "--world-size", "0"], "argument --world-size: must be an integer >= 2"),
     (["bench", "--world-size", "1"], "argument --world-size: must be an integer >= 2"),
     (

@@ -107,7 +107,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _command(commands: _Commands, name: str, what: str) -> argparse.ArgumentParser:
-    return commands.add_parser(name, help=what, description=what, formatter_class=_Help)
+    command = commands.add_parser(name, help=what, description=what, formatter_class=_Help)
+    command.set_defaults(command_parser=command)  # its errors say "commfuse NAME: error"
+    return command
 
 
 def _add_demo(commands: _Commands) -> None:
@@ -333,6 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import DemoConfig, run
 
+        if DemoConfig.heads % args.world_size:
+            args.command_parser.error(
+                f"argument --world-size: the block's {DemoConfig.heads} attention heads are "
+                f"split over the ranks: give a world size that divides {DemoConfig.heads}"
+            )
         return run(
             DemoConfig(
                 world_size=args.world_size,
