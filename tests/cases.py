@@ -532,7 +532,9 @@ def run_case(
     else:
         gm = trace(case, n, inputs, tracing_mode)
         expected = trace(reference, n, inputs, tracing_mode)(*inputs) if averaged else gm(*inputs)
+        commfuse_compile.report.reset()
         rewritten = commfuse_compile.apply(copy.deepcopy(gm), **options)
+        records = commfuse_compile.report.REPORT.sites
         actual = rewritten(*inputs)
         kinds = [n.target for n in rewritten.graph.nodes if n.op == "call_function"]
         collectives_left = sum(k in COLLECTIVES for k in kinds)
@@ -544,6 +546,10 @@ def run_case(
         "actual": [t.float() for t in actual],
         "collectives_left": collectives_left,
         "p2p": p2p,
+        # what was not rewritten, and why (for a failing assertion's message)
+        "declined": [
+            (r.kind, r.decline_code, r.reason) for r in records if r.decision != "rewritten"
+        ],
     }
 
 

@@ -19,10 +19,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 GROUP_TIMEOUT_S = 120.0
 
 
-@pytest.fixture(scope="session")
-def ranks() -> Iterator[Callable[[int], RankPool]]:
-    """``ranks(n)``: a pool of n gloo ranks on loopback (kept for the session), whose
-    process group times out after ``GROUP_TIMEOUT_S``."""
+def rank_pools() -> Iterator[Callable[[int], RankPool]]:
+    """``get(n)``: a pool of n gloo ranks on loopback, started at its first use, whose
+    process group times out after ``GROUP_TIMEOUT_S``; all closed at the end."""
     pools: dict[int, RankPool] = {}
 
     def get(n: int) -> RankPool:
@@ -33,3 +32,9 @@ def ranks() -> Iterator[Callable[[int], RankPool]]:
     yield get
     with concurrent.futures.ThreadPoolExecutor() as closing:  # each rank's exit: seconds
         list(closing.map(RankPool.close, pools.values()))
+
+
+@pytest.fixture(scope="session")
+def ranks() -> Iterator[Callable[[int], RankPool]]:
+    """``ranks(n)``: the session's pool of n ranks (``rank_pools``)."""
+    yield from rank_pools()

@@ -218,8 +218,9 @@ def test_framework_style_models_rewrite_every_site_and_match(ranks, front, n, in
 @pytest.mark.parametrize(
     ("front", "n"),
     [
-        pytest.param("deepspeed", 3, id="deepspeed-n3"),
-        # Megatron-style's sites with the ring and Inductor: by default above
+        # the default options on 4 ranks: test_rank_order; each style's sites with the
+        # ring and Inductor: by default above
+        pytest.param("deepspeed", 3, id="deepspeed-n3", marks=pytest.mark.matrix),
         pytest.param("megatron", 3, id="megatron-n3", marks=pytest.mark.matrix),
         pytest.param("deepspeed", 4, id="deepspeed-n4", marks=pytest.mark.matrix),
         pytest.param("megatron", 4, id="megatron-n4", marks=pytest.mark.matrix),

@@ -25,6 +25,7 @@ from commfuse_compile.passes import joint
 
 N = 3
 SHARD = TOKENS[0] * TOKENS[1] // N  # this rank's tokens
+EAGER_RING = {"schedule": "ring", "inner": "eager"}  # the split is made before the inner compile
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def run(model: torch.nn.Module, schedule: str = "ring") -> collections.Counter:
     """One forward and backward of ``model`` compiled with the pass (eager inner
     compiler); the shapes of the tensors saved for the backward, counted."""
     compiled = torch.compile(
-        model, backend="commfuse", options={"schedule": schedule, "inner": "eager"}
+        model, backend="commfuse", options={**EAGER_RING, "schedule": schedule}
     )
     saved: collections.Counter = collections.Counter()
 
@@ -138,7 +139,7 @@ def test_dropout_reads_the_all_reduce_whole_and_says_why(fake_world):
 
 def test_a_token_count_the_group_does_not_divide_keeps_the_all_reduce(fake_world):
     model = tensor_parallel(Decoder(), N)
-    compiled = torch.compile(model, backend="commfuse", options={"schedule": "ring"})
+    compiled = torch.compile(model, backend="commfuse", options=EAGER_RING)
     compiled(torch.randn(1, 7, HIDDEN)).sum().backward()  # 7 tokens, 3 ranks
     codes = {r.match.get("not_split") for r in report.REPORT.sites if r.kind == "mm_ar"}
     assert "split.indivisible" in codes
@@ -150,7 +151,7 @@ def test_the_split_runs_once_per_joint_graph_and_leaves_inference_alone(fake_wor
     assert not joint.is_joint(gm.graph)
     with torch.no_grad():
         run_no_grad = torch.compile(
-            tensor_parallel(Decoder(), N), backend="commfuse", options={"schedule": "ring"}
+            tensor_parallel(Decoder(), N), backend="commfuse", options=EAGER_RING
         )
         run_no_grad(torch.randn(*TOKENS, HIDDEN))
     assert {r.graph for r in report.REPORT.sites} == {"inference"}

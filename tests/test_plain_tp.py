@@ -404,7 +404,8 @@ CHECKPOINTED = {**EXPECTED, "backward": {**EXPECTED["backward"], "ag_mm": 4 * LA
     [
         ("dtensor", 3, "inductor", "backend", False),
         ("megatron", 3, "eager", "backend", True),
-        ("dtensor", 3, "inductor", "inductor_pass", True),
+        # the route inside Inductor: TP+SP's by default (test_inductor_pass)
+        pytest.param("dtensor", 3, "inductor", "inductor_pass", True, marks=pytest.mark.matrix),
         pytest.param("dtensor", 4, "inductor", "backend", False, marks=pytest.mark.matrix),
         pytest.param("dtensor", 3, "eager", "backend", True, marks=pytest.mark.matrix),
         pytest.param("dtensor", 2, "inductor", "backend", False, marks=pytest.mark.matrix),

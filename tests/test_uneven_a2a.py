@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from cases import Uneven, records_of, run_case, trace
+from conftest import rank_pools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.fx import GraphModule
@@ -142,9 +143,20 @@ def test_sizes_the_graph_computes_that_differ_are_declined(fake_world):
 # gloo ranks
 
 
+@pytest.fixture(scope="module")
+def ranks():
+    """This module's own rank pools, not the session's: in one CI run the first two
+    exchanges of this module on the session's 3-rank pool were given up on (the sites
+    kept their collective on every rank; it passed in the two other runs of the suite,
+    and in runs of this module after test_training or test_diverged), which points at
+    state an earlier module's jobs leave in the pool's processes. ``_check`` names the decline if it
+    comes back."""
+    yield from rank_pools()
+
+
 def _check(pool, case: Uneven, seed: int, inner: str = "eager") -> None:
     for out in pool.run(run_case, case, seed, {"schedule": "ring"}, "fake", inner):
-        assert (out["collectives_left"], out["p2p"]) == (0, pool.world_size - 1)
+        assert (out["collectives_left"], out["p2p"]) == (0, pool.world_size - 1), out["declined"]
         (actual,), (expected,) = out["actual"], out["expected"]
         if case.side in ROWS and inner == "eager":
             assert torch.equal(actual, expected)
