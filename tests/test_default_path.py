@@ -15,15 +15,14 @@ rewritten with the requested schedule: with Inductor, a rewritten graph whose ge
 program reused or wrote a transfer's buffer before its wait would have been compiled
 without the pass (``passes/ranks/program.py``) and show here as declined.
 
-By default (``default``): cells on 3 ranks in float32, every schedule with Inductor on
-one front (TP+SP: ring, 2-chunk slicing; sharded DP: bidir, push), and the 3-chunk
-slicing eager on TP+SP. On 4 ranks the
-default run has this path elsewhere: test_rank_order's two TP+SP blocks with Inductor,
-with the default options and with the ring (forward, backward, AdamW steps: losses
-equal, every site rewritten), test_e2e's TP+SP MLP with Inductor (bidir: every gradient
-equal). The rest of the matrix (the other cells on 3 ranks, 2, 4 and 5 ranks, bfloat16,
-Inductor's 3-chunk slicing; see ``CELLS``) is marked ``matrix``: ``pytest -m matrix``,
-the thorough run (``.ci/run`` runs the default only).
+By default (``default``): cells on 3 ranks in float32, every schedule but the ring with
+Inductor on the sharded-DP front (bidir, push, 2-chunk slicing), and the 3-chunk slicing
+eager on TP+SP. On 4 ranks the default run has this path elsewhere: test_rank_order's
+two TP+SP blocks with Inductor, with the default options and with the ring (forward,
+backward, AdamW steps: losses equal, every site rewritten). The rest of the matrix (the
+other cells on 3 ranks, 2, 4 and 5 ranks, bfloat16, Inductor's 3-chunk slicing; see
+``CELLS``) is marked ``matrix``: ``pytest -m matrix``, the thorough run (``.ci/run``
+runs the default only).
 """
 
 from __future__ import annotations
@@ -103,13 +102,14 @@ CELLS = (
 )
 
 
-# The Inductor cells of the default run on 3 ranks: every schedule on one front but the
-# ring, whose TP+SP block with Inductor runs by default on 4 ranks in test_rank_order (the
-# other front's cell is the same schedule with the same compiler on the same ranks;
+# The Inductor cells of the default run on 3 ranks: every schedule but the ring on the
+# sharded-DP front; the TP+SP block with Inductor runs by default on 4 ranks in
+# test_rank_order, with the ring and with the default options (the other front's cell is
+# the same schedule with the same compiler on the same ranks;
 # test_inductor_order also checks every schedule's program and numbers for every matmul
 # role, test_e2e bidir with Inductor on 4 ranks, test_framework_fronts SimpleFSDP's
 # gathers with the ring and Inductor).
-DEFAULT_INDUCTOR = {"tp": ("slicing2",), "fsdp": ("bidir", "push")}
+DEFAULT_INDUCTOR = {"tp": (), "fsdp": ("bidir", "push", "slicing2")}
 
 
 def default(front: str, inner: str, name: str, n: int, dtype: str) -> bool:

@@ -112,7 +112,7 @@ NEXT_TO = frozenset(
 )
 
 SCHEDULES = ("ring", "bidir")
-EXAMPLES = int(os.environ.get("COMMFUSE_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("COMMFUSE_FUZZ_EXAMPLES", "120"))
 MATRIX_EXAMPLES = 1000  # pytest -m matrix: more graph examples, drawn with another seed
 # the same examples on every run unless a seed asks for others
 SEED = os.environ.get("COMMFUSE_FUZZ_SEED", "")
