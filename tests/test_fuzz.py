@@ -1025,7 +1025,7 @@ def check_random_program(recipe: Recipe) -> None:
 # a numerical sample on real gloo ranks
 
 GLOO_WORLDS = (2, 3, 4)  # the rank pools test_numerics uses too
-GLOO_EXAMPLES = max(20, EXAMPLES // 25)
+GLOO_EXAMPLES = max(12, EXAMPLES // 25)
 MATRIX_GLOO_EXAMPLES = 40  # pytest -m matrix: more programs on gloo, another seed
 TO_INT64 = DTYPES.index(torch.int64)
 

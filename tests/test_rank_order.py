@@ -308,6 +308,9 @@ def test_tp_sp_blocks_with_default_options_finish_and_match(ranks, tmp_path, n):
         assert_one_order_that_completes(results)
 
 
+# The check of the check (the default run keeps the chained path users run, above; the
+# check itself on small sequences at graph level): under -m matrix
+@pytest.mark.matrix
 def test_without_the_chain_every_rank_falls_back_together(ranks, tmp_path):
     """The check alone: Inductor's own order differs on rank 3; no rank may run it."""
     results = ranks(4).run(train_blocks, {"schedule": "ring"}, str(tmp_path), False)
