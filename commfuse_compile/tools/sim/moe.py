@@ -154,6 +154,15 @@ def _leaving_s(p: Profile, sizes: list[float]) -> list[float]:
     return [p.link_alpha_s + sum(min(o, b) for o in sizes) / p.link_bytes_per_s for b in sizes]
 
 
+def _transfer(p: Profile, r: int, sends: Sends, start: list[float], done: list[float]) -> None:
+    """Rank ``r``'s messages of one step, each leaving when both ends have started
+    (``start``): ``done`` of both ends moves to the message's arrival."""
+    spans = _leaving_s(p, [nbytes for _, nbytes in sends])
+    for (dst, _), t in zip(sends, spans, strict=True):
+        end = max(start[r], start[dst]) + t
+        done[r], done[dst] = max(done[r], end), max(done[dst], end)
+
+
 def _steps_gather_like(
     n: int, p: Profile, sends: list[list[Sends]], compute: list[list[float]]
 ) -> float:
@@ -164,10 +173,7 @@ def _steps_gather_like(
         issue = [now[r] + (p.step_overhead_s if sends[r][s] else 0.0) for r in range(n)]
         done = list(issue)
         for r in range(n):
-            spans = _leaving_s(p, [nbytes for _, nbytes in sends[r][s]])
-            for (dst, _), t in zip(sends[r][s], spans, strict=True):
-                end = max(issue[r], issue[dst]) + t
-                done[r], done[dst] = max(done[r], end), max(done[dst], end)
+            _transfer(p, r, sends[r][s], issue, done)
         for r in range(n):
             took = _overlapped(compute[r][s], done[r] - issue[r], p.overlap_slowdown)
             done[r] = max(done[r], issue[r] + took)
@@ -189,10 +195,7 @@ def _steps_reduce_like(
             ready.append(added + (p.step_overhead_s if sends[r][s] else 0.0))
         arrivals = list(ready)
         for r in range(n):
-            spans = _leaving_s(p, [nbytes for _, nbytes in sends[r][s]])
-            for (dst, _), t in zip(sends[r][s], spans, strict=True):
-                end = max(ready[r], ready[dst]) + t
-                arrivals[dst], arrivals[r] = max(arrivals[dst], end), max(arrivals[r], end)
+            _transfer(p, r, sends[r][s], ready, arrivals)
         now = ready
     return max(arrivals + now)
 
