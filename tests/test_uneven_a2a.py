@@ -37,8 +37,10 @@ SIDES = {  # side -> (kind, role or blocks)
     "in": ("mm_a2a", "rows"),
     "heads": ("mm_a2a", "columns"),
 }
-# a block of rows is the same dot products; a block of columns or of K: the BLAS kernel
-# may sum a dot product in another order for another width
+# a block of rows is the same dot products, bit for bit, while the product has more than
+# one column; a block of columns or of K, or rows of a one-column product (torch runs it
+# as a matrix-vector product, whose kernel sums in another order for another row count):
+# within rounding
 ROWS = ("rows", "in")
 
 
@@ -158,7 +160,7 @@ def _check(pool, case: Uneven, seed: int, inner: str = "eager") -> None:
     for out in pool.run(run_case, case, seed, {"schedule": "ring"}, "fake", inner):
         assert (out["collectives_left"], out["p2p"]) == (0, pool.world_size - 1), out["declined"]
         (actual,), (expected,) = out["actual"], out["expected"]
-        if case.side in ROWS and inner == "eager":
+        if case.side in ROWS and inner == "eager" and actual.shape[-1] > 1:
             assert torch.equal(actual, expected)
         else:
             torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
