@@ -30,6 +30,12 @@ def apply(obj: G, options: Mapping[str, Any] | None = None, **more: Any) -> G:
             "compile the result yourself, or use torch.compile(model, backend='commfuse', "
             "options={'inner': 'inductor'})"
         )
+    if given.get("mode", "default") != "default":
+        raise CommfuseOptionError(
+            f"commfuse_compile.apply: option 'mode' cannot be {given['mode']!r}: a mode "
+            "configures Inductor, which apply does not run; compile the result yourself "
+            "with that mode"
+        )
     opts = resolve_options({**given, "inner": "eager"})
     if isinstance(obj, torch.export.ExportedProgram):
         rewrite_graph(obj.graph_module, "export", opts)

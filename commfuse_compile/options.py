@@ -9,10 +9,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from torch._inductor import list_mode_options
+
 from .schedules import NAMES
 
 SCHEDULES = ("auto", *NAMES, "off")
 INNER_COMPILERS = ("inductor", "eager")
+MODES = tuple(list_mode_options())  # torch.compile's modes: Inductor's config per mode
 DEBUG_DIR_ENV = "COMMFUSE_DEBUG_DIR"
 DISABLE_ENV = "COMMFUSE_DISABLE"
 PROFILE_ENV = "COMMFUSE_PROFILE"
@@ -29,6 +32,7 @@ class CommfuseOptionError(ValueError):
 ENV = {
     "schedule": "COMMFUSE_SCHEDULE",
     "inner": "COMMFUSE_INNER",
+    "mode": "COMMFUSE_MODE",
     "slices": "COMMFUSE_SLICES",
     "measure": "COMMFUSE_MEASURE",
     "profile": PROFILE_ENV,
@@ -44,6 +48,9 @@ UNSET_BY_NONE = frozenset({"debug_dir", "profile", "disable", "exchange_timeout"
 class Options:
     schedule: str = "auto"
     inner: str = "inductor"
+    # torch.compile's ``mode`` for the inner Inductor; an option too, because torch.compile
+    # refuses ``mode`` and ``options`` together
+    mode: str = "default"
     debug_dir: str | None = None
     disable: frozenset[str] = frozenset()
     profile: str | None = None  # built-in profile name or profile file; None: by device
@@ -67,9 +74,11 @@ class Options:
         got = {name: _given_or_env(given, name) for name in ENV}
         _check_choice(got["schedule"], SCHEDULES)
         _check_choice(got["inner"], INNER_COMPILERS)
+        _check_choice(got["mode"], MODES)
         values = {
             "schedule": got["schedule"].value,
             "inner": got["inner"].value,
+            "mode": got["mode"].value,
             "debug_dir": _debug_dir(got["debug_dir"]),
             "disable": _disable(got["disable"]),
             "profile": _profile(got["profile"]),

@@ -81,7 +81,8 @@ class _LabelledWork(dist.Work):
         return result
 
 
-@torch.library.custom_op("commfuse::p2p", mutates_args=())
+# cudagraph_unsafe: a CUDA graph's replay would not run the works and waits made here
+@torch.library.custom_op("commfuse::p2p", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def p2p(
     sends: list[torch.Tensor],
     send_peers: list[int],
