@@ -10,10 +10,13 @@ length that changes between calls.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
 from cases import AgMm, gathered, scattered
+from models import rms_norm
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -318,3 +321,58 @@ def test_partial_slice_after_the_gather_is_declined():
     _, _, (record,) = traced_and_rewritten(sliced, "ring", torch.randn(3, K), torch.randn(K, 6))
     assert record.decision == "declined"
     assert "(slice.Tensor) sits between the gathered tensor and a matmul" in record.reason
+
+
+# ----------------------------------------------------------------------------------------
+# plain TP's all-reduces with a token count Dynamo made symbolic (a second prompt length)
+
+
+def reduced(y: torch.Tensor) -> torch.Tensor:
+    return c10d.wait_tensor(c10d.all_reduce(y, "sum", dist.group.WORLD.group_name))
+
+
+W_O, W_Q, NORM_W = torch.randn(K, H), torch.randn(H, H), torch.randn(H)
+
+
+def two_prompts(x: torch.Tensor, y: torch.Tensor, h: torch.Tensor):
+    """A block's row-parallel output for a batch of 4 prompts (4*s tokens: 4 ranks
+    divide them, provably), residual add, norm and the next matmul; and one for a batch
+    of 2 (2*s tokens: not provably divisible by 4)."""
+    h2 = h + reduced(x.view(-1, K) @ W_O).view(h.shape)
+    normed = rms_norm(h2, NORM_W).view(-1, H)
+    return h2, normed @ W_Q, reduced(y.view(-1, K) @ W_O)
+
+
+@pytest.mark.parametrize("schedule", ["ring", "auto"])
+def test_all_reduces_of_a_second_prompt_length_split_where_provable(schedule):
+    """Dynamo's automatic dynamic shapes: the second call's prompt length is a symbol s.
+    The all-reduce of 4*s tokens is split (its reduce-scatter and gather rewritten under
+    ``ring``; under ``auto`` on loopback kept whole, as at the first length); the one of
+    2*s tokens is declined by name; no internal error leaves the graph whole."""
+    torch._dynamo.reset()
+    report.reset()
+    options = {"schedule": schedule, "inner": "eager"}
+    compiled = torch.compile(two_prompts, backend="commfuse", options=options)
+    for length in (4, 6):
+        x, y = torch.randn(4, length, K), torch.randn(2, length, K)
+        compiled(x, y, torch.randn(4, length, H))
+    torch._dynamo.reset()
+    dynamic = [r for r in report.REPORT.sites if r.graph_index == 1]
+    assert all(r.decline_code != "internal.error" for r in report.REPORT.sites)
+    symbolic_shapes = [r.match["product_shape"] for r in dynamic if "product_shape" in r.match]
+    assert any(dims_are_symbolic(shape) for shape in symbolic_shapes)
+    (not_provable,) = [r for r in dynamic if r.decline_code == "ar.not_provably_divisible"]
+    assert re.fullmatch(
+        r"the product's 2\*s\d+ rows \(tokens\) are not provably divisible by the group size 4",
+        not_provable.reason,
+    )
+    if schedule == "ring":
+        assert [(r.kind, r.decision) for r in dynamic if r is not not_provable] == [
+            ("mm_rs", "rewritten"),
+            ("ag_mm", "declined"),  # the residual returned: gathered whole
+            ("ag_mm", "rewritten"),
+        ]
+    else:
+        assert [(r.kind, r.decline_code) for r in dynamic if r is not not_provable] == [
+            ("mm_ar", "plan.not_profitable")
+        ]

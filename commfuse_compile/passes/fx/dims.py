@@ -35,6 +35,13 @@ def _plain(size: Size) -> Size:
     return int(size)
 
 
+def key(size: Size) -> object:
+    """A hashable stand-in for a size (a SymInt is not hashable): the int, or the
+    symbolic size's expression, equal for sizes the ShapeEnv simplifies alike."""
+    size = _plain(size)
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
 def is_symbolic(shape: Sequence[Size]) -> bool:
     return any(isinstance(_plain(size), torch.SymInt) for size in shape)
 

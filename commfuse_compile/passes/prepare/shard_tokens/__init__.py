@@ -99,7 +99,8 @@ def split_all_reduces(
     nothing, the gather after the norm does. All-reduced values added together are
     reduce-scattered as one (``merge_reduces``). Every all-reduce left whole is marked
     with why (``META``: ``not_split``)."""
-    together: dict[tuple[str, Any], list[tuple[AllReduceSite, Group]]] = {}
+    # by group and token count (a symbolic count by its expression: a SymInt is unhashable)
+    together: dict[tuple[str, object], tuple[dims.Size, list[tuple[AllReduceSite, Group]]]] = {}
     for site in sites:
         tokens = _tokens(site)
         group = tokens if isinstance(tokens, Declined) else group_of(site.collective)
@@ -108,9 +109,10 @@ def split_all_reduces(
             site.collective.meta[META] = not_split(why, site.collective)
             continue
         assert not isinstance(tokens, Declined)  # noqa: S101 - for mypy
-        together.setdefault((site.group_name, tokens), []).append((site, group))
+        key = (site.group_name, dims.key(tokens))
+        together.setdefault(key, (tokens, []))[1].append((site, group))
     changed = False
-    for (_, tokens), members in together.items():
+    for tokens, members in together.values():
         region = region_after(graph, tokens, {s.wait: s for s, _ in members})
         whys = [region.whole[r].why for rs in region.gathered.values() for r in rs]
         if None not in whys:
