@@ -422,3 +422,18 @@ def test_the_examples_baseline_dumps_beside_the_pass_never_over_it(monkeypatch, 
     assert _baseline(options)["debug_dir"] == str(tmp_path / "env" / "schedule-off")
     given = {**options, "debug_dir": str(tmp_path / "given")}
     assert _baseline(given)["debug_dir"] == str(tmp_path / "given" / "schedule-off")
+
+
+def test_the_examples_summary_prints_reasons_filled_in():
+    """Each decline code with the first reason a site gave, not its template."""
+    declined = {"graph": "inference", "kind": "mm_ar", "decision": "declined"}
+    sites = [
+        {**declined, "decline_code": "ar.indivisible", "reason": f"{rows} rows, 3 ranks"}
+        for rows in (2, 2, 4)
+    ]
+    text = loop.format_summary(loop.summarize(sites))
+    assert text.splitlines()[1:] == [
+        "inference mm_ar      3         0        3",
+        "    3 x declined ar.indivisible: 2 rows, 3 ranks (+1 other reason)",
+    ]
+    assert "{" not in text

@@ -19,7 +19,14 @@ import torch.distributed as dist
 from ...options import Options
 from .checkpointing import CHECKPOINT_MODES
 from .fronts import TrainConfig
-from .loop import TrainResult, format_summary, max_relative_diff, summarize, train
+from .loop import (
+    TrainResult,
+    format_summary,
+    max_relative_diff,
+    summarize,
+    train,
+    train_interleaved,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -149,24 +156,31 @@ def exit_without_finalizing(code: int = 0) -> NoReturn:
 
 
 def run_and_print(cfg: TrainConfig, args: argparse.Namespace) -> None:
-    """Train with the pass, then the same compile with ``schedule="off"`` (what the pass
-    buys: the speed line compares the two), and with ``--compare`` plain eager too (the
-    losses must agree); rank 0 prints each step, the sites and the comparisons."""
+    """Train with the pass and, step by step in turn, the same compile with
+    ``schedule="off"`` (what the pass buys: the speed line compares the two under the
+    same load), and with ``--compare`` plain eager too (the losses must agree); rank 0
+    prints each step, the sites and the comparisons."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
 
-    def show(step: int, loss: float, seconds: float) -> None:
+    def show(step: int, loss: float, seconds: float, which: str = "") -> None:
         if rank == 0:
-            print(f"step {step:>3}  loss {loss:.6f}  {seconds * 1e3:8.1f} ms", flush=True)
+            print(f"step {step:>3}  loss {loss:.6f}  {seconds * 1e3:8.1f} ms{which}", flush=True)
+
+    def show_pair(which: str, step: int, loss: float, seconds: float) -> None:
+        show(step, loss, seconds, "  (schedule='off')" if which == "baseline" else "")
 
     options = {"schedule": args.schedule, "inner": args.inner, "debug_dir": args.debug_dir}
     if rank == 0:
-        print(f"with commfuse ({options}), {world_size} ranks:\n{cfg}", flush=True)
-    fused = train(cfg, rank, world_size, options, on_step=show)
+        print(
+            f"with commfuse ({options}) and, step by step in turn, the same compile with "
+            f"schedule='off' (every collective kept), {world_size} ranks:\n{cfg}",
+            flush=True,
+        )
+    fused, off = train_interleaved(
+        cfg, rank, world_size, options, _baseline(options), on_step=show_pair
+    )
     if rank == 0:
         print("\nsites (rank 0):\n" + format_summary(summarize(fused.sites)), flush=True)
-        print("\nthe same compile with schedule='off' (every collective kept):", flush=True)
-    off = train(cfg, rank, world_size, _baseline(options), show)
-    if rank == 0:
         print("\n" + speed_line(fused, off), flush=True)
     if args.compare:
         if rank == 0:
@@ -186,9 +200,10 @@ def _baseline(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def speed_line(fused: TrainResult, off: TrainResult) -> str:
-    """The median step after the first (which compiles), with the pass and without, and
-    the schedules the rewritten sites ran. With one step there is no step after the
-    first: the line says so and gives that step's time, compile included."""
+    """The median step after the first (which compiles), with the pass and without (the
+    two run in turn, step by step), and the schedules the rewritten sites ran. With one
+    step there is no step after the first: the line says so and gives that step's time,
+    compile included."""
     ran = sorted({s["schedule"] for s in fused.sites if s["decision"] == "rewritten"})
     sites = f"sites ran: {', '.join(ran) or 'none rewritten'}"
     if min(len(fused.step_s), len(off.step_s)) < 2:

@@ -10,6 +10,7 @@ initialization and data; :func:`summarize` groups the sites the pass recorded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -18,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 from ... import report
-from ...passes.fx.declines import REASONS
 from .fronts import TrainConfig, build, compile_blocks
 
 
@@ -42,6 +42,46 @@ def train(
     ``torch.compile(backend="commfuse")`` options. ``on_step(step, loss, seconds)``."""
     report.reset()
     torch._dynamo.reset()  # a fresh compile per run: no cached graph, no recompile limit
+    run = _stepper(cfg, rank, world_size, options)
+    result = TrainResult(losses=[], step_s=[], sites=[])
+    for step in range(cfg.steps):
+        run(step, result, on_step)
+    result.sites = [s.as_json() for s in report.REPORT.sites]
+    return result
+
+
+def train_interleaved(
+    cfg: TrainConfig,
+    rank: int,
+    world_size: int,
+    options: Mapping[str, Any],
+    baseline: Mapping[str, Any],
+    on_step: Callable[[str, int, float, float], None] | None = None,
+) -> tuple[TrainResult, TrainResult]:
+    """The same steps compiled with ``options`` and with ``baseline``, two models from
+    the same initialization, step by step in turn (which goes first alternates), so that
+    the machine's load changes both runs' times alike. ``on_step(which, step, loss,
+    seconds)``, ``which`` "pass" or "baseline"."""
+    report.reset()
+    torch._dynamo.reset()
+    runs = {
+        "pass": (_stepper(cfg, rank, world_size, options), TrainResult([], [], [])),
+        "baseline": (_stepper(cfg, rank, world_size, baseline), TrainResult([], [], [])),
+    }
+    for step in range(cfg.steps):
+        for which in list(runs)[:: 1 if step % 2 == 0 else -1]:
+            run, result = runs[which]
+            before = len(report.REPORT.sites)
+            run(step, result, on_step and functools.partial(on_step, which))
+            result.sites += [s.as_json() for s in report.REPORT.sites[before:]]
+    return runs["pass"][1], runs["baseline"][1]
+
+
+def _stepper(
+    cfg: TrainConfig, rank: int, world_size: int, options: Mapping[str, Any] | None
+) -> Callable[[int, TrainResult, Callable[[int, float, float], None] | None], None]:
+    """The model set up (compiled with ``options``, or not for None) and a function that
+    runs its step ``i`` into a result."""
     setup = build(cfg, rank, world_size)
     step_fn: Callable[..., torch.Tensor] = setup.loss_module
     if options is not None and cfg.compile_per_block:
@@ -49,8 +89,10 @@ def train(
     elif options is not None:
         step_fn = torch.compile(setup.loss_module, backend="commfuse", options=dict(options))
     opt = torch.optim.AdamW(setup.loss_module.parameters(), lr=cfg.lr)
-    result = TrainResult(losses=[], step_s=[], sites=[])
-    for step in range(cfg.steps):
+
+    def run(
+        step: int, result: TrainResult, on_step: Callable[[int, float, float], None] | None
+    ) -> None:
         x, target = setup.inputs(step)
         start = time.perf_counter()
         loss = step_fn(x, target)
@@ -69,8 +111,8 @@ def train(
         result.step_s.append(seconds)
         if on_step is not None:
             on_step(step, result.losses[-1], seconds)
-    result.sites = [s.as_json() for s in report.REPORT.sites]
-    return result
+
+    return run
 
 
 def compare(
@@ -137,6 +179,8 @@ class SiteSummary:
     rewritten: int = 0
     declined: int = 0
     reasons: dict[str, int] = dataclasses.field(default_factory=dict)  # decline code -> n
+    # decline code -> its reasons as the sites gave them (filled in), each once
+    reasons_given: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
 
 def summarize(sites: Iterable[Mapping[str, Any]]) -> list[SiteSummary]:
@@ -152,18 +196,23 @@ def summarize(sites: Iterable[Mapping[str, Any]]) -> list[SiteSummary]:
             row.declined += 1
             code = site["decline_code"]
             row.reasons[code] = row.reasons.get(code, 0) + 1
+            given = row.reasons_given.setdefault(code, [])
+            if site["reason"] not in given:
+                given.append(site["reason"])
     return sorted(rows.values(), key=lambda r: (r.graph != "forward", r.graph, r.kind))
 
 
 def format_summary(rows: Iterable[SiteSummary]) -> str:
-    """The summary as a text table, one line per (graph, kind), reasons indented below."""
+    """The summary as a text table, one line per (graph, kind), reasons indented below:
+    each code's first reason as a site gave it, and how many others it gave."""
     lines = [f"{'graph':<9} {'site':<6} {'found':>5} {'rewritten':>9} {'declined':>8}"]
     for row in rows:
         lines.append(
             f"{row.graph:<9} {row.kind:<6} {row.found:>5} {row.rewritten:>9} {row.declined:>8}"
         )
-        lines += [
-            f"    {n} x declined {code}: {REASONS[code].template}"
-            for code, n in sorted(row.reasons.items())
-        ]
+        for code, n in sorted(row.reasons.items()):
+            first, *others = row.reasons_given[code]
+            more = f" (+{len(others)} other {'reason' if len(others) == 1 else 'reasons'})"
+            more = more if others else ""
+            lines.append(f"    {n} x declined {code}: {first}{more}")
     return "\n".join(lines)
