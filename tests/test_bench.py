@@ -175,6 +175,19 @@ def test_moe_cell_and_block_rewrite_every_site_with_the_ring(ranks):
     assert "One capacity-MoE layer (S=32 D=16 F=32 top-2" in page and "| ring |" in page
 
 
+def test_served_cells_are_in_both_presets_and_selectable():
+    """Served plain TP (prefills at three prompt lengths, decode steps at three batch
+    sizes) is in both presets; ``--kinds served`` keeps it alone, with no site cell."""
+    assert QUICK.served is FULL.served is not None
+    phases = [(phase, shape.seq) for phase, shape in QUICK.served.shapes()]
+    assert [p for p, _ in phases] == ["prefill"] * 3 + ["decode"] * 3
+    only = QUICK.only(("served",))
+    assert only.served is QUICK.served and not only.cells
+    assert only.block is only.block_plain is only.block_2d is None
+    assert QUICK.only(("ag_mm",)).served is None
+    assert _parser().parse_args(["bench", "--kinds", "served"]).kinds == ("served",)
+
+
 def test_dropless_cells_and_block_are_in_the_full_preset_and_selectable():
     """The dropless-MoE cell (counts exchanged, ``.tolist()`` splits, dispatch ->
     grouped SwiGLU -> combine: one ``moe`` site, the rows of an all-to-all) at the three
@@ -281,7 +294,7 @@ SMALL_QUICK = textwrap.dedent(
     import dataclasses, sys
     from commfuse_compile.tools import cli
     from commfuse_compile.tools.bench import run
-    from commfuse_compile.tools.bench.config import BlockShape, SiteShape
+    from commfuse_compile.tools.bench.config import BlockShape, ServedBench, SiteShape
 
     site, quick = SiteShape(512, 256, 512), run.QUICK
     small = BlockShape(seq=64, dim=64, heads=4, hidden=192, batch=2)
@@ -303,6 +316,7 @@ SMALL_QUICK = textwrap.dedent(
         block_plain=dataclasses.replace(
             quick.block_plain, shape=plain, schedules=("baseline", "ring"), reps=3, compare=small
         ),
+        served=ServedBench(256, 512, prompts=(128, 256), batches=(4,)),
     )
     sys.exit(cli.main(sys.argv[1:]))
     """
@@ -384,12 +398,28 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
         assert row["sent_bytes"] > 0 and row["saved_bytes"] > 0 and row["peak_bytes"] > 0
     assert ring["saved_bytes"] < off["saved_bytes"]
     texts = [t["target"] for t in results["targets"]]
-    assert len(texts) == 7 and texts[3].startswith("auto within") and texts[5].startswith("whole")
+    assert len(texts) == 8 and texts[3].startswith("auto within") and texts[5].startswith("whole")
     assert texts[6].startswith("plain TP with the pass")
+    assert texts[7].startswith("served plain TP: auto never slower than the baseline")
+    # served plain TP: prefills and a decode step on one link rate, every mm_ar_mm row
+    served = results["served"]
+    assert [(c["phase"], c["tokens"]) for c in served["cells"]] == [
+        ("prefill", 128),
+        ("prefill", 256),
+        ("decode", 4),
+    ]
+    assert {c["rate_bits_per_s"] for c in served["cells"]} == {served["rate_bits_per_s"]}
+    assert all([r["label"] for r in c["rows"]] == labels for c in served["cells"])
     assert all(t["reached"] in (True, False, None) for t in results["targets"])
 
     markdown = (out / "results.md").read_text()
-    for heading in ("## Sites", "## Whole block", "## Whole block, plain TP", "## Targets"):
+    for heading in (
+        "## Sites",
+        "## Whole block",
+        "## Whole block, plain TP",
+        "## Served plain TP",
+        "## Targets",
+    ):
         assert heading in markdown
     for kind in QUICK_KINDS:  # a table per site kind, the Ulysses ones too
         assert f"### {KIND_TITLES[kind]}" in markdown

@@ -28,8 +28,15 @@ DROPLESS_KIND = "a2a_gmm_a2a"
 # skewed routing (``SiteShape.skew``): each rank sends this many times the average rows
 # to one peer (``sites.dropless_routing``)
 DROPLESS_SKEW = 2.0
-# every cell kind (``commfuse bench --kinds``): TP+SP's, Ulysses', plain TP's, the MoEs'
-CELL_KINDS = ("ag_mm", "mm_rs", "mm_a2a", "a2a_mm", "mm_ar_mm", MOE_KIND, DROPLESS_KIND)
+# plain TP served: prefills and decode steps of its all-reduce sublayer (``served``)
+SERVED_KIND = "served"
+SERVED_SITE = "mm_ar_mm"  # the site each served cell measures
+# every cell kind (``commfuse bench --kinds``): TP+SP's, Ulysses', plain TP's, the MoEs',
+# plain TP served
+CELL_KINDS = (
+    *("ag_mm", "mm_rs", "mm_a2a", "a2a_mm", "mm_ar_mm", MOE_KIND, DROPLESS_KIND),
+    SERVED_KIND,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,3 +153,20 @@ class Progress:
 
     def advance(self) -> None:
         self.done += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedBench:
+    """The served block's width ``dim`` and hidden size ``ffn``; the prompt lengths of
+    its prefills and the batch sizes of its decode steps."""
+
+    dim: int
+    ffn: int
+    prompts: tuple[int, ...]
+    batches: tuple[int, ...]
+    ratio: float = 1.0  # the middle prompt's comm/compute, which sets the link's rate
+
+    def shapes(self) -> list[tuple[str, SiteShape]]:
+        return [("prefill", SiteShape(t, self.dim, self.ffn)) for t in self.prompts] + [
+            ("decode", SiteShape(b, self.dim, self.ffn)) for b in self.batches
+        ]

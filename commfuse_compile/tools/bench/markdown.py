@@ -24,6 +24,8 @@ def markdown(results: dict[str, Any]) -> str:
     for key in ("block", "block_plain_tp", "block_moe", "block_moe_dropless", "block_2d"):
         if results.get(key) is not None:
             lines += _block_table(results[key])
+    if results.get("served") is not None:
+        lines += served_table(results["served"])
     lines += _targets(results)
     return "\n".join(lines) + "\n"
 
@@ -243,3 +245,39 @@ def _setting(results: dict[str, Any]) -> list[str]:
 
 def _loads(machine: dict[str, Any]) -> str:
     return "/".join(f"{x:.1f}" for x in machine["load_average"])
+
+
+def served_table(served: dict[str, Any]) -> list[str]:
+    """results.md's served section: per phase and token count, each row's median."""
+    cells = served["cells"]
+    labels = [row["label"] for row in cells[0]["rows"]]
+    rate = served["rate_bits_per_s"]
+    lines = [
+        "## Served plain TP: prefill (time to first token) and decode (time per output token)",
+        "",
+        f"A plain-TP block's sublayer (down-projection -> all-reduce -> add + RMSNorm -> "
+        f"up-projection, D={served['dim']} F={served['ffn']}) at a prefill's tokens (one "
+        f"prompt) and a decode step's (one token per sequence), on one link of "
+        + (f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled speed")
+        + "; median ms per call (min-max in results.json); `auto / off`: auto's median "
+        "over the baseline's.",
+        "",
+        "| phase | tokens | comm/compute | " + " | ".join(labels) + " | auto / off |",
+        "|---|---|---|" + "---|" * len(labels) + "---|",
+    ]
+    for cell in cells:
+        by_label = {row["label"]: row for row in cell["rows"]}
+        auto = by_label.get("auto")
+        ratio = f"{auto['median_s'] / cell['rows'][0]['median_s']:.2f}" if auto else "-"
+        medians = [
+            f"{ms(by_label[label]['median_s'])} ({row_name(by_label[label])})"
+            if label == "auto" or by_label[label]["decision"] != "rewritten"
+            else ms(by_label[label]["median_s"])
+            for label in labels
+        ]
+        lines.append(
+            f"| {cell['phase']} | {cell['tokens']} | {cell['measured_ratio']:.2f} | "
+            + " | ".join(medians)
+            + f" | {ratio} |"
+        )
+    return [*lines, ""]

@@ -48,6 +48,7 @@ from .config import (
     DROPLESS_KIND,
     DROPLESS_SKEW,
     MOE_KIND,
+    SERVED_KIND,
     BlockShape,
     Progress,
     SiteShape,
@@ -56,6 +57,7 @@ from .config import (
 from .link import LinkProfiles, calibrated, choose_rate
 from .markdown import markdown
 from .plot import plot_speedup
+from .served import ServedBench, run_served
 
 SLICES = (2, 4)  # chunks of the data-slicing rows
 ROW_ORDER = ("off", "slicing", "push", "ring", "bidir", "auto")  # schedules not named go last
@@ -120,7 +122,9 @@ PLAIN_TP_KINDS = ("mm_ar_mm",)  # down-projection -> all-reduce -> add + RMSNorm
 MOE_KINDS = (MOE_KIND,)  # dispatch all-to-all -> bmm -> SiLU -> bmm -> combine all-to-all
 # counts exchanged, .tolist() splits, dispatch -> grouped-GEMM SwiGLU -> combine
 DROPLESS_KINDS = (DROPLESS_KIND,)
-assert set(CELL_KINDS) == {*TP_KINDS, *ULYSSES_KINDS, *PLAIN_TP_KINDS, *MOE_KINDS, *DROPLESS_KINDS}
+assert set(CELL_KINDS) == {
+    *(*TP_KINDS, *ULYSSES_KINDS, *PLAIN_TP_KINDS, *MOE_KINDS, *DROPLESS_KINDS, SERVED_KIND)
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +140,7 @@ class Preset:
     block_plain: BlockBench | None = None  # the block under plain TP (the pass splits it)
     block_moe: BlockBench | None = None  # a capacity-MoE layer (expert parallel)
     block_dropless: BlockBench | None = None  # a dropless-MoE layer (expert parallel)
+    served: ServedBench | None = None  # plain TP served: prefills and decode steps
 
     def only(self, kinds: tuple[str, ...]) -> Preset:
         """The preset cut to the cells of ``kinds`` (``--kinds``) and the blocks whose
@@ -158,6 +163,7 @@ class Preset:
             block_plain=kept(self.block_plain, *PLAIN_TP_KINDS),
             block_moe=kept(self.block_moe, *MOE_KINDS),
             block_dropless=kept(self.block_dropless, *DROPLESS_KINDS),
+            served=self.served if SERVED_KIND in kinds else None,
         )
 
 
@@ -183,6 +189,9 @@ BLOCK_2D = BlockBench(
 # TP+SP site's FLOPs and bytes.
 QUICK_SIZE = SiteShape(2048, 1024, 2048)
 QUICK_BLOCK = BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=2)
+# Served plain TP at the quick size's width: prompts of 256 to 2048 tokens (the link set
+# by the middle one at comm/compute 1), decode batches of 4 to 64 sequences
+SERVED = ServedBench(1024, 2048, prompts=(256, 1024, 2048), batches=(4, 16, 64))
 QUICK = Preset(
     name="quick",
     cells=(
@@ -203,6 +212,7 @@ QUICK = Preset(
         key="block_plain_tp",
         compare=QUICK_BLOCK,
     ),
+    served=SERVED,
 )
 FULL_BLOCK = BlockShape(seq=256, dim=512, heads=8, hidden=1536, batch=4)
 # The MoE cell: S = 2048 token slots per rank (n x 2 experts x capacity 512 at n = 2),
@@ -258,6 +268,7 @@ FULL = Preset(
         reps=7,
         key="block_moe_dropless",
     ),
+    served=SERVED,
 )
 PRESETS = {p.name: p for p in (QUICK, FULL)}
 
@@ -309,7 +320,8 @@ def run(
         for b in (preset.block, preset.block_plain, preset.block_moe, preset.block_dropless)
         if b is not None
     ]
-    progress = Progress(len(cells) + 1 + len(blocks) + 2 * (extra is not None), echo)
+    served = preset.served is not None
+    progress = Progress(len(cells) + 1 + len(blocks) + served + 2 * (extra is not None), echo)
     results = _results(preset, world_size, rows)
     with throttled_ranks(world_size, out / "logs", topology) as (network, ranks, description):
         results["meta"]["network"] = _network(network, description, echo)
@@ -320,6 +332,13 @@ def run(
         results["sites"] = _measure_cells(preset, cells, rows, network, ranks, base, out, progress)
         for spec in blocks:
             results[spec.key] = run_block(spec, network, ranks, base, rows, out, progress)
+            progress.advance()
+        if preset.served is not None:
+            served_rows = kind_rows(rows, "mm_ar_mm")
+            reps = (preset.warmup, preset.reps)
+            results["served"] = run_served(
+                preset.served, network, ranks, base, served_rows, reps, out, progress
+            )
             progress.advance()
         results["meta"]["qdisc"] = network.qdisc_stats()
     if extra is not None:
@@ -352,6 +371,7 @@ def _results(preset: Preset, world_size: int, rows: list[Variant]) -> dict[str, 
         "block_moe": None,
         "block_moe_dropless": None,
         "block_2d": None,
+        "served": None,
     }
 
 
@@ -446,7 +466,7 @@ def main(
     preset = QUICK if quick else FULL
     if kinds is not None:
         preset = preset.only(kinds)
-        if not preset.cells:
+        if not preset.cells and preset.served is None:
             print(
                 f"commfuse bench: error: the {preset.name} preset has no cells of "
                 f"{', '.join(kinds)} (every kind: the full preset)",
@@ -454,4 +474,4 @@ def main(
             )
             return 2
     results = run(preset, Path(out), world_size, network, block_2d=block_2d)
-    return 0 if results["sites"] else 1
+    return 0 if results["sites"] or results["served"] else 1

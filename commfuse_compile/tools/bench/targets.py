@@ -35,6 +35,7 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         _model_target(cells),
         _block_target(results.get("block")),
         _plain_tp_target(results.get("block_plain_tp")),
+        _served_target(results),
     ]
     if not results["meta"]["network"]["throttled"]:
         for target in targets:
@@ -235,6 +236,18 @@ def _plain_tp_target(block: dict[str, Any] | None) -> dict[str, Any]:
     )
 
 
+def _served_target(results: dict[str, Any]) -> dict[str, Any]:
+    served = results.get("served")
+    noise = run_noise([*results["sites"], *(served or {}).get("cells", [])])["max"]
+    checked, misses = _served_auto(served, noise)
+    return _target(
+        f"served plain TP: auto never slower than the baseline beyond the run's noise "
+        f"({noise:.1%}) at any prefill or decode size",
+        checked,
+        misses,
+    )
+
+
 def _rows_by_label(cell: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["label"]: r for r in cell["rows"]}
 
@@ -254,3 +267,22 @@ def _target(text: str, checked: list[str], misses: list[str]) -> dict[str, Any]:
         "figures": checked,
         "misses": misses,
     }
+
+
+def _served_auto(served: dict[str, Any] | None, noise: float) -> tuple[list[str], list[str]]:
+    """Each served cell's auto against its baseline: (every line, the lines where auto
+    is slower beyond the run's ``noise``)."""
+    checked, misses = [], []
+    for cell in (served or {}).get("cells", []):
+        by_label = {row["label"]: row for row in cell["rows"]}
+        if "auto" not in by_label:
+            continue
+        auto, off = by_label["auto"], cell["rows"][0]
+        line = (
+            f"served {cell['phase']} {cell['tokens']} tokens: auto ran {auto['ran']} "
+            f"{auto['median_s'] * 1e3:.1f} ms, baseline {off['median_s'] * 1e3:.1f} ms"
+        )
+        checked.append(line)
+        if auto["median_s"] > off["median_s"] * (1 + noise):
+            misses.append(line)
+    return checked, misses
