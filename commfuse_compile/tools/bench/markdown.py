@@ -271,7 +271,8 @@ def served_table(served: dict[str, Any]) -> list[str]:
         ratio = f"{auto['median_s'] / cell['rows'][0]['median_s']:.2f}" if auto else "-"
         medians = [
             f"{ms(by_label[label]['median_s'])} ({row_name(by_label[label])})"
-            if label == "auto" or by_label[label]["decision"] != "rewritten"
+            if label == "auto"
+            or (label != "baseline" and by_label[label]["decision"] != "rewritten")
             else ms(by_label[label]["median_s"])
             for label in labels
         ]
