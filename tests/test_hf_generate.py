@@ -66,8 +66,13 @@ def generate_cell(rank: int, n: int, path: str, inner: str, cache: str, schedule
         kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
         with torch.no_grad():
             return [
-                model.generate(ids, attention_mask=mask, cache_implementation=cache,
-                               compile_config=config, **kwargs)  # fmt: skip
+                model.generate(
+                    ids,
+                    attention_mask=mask,
+                    cache_implementation=cache,
+                    compile_config=config,
+                    **kwargs,
+                )
                 for ids, mask in batches
             ]
 
@@ -100,15 +105,10 @@ def generate_cell(rank: int, n: int, path: str, inner: str, cache: str, schedule
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    path = str(tmp_path_factory.mktemp("tiny_llama_generate"))
-    save_tiny_llama(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def cell(ranks, checkpoint) -> Callable[..., dict]:
+def cell(ranks, tmp_path_factory) -> Callable[..., dict]:
     """``cell(n, inner, cache, schedule)``: rank 0's result, after every rank agreed."""
+    checkpoint = str(tmp_path_factory.mktemp("tiny_llama"))
+    save_tiny_llama(checkpoint)
 
     def get(n: int, inner: str, cache: str, schedule: str) -> dict:
         results = ranks(n).run(generate_cell, checkpoint, inner, cache, schedule)
