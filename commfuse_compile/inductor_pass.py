@@ -115,6 +115,11 @@ def install_inductor_pass(
             f"{given['inner']!r}: the pass runs inside Inductor; for another inner compiler "
             "use torch.compile(model, backend='commfuse', options={'inner': ...})"
         )
+    if given.get("mode", "default") != "default":
+        raise CommfuseOptionError(
+            f"commfuse_compile.install_inductor_pass: option 'mode' cannot be "
+            f"{given['mode']!r}: Inductor takes its mode from torch.compile(model, mode=...)"
+        )
     fixed = resolve_options({**given, "inner": "inductor"})
     installed = CommfuseInductorPass(fixed)
     _install(SLOT, installed)

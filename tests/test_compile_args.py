@@ -145,6 +145,11 @@ def test_a_graph_with_p2p_steps_is_kept_out_of_cuda_graphs(fake_world):
         assert inductor_config.graph_partition == untouched
 
 
-def test_apply_refuses_a_mode(fake_world):
+def test_apply_and_the_inductor_pass_refuse_a_mode(fake_world):
+    """Neither runs Inductor with a mode of its own: apply compiles nothing, the installed
+    pass runs in the Inductor torch.compile gave its mode to."""
     with pytest.raises(CommfuseOptionError, match="option 'mode' cannot be 'max-autotune'"):
         commfuse_compile.apply(trace(AgMm(), N, AgMm().inputs(RANK, seed=0)), mode="max-autotune")
+    with pytest.raises(CommfuseOptionError, match="takes its mode from torch.compile"):
+        commfuse_compile.install_inductor_pass(mode="reduce-overhead")
+    assert commfuse_compile.installed_inductor_pass() is None

@@ -190,6 +190,7 @@ def test_an_error_from_the_environment_names_the_variable(env, value, message, i
         ("COMMFUSE_SLICES", "1", "must be an integer in 2..64, got 1"),
         ("COMMFUSE_SLICES", "four", "must be an integer in 2..64, got 'four'"),
         ("COMMFUSE_MEASURE", "maybe", "must be one of ['1', 'true', 'yes', 'on', '0'"),
+        ("COMMFUSE_MODE", "fastest", "must be one of ['default', 'lite', 'reduce-overhead'"),
     ],
 )
 def test_every_option_reads_its_variable_and_a_bad_value_names_it(env, value, message, monkeypatch):
