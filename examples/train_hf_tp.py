@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 import time
-import warnings
 from collections import Counter
 
 import torch
@@ -37,47 +35,10 @@ import torch.distributed as dist
 from commfuse_compile import report
 from commfuse_compile.options import SCHEDULES
 from commfuse_compile.tools.training import examples as training_examples
+from commfuse_compile.tools.training.hf_llama import checkpoint, load, load_vocab
 from commfuse_compile.tools.training.loop import format_summary, max_relative_diff, summarize
 
 BATCH, SEQ = 2, 24  # 48 tokens: 2, 3, 4 or 6 ranks
-
-
-def tiny_llama(path: str, layers: int) -> None:
-    """A random Llama small enough for CPU ranks, written as a checkpoint."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=384,
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=layers,
-        num_attention_heads=12,
-        num_key_value_heads=12,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-
-
-def checkpoint(args: argparse.Namespace) -> str:
-    """``--model``, or a tiny Llama rank 0 wrote (its directory sent to every rank)."""
-    if args.model:
-        return args.model
-    path = [tempfile.mkdtemp(prefix="commfuse-tiny-llama-") if dist.get_rank() == 0 else ""]
-    if dist.get_rank() == 0:
-        tiny_llama(path[0], args.layers)
-    dist.broadcast_object_list(path, src=0)
-    return path[0]
-
-
-def load(path: str):
-    """The checkpoint sharded by transformers' own plan over every rank."""
-    from transformers import AutoModelForCausalLM
-
-    with warnings.catch_warnings():  # 5.x: "pass it in DistributedConfig(tp_plan=...)"
-        warnings.filterwarnings("ignore", "Passing `tp_plan`", FutureWarning)
-        return AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
 
 
 def run(path: str, batches: list[torch.Tensor], options: dict | None) -> tuple[list, torch.Tensor]:
@@ -147,12 +108,6 @@ def main() -> None:
     if not args.model and rank == 0:  # every rank has loaded it: the runs' steps met
         shutil.rmtree(path, ignore_errors=True)
     training_examples.leave_torchrun()
-
-
-def load_vocab(path: str) -> int:
-    from transformers import AutoConfig
-
-    return int(AutoConfig.from_pretrained(path).get_text_config().vocab_size)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ EXAMPLES = {  # file in examples/ -> its arguments (the smallest run that compil
     "train_hf_tp.py": ["--steps", "1", "--layers", "1"],
     "train_deepspeed_hf.py": ["--steps", "1"],
     "train_moe.py": SMALL,
+    "generate_hf_tp.py": ["--layers", "1", "--rounds", "1", "--new-tokens", "2"],
 }
 RUNS = 3  # runs of each (example, ranks) under -m matrix
 
