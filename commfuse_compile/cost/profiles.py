@@ -108,13 +108,14 @@ class Profile:
         nic = self.across_nodes
         if nic is None:
             return self
-        share = nic.bytes_per_s / max(1, senders_per_nic)
+        # a half-duplex NIC's rate is shared by what a ring member sends and receives
+        share = nic.bytes_per_s / max(1, senders_per_nic) / (1 if nic.duplex else 2)
         return dataclasses.replace(
             self,
             name=f"{self.name} across nodes",
             link_alpha_s=max(self.link_alpha_s, nic.alpha_s),
             link_bytes_per_s=min(self.link_bytes_per_s, share),
-            duplex_neighbours=nic.duplex,
+            duplex_neighbours=False,  # a rank's messages to other nodes share its NIC
             collectives=nic.collectives,
             across_nodes=None,
         )
