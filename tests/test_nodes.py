@@ -228,3 +228,39 @@ def test_ranks_seeing_different_topologies_raise_before_any_transfer(ranks):
         assert outcome.startswith("RankMismatchError: commfuse: the ranks were given"), outcome
         assert "see different topologies" in outcome
         assert "1 ranks per node" in outcome and "2 ranks per node" in outcome
+
+
+# ----------------------------------------------------------------------------------------
+# two nodes in network namespaces, launched as on a cluster
+
+
+def test_two_nodes_of_two_ranks_train_the_2d_example_alike(tmp_path):
+    """``train_fsdp_style.py --tp 2`` on 2 nodes x 2 ranks (tp inside a node, dp across),
+    each node's torchrun joining by c10d rendezvous, the ring forced: the losses are
+    those of plain eager, and the dp sites run their ring across the nodes."""
+    from test_exit import GROUP_TIMEOUT_S, LAUNCHER
+
+    from commfuse_compile.tools.bench.netns import can_throttle
+    from commfuse_compile.tools.bench.nodes import run_nodes
+
+    why_not = can_throttle()
+    if why_not is not None:
+        pytest.skip(f"2 nodes need network namespaces: {why_not}")
+    launcher = tmp_path / "short_group_timeout.py"
+    launcher.write_text(LAUNCHER)
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train_fsdp_style.py")
+    script = [str(launcher), str(GROUP_TIMEOUT_S), example, "--tp", "2", "--steps", "2"]
+    script += ["--blocks", "1", "--compare", "--inner", "eager", "--schedule", "ring"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {"PYTHONPATH": root, "OMP_NUM_THREADS": "1", "COMMFUSE_DEBUG_DIR": str(tmp_path)}
+    (code0, out0), (code1, out1) = run_nodes(2, 2, script, rate_bits_per_s=1e9, env=env)
+    assert (code0, code1) == (0, 0), out0[-3000:] + out1[-3000:]
+    difference = float(out0.split("largest relative loss difference over 2 steps:")[1].split()[0])
+    assert difference < 1e-5, out0[-3000:]
+    levels = {}
+    for rank in range(4):
+        sites = json.loads((tmp_path / f"rank{rank}" / "report.json").read_text())["sites"]
+        for site in sites:
+            if site["decision"] == "rewritten":
+                levels.setdefault(site["level"], set()).add(tuple(site["ring"]))
+    assert levels == {"node": {(0, 1), (2, 3)}, "nodes": {(0, 2), (1, 3)}}, levels
