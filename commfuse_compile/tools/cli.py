@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..cost.profiles import Profile, ProfileError, load
+from ..cost.profiles import Curve, Profile, ProfileError, load
 from ..options import INNER_COMPILERS, MAX_SLICES, SCHEDULES, dump_dir_problem
 from .bench.config import CELL_KINDS, DROPLESS_KIND, MOE_KIND
 from .sim.layer import PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
@@ -181,6 +181,22 @@ def _add_calibrate(commands: _Commands) -> None:
     calibrate.add_argument(
         "--reps", type=_int_in(1), default=20, help="repetitions per measurement"
     )
+    calibrate.add_argument(
+        "--ranks-per-nic",
+        type=_int_in(1),
+        default=None,
+        help="under a multi-node torchrun launch: how many of a node's ranks share one NIC "
+        "(default: all of them)",
+    )
+
+
+def _print_curves(collectives: dict[str, dict[int, Curve]], where: str) -> None:
+    for kind, curves in collectives.items():
+        for n, curve in sorted(curves.items()):
+            print(
+                f"{kind:>14} on {n} ranks{where}: {curve.latency_s * 1e6:8.1f} us + "
+                f"{1 / curve.seconds_per_byte / 1e9:.3f} GB/s of a rank's block"
+            )
 
 
 def _add_sim(commands: _Commands) -> None:
@@ -318,17 +334,26 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "calibrate":
         from .calibrate import run as calibrate_run
+        from .calibrate import run_launched
 
-        profile = calibrate_run(args.world_size, args.out, args.reps)
+        if "LOCAL_WORLD_SIZE" in os.environ:  # the ranks of a torchrun job: every level
+            launched = run_launched(args.out, args.reps, args.ranks_per_nic)
+            if launched is None:
+                return 0  # rank 0 writes and prints
+            profile = launched
+        else:
+            profile = calibrate_run(args.world_size, args.out, args.reps)
         for field, value in profile.as_json().items():
-            if field != "collectives":
+            if field not in ("collectives", "across_nodes"):
                 print(f"{field:>22}: {value}")
-        for kind, curves in profile.collectives.items():
-            for n, curve in sorted(curves.items()):
-                print(
-                    f"{kind:>14} on {n} ranks: {curve.latency_s * 1e6:8.1f} us + "
-                    f"{1 / curve.seconds_per_byte / 1e9:.3f} GB/s of a rank's block"
-                )
+        _print_curves(profile.collectives, "")
+        nic = profile.across_nodes
+        if nic is not None:
+            print(
+                f"{'across nodes':>22}: {nic.alpha_s * 1e6:.1f} us + {nic.bytes_per_s / 1e9:.3f} "
+                f"GB/s per NIC (one direction), {nic.ranks_per_nic} rank(s) per NIC"
+            )
+            _print_curves(nic.collectives, " across nodes")
         print(f"wrote {args.out}; use it with options={{'profile': {args.out!r}}}")
         return 0
 
