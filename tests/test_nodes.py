@@ -1,9 +1,10 @@
 """Jobs that span nodes: links by level, each site priced by its own group's level, rings
-ordered by node, and the ranks agreeing on the topology.
+ordered by node, ``commfuse sim``'s clusters, and a real 2-node job.
 
 Graph level on torch's fake process group (a 2 x 2 mesh: tp groups inside a node, dp
-groups across two nodes of 2 ranks); numbers of a ring in node order on 4 gloo ranks; the
-ranks' agreement refusing ranks that see different topologies on 2 gloo ranks.
+groups across two nodes of 2 ranks); numbers of a ring in node order on 4 gloo ranks; 2
+nodes x 2 ranks in network namespaces, launched by torchrun's multi-node launch (root).
+The agreement refusing ranks that see different topologies: tests/test_faults.py.
 """
 
 from __future__ import annotations
@@ -189,6 +190,31 @@ def test_ring_runs_in_node_order_on_every_rank(case):
         assert sorted(bidir[0]) == sorted([following[rank], preceding[rank]])
 
 
+def test_sim_projects_each_group_by_its_level():
+    from commfuse_compile.tools.sim.cluster import cluster_rows
+
+    rows = {r.job: r for r in cluster_rows(BUILTIN["h100-ib400"])}
+    inside = rows["llama3-70b layer, TP+SP 8"]
+    over_two = rows["llama3-70b layer, TP+SP 16"]
+    assert (inside.level, inside.link) == ("node", "10 us, 360.0 GB/s")  # NVLink
+    assert (over_two.level, over_two.link) == ("nodes", "10 us, 45.0 GB/s")  # a NIC per GPU
+    assert over_two.collective_s > 2 * inside.collective_s
+    dp = rows["llama3-70b layer, sharded DP over 128 nodes (TP 8 inside)"]
+    assert (dp.group, dp.level) == ("128 ranks on 128 nodes", "nodes")
+    ep = rows["deepseek-v3-moe routed experts, EP 64"]
+    assert (ep.group, ep.level) == ("64 ranks on 8 nodes", "nodes")
+    for row in rows.values():  # auto never loses more than its margin to the collective
+        assert row.auto_s <= row.collective_s * 1.0001, row
+
+
+def test_sim_cluster_needs_links_across_nodes(capsys):
+    from commfuse_compile.tools.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["sim", "--parallelism", "cluster", "--profile", "h100-nvlink4"])
+    assert "h100-nvlink4 has no links across nodes" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------
 # on gloo ranks
 
@@ -201,33 +227,6 @@ def test_ring_in_node_order_matches_on_gloo_ranks(ranks, schedule):
             assert out["collectives_left"] == 0, out["declined"]
             for a, e in zip(out["actual"], out["expected"], strict=True):
                 torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
-
-
-def _compile_with_topology(rank: int, world_size: int, topologies: list[str]) -> str:
-    import torch
-
-    old = os.environ.get("COMMFUSE_TOPOLOGY")
-    os.environ["COMMFUSE_TOPOLOGY"] = topologies[rank]
-    try:
-        torch._dynamo.reset()
-        case = AgMm(shard=(2, 4), dim=0, consumers=1, bias=False)
-        fn = torch.compile(case.fn(world_size), backend="commfuse", options={"inner": "eager"})
-        fn(*case.inputs(rank, 0, world_size))
-        return "compiled"
-    except Exception as err:  # noqa: BLE001 - Dynamo wraps the backend's error
-        inner = getattr(err, "inner_exception", err)
-        return f"{type(inner).__name__}: {inner}"
-    finally:
-        os.environ.pop("COMMFUSE_TOPOLOGY")
-        if old is not None:
-            os.environ["COMMFUSE_TOPOLOGY"] = old
-
-
-def test_ranks_seeing_different_topologies_raise_before_any_transfer(ranks):
-    for outcome in ranks(2).run(_compile_with_topology, ["1", "2"]):
-        assert outcome.startswith("RankMismatchError: commfuse: the ranks were given"), outcome
-        assert "see different topologies" in outcome
-        assert "1 ranks per node" in outcome and "2 ranks per node" in outcome
 
 
 # ----------------------------------------------------------------------------------------

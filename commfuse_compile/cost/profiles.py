@@ -17,8 +17,11 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ..runtime.topology import INSIDE, Topology
 
 
 class ProfileError(ValueError):
@@ -119,6 +122,18 @@ class Profile:
             collectives=nic.collectives,
             across_nodes=None,
         )
+
+    def for_group(
+        self, ranks: Sequence[int], order: Sequence[int], where: Topology, all_pairs: bool
+    ) -> Profile:
+        """This profile as a group of global ``ranks`` on ``where`` sees it: the link
+        inside a node where the ranks share one, else the NIC shared by the ranks that
+        send through it at once (its ring ``order``: group ranks; ``all_pairs``: each
+        member exchanges with every other, as an all-to-all does)."""
+        nic = self.across_nodes
+        if nic is None or where.level(ranks) == INSIDE:
+            return self
+        return self.across(where.senders_per_nic(ranks, order, nic.ranks_per_nic, all_pairs))
 
     def as_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

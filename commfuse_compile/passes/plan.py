@@ -127,14 +127,10 @@ def _rings(site: Site) -> bool:
 def group_profile(site: Site, group: groups.Group, options: Options, profile: Profile) -> Profile:
     """``profile`` as the site's group sees it: the link inside a node where the group is
     on one node, else its slowest hop, the NIC, shared by the ranks sending through it at
-    once (``topology.Topology.senders_per_nic``)."""
-    where = topology.current(options.topology)
-    if profile.across_nodes is None or where.level(group.ranks) == topology.INSIDE:
-        return profile
+    once (``Profile.for_group``)."""
     order = [group.member(p) for p in range(group.size)]
-    nic = profile.across_nodes
-    senders = where.senders_per_nic(group.ranks, order, nic.ranks_per_nic, not _rings(site))
-    return profile.across(senders)
+    where = topology.current(options.topology)
+    return profile.for_group(group.ranks, order, where, all_pairs=not _rings(site))
 
 
 def predict_site(

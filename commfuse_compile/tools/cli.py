@@ -217,7 +217,7 @@ def _add_sim(commands: _Commands) -> None:
     )
     sim.add_argument(
         "--parallelism",
-        choices=["tpsp", "up", "moe"],
+        choices=["tpsp", "up", "moe", "cluster"],
         default="tpsp",
         help="tpsp: the TP+SP layer's all-gathers and reduce-scatters; up: the Ulysses "
         "layer's all-to-alls around attention, at sequences "
@@ -225,13 +225,16 @@ def _add_sim(commands: _Commands) -> None:
         + " unless --tokens is given; moe: an MoE layer's expert-parallel dispatch and "
         "combine all-to-alls around its experts (projections), at "
         + ", ".join(map(str, MOE_TOKENS))
-        + " tokens per rank unless --tokens is given",
+        + " tokens per rank unless --tokens is given; cluster: jobs that span nodes (Llama 3 "
+        "70B TP 8 inside a node and sharded DP across 16-128 nodes, TP 16 over 2 nodes, "
+        "DeepSeek-V3-like expert parallelism across nodes), each group priced by its level, "
+        "as projections",
     )
     sim.add_argument(
         "--profile",
         type=_profile,
-        default="h100-nvlink4",
-        help="built-in profile name or a file from `commfuse calibrate`",
+        help="built-in profile name or a file from `commfuse calibrate`; default: "
+        "h100-nvlink4, h100-ib400 (cluster: a profile with links across nodes)",
     )
     sim.add_argument(
         "--group-size",
@@ -316,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "sim":
+        cluster = args.parallelism == "cluster"
+        args.profile = args.profile or load("h100-ib400" if cluster else "h100-nvlink4")
+        if cluster:
+            return _sim_cluster(args)
         if args.parallelism == "moe":
             return _sim_moe(parser, args)
         if args.model in MOE_PRESETS:
@@ -410,6 +417,26 @@ def _sim(args: argparse.Namespace) -> int:
     if args.out:
         for path in write_traces(results, Path(args.out)):
             print(f"wrote {path} (open in https://ui.perfetto.dev)")
+    return 0
+
+
+def _sim_cluster(args: argparse.Namespace) -> int:
+    from .sim.cluster import cluster_rows, format_cluster
+    from .sim.layer import write_traces
+
+    if args.profile.across_nodes is None:
+        args.command_parser.error(
+            f"argument --profile: {args.profile.name} has no links across nodes: give "
+            "h100-ib400, a100-ib200 or a file calibrated under a multi-node launch"
+        )
+    rows = cluster_rows(args.profile, args.slices)
+    print(format_cluster(args.profile, rows))
+    if args.out:
+        for row in rows:
+            if row.result is not None:
+                prefix = "cluster-" + "-".join(row.job.replace(",", "").split()[:6])
+                for path in write_traces([row.result], Path(args.out), prefix):
+                    print(f"wrote {path} (open in https://ui.perfetto.dev)")
     return 0
 
 
