@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 from torch._inductor import list_mode_options
 
+from .runtime.topology import Topology, TopologyError, parse
 from .schedules import NAMES
 
 SCHEDULES = ("auto", *NAMES, "off")
@@ -39,9 +40,11 @@ ENV = {
     "debug_dir": DEBUG_DIR_ENV,
     "disable": DISABLE_ENV,
     "exchange_timeout": "COMMFUSE_EXCHANGE_TIMEOUT",
+    "topology": "COMMFUSE_TOPOLOGY",
 }
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-UNSET_BY_NONE = frozenset({"debug_dir", "profile", "disable", "exchange_timeout"})  # None: unset
+# None: unset
+UNSET_BY_NONE = frozenset({"debug_dir", "profile", "disable", "exchange_timeout", "topology"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +62,14 @@ class Options:
     # how long a rank waits for its peers' view of a graph, in seconds; None: half the
     # process group's timeout (a peer blocked in a collective meanwhile must outlast it)
     exchange_timeout: float | None = None
+    # ranks per node, or the node of every rank (``runtime.topology``); None: the launcher's
+    topology: Topology | None = None
     # option -> where its value came from: "option", "environment variable NAME", "default"
     origins: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
+
+    def __post_init__(self) -> None:  # ``Options(topology=2)`` as ``from_mapping`` reads it
+        if self.topology is not None and not isinstance(self.topology, Topology):
+            object.__setattr__(self, "topology", _topology(_Given(self.topology, "", "option")))
 
     @classmethod
     def from_mapping(cls, given: Mapping[str, Any] | None) -> Options:
@@ -85,6 +94,7 @@ class Options:
             "slices": _slices(got["slices"]),
             "measure": _measure(got["measure"]),
             "exchange_timeout": _seconds(got["exchange_timeout"]),
+            "topology": _topology(got["topology"]),
         }
         origins = tuple((name, got[name].origin) for name in ENV)
         return cls(**{k: v for k, v in values.items() if v is not None}, origins=origins)
@@ -135,6 +145,8 @@ def where(name: str, origin: str) -> str:
 
 
 def _plain(value: object) -> object:
+    if isinstance(value, Topology):
+        return value.describe()
     return sorted(value) if isinstance(value, frozenset) else value
 
 
@@ -182,6 +194,13 @@ def _profile(got: _Given) -> str | None:
     except ProfileError as err:
         raise CommfuseOptionError(f"commfuse: {got.where}: {err}") from None
     return os.fspath(got.value)
+
+
+def _topology(got: _Given) -> Topology | None:
+    try:
+        return parse(got.value)
+    except TopologyError as err:
+        raise CommfuseOptionError(f"commfuse: {got.where} {err}") from None
 
 
 def _slices(got: _Given) -> int:

@@ -57,6 +57,10 @@ class SiteRecord:
     profile: str = ""
     collective_model: str = ""
     timeline: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # the level of the group's links ("node": inside one node, "nodes": across), and its
+    # global ranks in ring order (``runtime.topology``)
+    level: str = ""
+    ring: list[int] = dataclasses.field(default_factory=list)
     steps: int = 0  # overlap windows of the rewrite
     p2p_ops: int = 0
     exposed_steps: list[str] = dataclasses.field(default_factory=list)  # see program.py

@@ -74,14 +74,14 @@ def test_surviving_ranks_raise_naming_site_and_step_within_the_timeout(fault, wo
             proc.join()
 
 
-def _compile_with_profile(rank: int, world_size: int, profiles: list[str]) -> str:
-    """Compile (with ``auto``) a gather -> matmul site under this rank's COMMFUSE_PROFILE;
-    the error's type and message, or "compiled"."""
+def _compile_with(rank: int, world_size: int, variable: str, values: list[str]) -> str:
+    """Compile (with ``auto``) a gather -> matmul site with this rank's value of the
+    environment variable ``variable``; the error's type and message, or "compiled"."""
     import torch
 
     case = AgMm(shard=(2, 4), dim=0, consumers=1, bias=False)
-    old = os.environ.get("COMMFUSE_PROFILE")
-    os.environ["COMMFUSE_PROFILE"] = profiles[rank]
+    old = os.environ.get(variable)
+    os.environ[variable] = values[rank]
     try:
         torch._dynamo.reset()
         fn = torch.compile(case.fn(world_size), backend="commfuse", options={"inner": "eager"})
@@ -91,15 +91,24 @@ def _compile_with_profile(rank: int, world_size: int, profiles: list[str]) -> st
         inner = getattr(err, "inner_exception", err)  # BackendCompilerFailed's
         return f"{type(inner).__name__}: {inner}"
     finally:
-        os.environ.pop("COMMFUSE_PROFILE")
+        os.environ.pop(variable)
         if old is not None:
-            os.environ["COMMFUSE_PROFILE"] = old
+            os.environ[variable] = old
 
 
 def test_ranks_given_different_profiles_raise_before_any_transfer(ranks):
-    outcomes = ranks(2).run(_compile_with_profile, ["gloo-loopback", "h100-nvlink4"])
+    outcomes = ranks(2).run(_compile_with, "COMMFUSE_PROFILE", ["gloo-loopback", "h100-nvlink4"])
     for outcome in outcomes:
         assert outcome.startswith("RankMismatchError: commfuse: the ranks were given"), outcome
         assert "different options or cost profiles" in outcome
         assert "gloo-loopback" in outcome and "h100-nvlink4" in outcome
-    assert ranks(2).run(_compile_with_profile, ["h100-nvlink4"] * 2) == ["compiled"] * 2
+    assert ranks(2).run(_compile_with, "COMMFUSE_PROFILE", ["h100-nvlink4"] * 2) == ["compiled"] * 2
+
+
+def test_ranks_seeing_different_topologies_raise_before_any_transfer(ranks):
+    """Ranks that disagree on which ranks share a node would price a group differently
+    (tests/test_nodes.py): the agreement refuses them, naming both topologies."""
+    for outcome in ranks(2).run(_compile_with, "COMMFUSE_TOPOLOGY", ["1", "2"]):
+        assert outcome.startswith("RankMismatchError: commfuse: the ranks were given"), outcome
+        assert "see different topologies" in outcome
+        assert "1 ranks per node" in outcome and "2 ranks per node" in outcome

@@ -4,6 +4,10 @@ Built-in profiles describe real hardware; every number says where it comes from.
 profile measured on the current machine and process group (``commfuse calibrate``) is a
 JSON file with the same fields, loaded with ``options={"profile": path}``.
 GPU matmul figures are for bf16/fp16 tensor-core GEMMs (the dtype of LLM training).
+
+A profile has links by level: its flat ``link_*`` fields are the link between ranks of
+one node; ``across_nodes`` (a :class:`Level`), where given, the NIC between nodes. A
+profile without it (a single node, or a file written before levels) is one level.
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ..runtime.topology import INSIDE, Topology
 
 
 class ProfileError(ValueError):
@@ -43,6 +50,19 @@ class Curve:
 
 
 @dataclasses.dataclass(frozen=True)
+class Level:
+    """The link between nodes: a NIC shared by ``ranks_per_nic`` of a node's ranks (1:
+    a NIC per GPU, as on rail-optimized InfiniBand clusters), ``bytes_per_s`` per
+    direction for the whole NIC, and its collectives as measured across nodes."""
+
+    alpha_s: float  # latency of one message between nodes
+    bytes_per_s: float  # one direction, the whole NIC
+    duplex: bool = True  # a NIC sends and receives at full rate at once
+    ranks_per_nic: int = 1
+    collectives: dict[str, dict[int, Curve]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
 class Profile:
     name: str
     source: str  # where the numbers come from
@@ -64,6 +84,9 @@ class Profile:
     # measures them, ``COLLECTIVES``); without a curve the model takes the faster of
     # a ring and a bidirectional ring of the same messages plus ``collective_overhead_s``.
     collectives: dict[str, dict[int, Curve]] = dataclasses.field(default_factory=dict)
+    # the link between nodes (None: one node, every group priced by the fields above)
+    across_nodes: Level | None = None
+    ranks_per_node: int = 0  # of the cluster described (``commfuse sim``); 0: not said
 
     def curve(self, collective: str, n: int) -> Curve | None:
         return self.collectives.get(collective, {}).get(n)
@@ -80,12 +103,43 @@ class Profile:
         """out = x + y over tensors of ``nbytes``: two reads, one write."""
         return 3 * nbytes / self.memory_bytes_per_s
 
+    def across(self, senders_per_nic: int) -> Profile:
+        """This profile as a group whose slowest hop crosses between nodes sees it: the
+        NIC's latency and its bandwidth shared by the ``senders_per_nic`` ranks that send
+        through it at once (never faster than the link inside a node), with the
+        collectives measured across nodes. Without ``across_nodes``: itself."""
+        nic = self.across_nodes
+        if nic is None:
+            return self
+        # a half-duplex NIC's rate is shared by what a ring member sends and receives
+        share = nic.bytes_per_s / max(1, senders_per_nic) / (1 if nic.duplex else 2)
+        return dataclasses.replace(
+            self,
+            name=f"{self.name} across nodes",
+            link_alpha_s=max(self.link_alpha_s, nic.alpha_s),
+            link_bytes_per_s=min(self.link_bytes_per_s, share),
+            duplex_neighbours=False,  # a rank's messages to other nodes share its NIC
+            collectives=nic.collectives,
+            across_nodes=None,
+        )
+
+    def for_group(
+        self, ranks: Sequence[int], order: Sequence[int], where: Topology, all_pairs: bool
+    ) -> Profile:
+        """This profile as a group of global ``ranks`` on ``where`` sees it: the link
+        inside a node where the ranks share one, else the NIC shared by the ranks that
+        send through it at once (its ring ``order``: group ranks; ``all_pairs``: each
+        member exchanges with every other, as an all-to-all does)."""
+        nic = self.across_nodes
+        if nic is None or where.level(ranks) == INSIDE:
+            return self
+        return self.across(where.senders_per_nic(ranks, order, nic.ranks_per_nic, all_pairs))
+
     def as_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out["collectives"] = {
-            collective: {str(n): dataclasses.asdict(c) for n, c in curves.items()}
-            for collective, curves in self.collectives.items()
-        }
+        out["collectives"] = _curves_json(self.collectives)
+        if self.across_nodes is not None:
+            out["across_nodes"]["collectives"] = _curves_json(self.across_nodes.collectives)
         return out
 
     def fingerprint(self) -> str:
@@ -95,12 +149,20 @@ class Profile:
         return hashlib.sha256(json.dumps(numbers, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _curves_json(curves: dict[str, dict[int, Curve]]) -> dict[str, Any]:
+    return {
+        collective: {str(n): dataclasses.asdict(c) for n, c in by_n.items()}
+        for collective, by_n in curves.items()
+    }
+
+
 def _points(seconds: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
     """A curve's measured points at the block sizes ``calibrate`` measures."""
     return tuple(zip(map(float, CURVE_BLOCK_BYTES), seconds, strict=True))
 
 
-RATES = ("matmul_flops", "memory_bytes_per_s", "link_bytes_per_s")  # divisors: > 0
+# divisors: > 0
+RATES = ("matmul_flops", "memory_bytes_per_s", "link_bytes_per_s", "bytes_per_s", "ranks_per_nic")
 
 BUILTIN = {
     "h100-nvlink4": Profile(
@@ -194,6 +256,37 @@ BUILTIN = {
 }
 
 
+def _cluster(node: str, name: str, source: str, nic: Level) -> Profile:
+    """Nodes of 8 GPUs as profile ``node`` describes one, joined by ``nic``."""
+    inside = BUILTIN[node]
+    return dataclasses.replace(
+        inside,
+        name=name,
+        source=f"{inside.source}. Across nodes: {source}",
+        across_nodes=nic,
+        ranks_per_node=8,
+    )
+
+
+BUILTIN |= {
+    "h100-ib400": _cluster(
+        "h100-nvlink4",
+        "h100-ib400",
+        "8 x 400 Gb/s InfiniBand NDR per node, a NIC per GPU (DGX H100, rail-optimized): "
+        "50 GB/s per direction, 45 taken as achieved by NCCL; 10 us message latency "
+        "(switch hops and NCCL's proxy), not measured by us",
+        Level(alpha_s=1e-5, bytes_per_s=4.5e10),
+    ),
+    "a100-ib200": _cluster(
+        "a100-nvlink3",
+        "a100-ib200",
+        "8 x 200 Gb/s InfiniBand HDR per node, a NIC per GPU (DGX A100): 25 GB/s per "
+        "direction, 22 taken as achieved by NCCL; 10 us message latency, not measured by us",
+        Level(alpha_s=1e-5, bytes_per_s=2.2e10),
+    ),
+}
+
+
 def load(name_or_path: str | os.PathLike[str]) -> Profile:
     """A built-in profile by name, or a profile JSON file (``commfuse calibrate``)."""
     if str(name_or_path) in BUILTIN:
@@ -214,9 +307,20 @@ def load(name_or_path: str | os.PathLike[str]) -> Profile:
 def from_json(fields: object, where: str = "profile") -> Profile:
     """A profile from its JSON form, every field checked: a wrong file says which fields
     are missing, unknown or of the wrong kind (``where`` names it in the message)."""
+    values = _checked(Profile, fields, where)
+    values["collectives"] = _curves(values.get("collectives", {}))
+    if values.get("across_nodes") is not None:
+        level = _checked(Level, values["across_nodes"], f"{where}: across_nodes")
+        level["collectives"] = _curves(level.get("collectives", {}))
+        values["across_nodes"] = Level(**level)
+    return Profile(**values)
+
+
+def _checked(cls: type, fields: object, where: str) -> dict[str, Any]:
+    """``fields`` as the keywords of dataclass ``cls``, each checked (but not converted)."""
     if not isinstance(fields, dict):
         raise ProfileError(f"{where} must hold a JSON object, got {type(fields).__name__}")
-    known = {f.name: f for f in dataclasses.fields(Profile)}
+    known = {f.name: f for f in dataclasses.fields(cls)}
     required = [
         n
         for n, f in known.items()
@@ -228,21 +332,25 @@ def from_json(fields: object, where: str = "profile") -> Profile:
         parts = [f"missing {missing}"] if missing else []
         parts += [f"unknown {unknown}"] if unknown else []
         raise ProfileError(f"{where}: fields {'; '.join(parts)}")
-    values = dict(fields)
-    for name, value in values.items():
+    for name, value in fields.items():
+        if name == "across_nodes":
+            continue  # checked as a ``Level`` of its own
         problem = (
             _collectives_problem(value) if name == "collectives" else _field_problem(name, value)
         )
         if problem:
             raise ProfileError(f"{where}: {name} {problem}")
-    values["collectives"] = {
+    return dict(fields)
+
+
+def _curves(value: dict[str, Any]) -> dict[str, dict[int, Curve]]:
+    return {
         collective: {
             int(n): Curve(c["latency_s"], c["seconds_per_byte"], tuple(map(tuple, c["points"])))
             for n, c in curves.items()
         }
-        for collective, curves in values.get("collectives", {}).items()
+        for collective, curves in value.items()
     }
-    return Profile(**values)
 
 
 def _collectives_problem(value: object) -> str | None:
@@ -283,8 +391,12 @@ def _field_problem(name: str, value: object) -> str | None:
     only fail later, inside the pass), or None."""
     if name in ("name", "source"):
         return None if isinstance(value, str) else f"must be a string, got {value!r}"
-    if name == "duplex_neighbours":
+    if name in ("duplex_neighbours", "duplex"):
         return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+    if name in ("ranks_per_nic", "ranks_per_node") and not (
+        isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    ):
+        return f"must be a whole number, got {value!r}"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return f"must be a finite number, got {value!r}"
     if name in RATES and value <= 0:
@@ -299,5 +411,6 @@ def save(profile: Profile, path: str | os.PathLike[str]) -> None:
 
 
 def for_device(device_type: str) -> Profile:
-    """The default when no profile is given: loopback gloo on CPU, H100 on CUDA."""
-    return BUILTIN["h100-nvlink4" if device_type == "cuda" else "gloo-loopback"]
+    """The default when no profile is given: loopback gloo on CPU, H100 nodes on
+    InfiniBand on CUDA (a group inside one node is priced as on ``h100-nvlink4``)."""
+    return BUILTIN["h100-ib400" if device_type == "cuda" else "gloo-loopback"]

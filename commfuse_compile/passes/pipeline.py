@@ -268,7 +268,7 @@ def _rewrite_site(
     try:
         if site.declined:
             raise site.declined.error()
-        group = plan.site_group(site)
+        group = plan.site_group(site, options)
         inputs = plan.decision_inputs(options, plan.profile_for(site, options))
         result.groups[record.site] = (group, inputs)
         site, predicted, chosen = plan.plan_site(site, group, options, record)

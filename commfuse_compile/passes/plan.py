@@ -20,7 +20,8 @@ from ..cost.profiles import Profile, for_device, load
 from ..cost.simulator import Timeline, Work, collective_model, matmuls_s, predict
 from ..options import Options
 from ..report import SiteRecord
-from ..runtime import groups
+from ..runtime import groups, topology
+from ..schedules import Direction
 from .fx.declines import Declined, decline
 from .kinds import of
 from .kit.site import Site
@@ -104,12 +105,32 @@ def _loaded(name_or_path: str) -> Profile:
     return load(name_or_path)
 
 
-def site_group(site: Site) -> groups.Group:
-    """The site's process group; declined where this process cannot know it."""
+def site_group(site: Site, options: Options) -> groups.Group:
+    """The site's process group, its ring ordered by node where its schedules run a ring
+    (an all-to-all's pairwise steps meet every member anyway); declined where this
+    process cannot know it."""
     try:
-        return groups.resolve(site.group_name, site.group_size)
+        group = groups.resolve(site.group_name, site.group_size)
     except groups.GroupError as err:
         raise decline("site.group", error=err) from None
+    if not _rings(site):
+        return group
+    order = topology.current(options.topology).ring_order(group.ranks)
+    return dataclasses.replace(group, order=order if order != tuple(range(group.size)) else ())
+
+
+def _rings(site: Site) -> bool:
+    """Do the site's schedules pass blocks along a ring (rather than exchange pairwise)?"""
+    return of(site).direction in (Direction.GATHER, Direction.REDUCE)
+
+
+def group_profile(site: Site, group: groups.Group, options: Options, profile: Profile) -> Profile:
+    """``profile`` as the site's group sees it: the link inside a node where the group is
+    on one node, else its slowest hop, the NIC, shared by the ranks sending through it at
+    once (``Profile.for_group``)."""
+    order = [group.member(p) for p in range(group.size)]
+    where = topology.current(options.topology)
+    return profile.for_group(group.ranks, order, where, all_pairs=not _rings(site))
 
 
 def predict_site(
@@ -125,8 +146,11 @@ def predict_site(
     site = without_disabled(site, options.disable)
     plan_options(options)
     work = site_work(site, group.size)
+    profile = group_profile(site, group, options, profile)
     timelines = predict(work, profile, options.slices)
     if record is not None:
+        record.level = topology.current(options.topology).level(group.ranks)
+        record.ring = group.ring()
         record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in timelines.items()}
         record.profile = profile.name
         record.collective_model = collective_model(work, profile)
@@ -157,7 +181,7 @@ def plannable(site: Site, options: Options) -> groups.Group | Declined:
     """The site's group, if the options and its prediction admit rewriting it (for a
     declined site, the options alone); else why not."""
     try:
-        group = site_group(site)
+        group = site_group(site, options)
         if site.declined:
             plan_options(options)
             without_disabled(site, options.disable)
@@ -184,7 +208,7 @@ def site_times(site: Site, options: Options) -> SiteTimes | None:
     """The site's predicted times (``planned_s`` = ``written_s`` where the plan keeps the
     collective); None where it has no prediction (declined, or its planning fails)."""
     try:
-        group, profile = site_group(site), profile_for(site, options)
+        group, profile = site_group(site, options), profile_for(site, options)
         _, timelines = predict_site(site, group, options, profile)
     except Exception:  # noqa: BLE001 - declined, or its own planning fails
         return None
@@ -206,4 +230,5 @@ def decision_inputs(options: Options, profile: Profile) -> dict[str, Any]:
         "slices": options.slices,
         "disable": ",".join(sorted(options.disable)),
         "profile": f"{profile.name} {profile.fingerprint()}",
+        "topology": topology.current(options.topology).describe(),
     }

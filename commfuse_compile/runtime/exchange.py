@@ -354,8 +354,9 @@ def check_inputs(seen: Mapping[int, Mapping[str, Any]]) -> None:
     if all(s["inputs"] == first for s in seen.values()):
         return
     raise RankMismatchError(
-        "commfuse: the ranks were given different options or cost profiles (or torch builds), "
-        "so they could decide differently and hang in mismatched P2P steps; give every "
-        "rank the same (options, COMMFUSE_PROFILE, COMMFUSE_DISABLE): "
+        "commfuse: the ranks were given different options or cost profiles (or torch builds, "
+        "or see different topologies), so they could decide differently and hang in "
+        "mismatched P2P steps; give every rank the same (options, COMMFUSE_PROFILE, "
+        "COMMFUSE_DISABLE, COMMFUSE_TOPOLOGY or the launcher's LOCAL_WORLD_SIZE): "
         + "; ".join(f"rank {r}: {s['inputs']}" for r, s in seen.items())
     )

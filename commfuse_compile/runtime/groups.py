@@ -18,14 +18,31 @@ class Group:
     name: str
     ranks: tuple[int, ...]  # global ranks, in group-rank order
     rank: int  # this process's position in ``ranks``
+    # group ranks in ring order (``topology.Topology.ring_order``); (): group-rank order.
+    # A schedule's ring positions are places in it, its blocks those of the members there.
+    order: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def position(self) -> int:
+        """This process's place on the ring."""
+        return self.order.index(self.rank) if self.order else self.rank
+
+    def member(self, position: int) -> int:
+        """The group rank at ring place ``position`` (whose block a schedule's block
+        ``position`` is)."""
+        return self.order[position] if self.order else position
+
     def peer(self, offset: int) -> int:
         """Global rank of the group member ``offset`` places after this one on the ring."""
-        return self.ranks[(self.rank + offset) % self.size]
+        return self.ranks[self.member((self.position + offset) % self.size)]
+
+    def ring(self) -> list[int]:
+        """The global ranks in ring order."""
+        return [self.ranks[self.member(p)] for p in range(self.size)]
 
 
 def resolve(group_name: object, group_size: int) -> Group:

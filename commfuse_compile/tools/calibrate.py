@@ -9,6 +9,10 @@ the model times the collective with these curves, not with a ring formula), how 
 matmul slows while a transfer is in flight, and the fixed cost of one P2P step of a
 rewritten graph, from a tiny all-gather -> matmul site run both ways. The result loads
 with ``options={"profile": path}``.
+
+Under a multi-node torchrun launch it measures every level: the above on each node's
+ranks (all nodes at once), and the link and collectives between nodes on the ranks of
+each local rank across the nodes (``run_launched``), into one profile with both.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cost.profiles import COLLECTIVES, CURVE_BLOCK_BYTES, Curve, Profile
+from ..cost.profiles import COLLECTIVES, CURVE_BLOCK_BYTES, Curve, Level, Profile
 from ..cost.simulator import Work, simulate
+from ..runtime import topology
 from ..schedules import Direction
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
@@ -63,6 +68,15 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return max(a, 0.0), b
 
 
+def _curves(
+    measured: dict[str, dict[int, list[tuple[float, float]]]],
+) -> dict[str, dict[int, Curve]]:
+    return {
+        name: {size: Curve(*fit_line(points), tuple(points)) for size, points in by_n.items()}
+        for name, by_n in measured.items()
+    }
+
+
 def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
     """The profile whose model reproduces the measurements."""
     matmul_latency, s_per_flop = fit_line(m.matmul)
@@ -78,10 +92,7 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         step_overhead_s=0.0,
         collective_overhead_s=0.0,
         overlap_slowdown=m.overlap_slowdown,
-        collectives={
-            name: {size: Curve(*fit_line(points), tuple(points)) for size, points in by_n.items()}
-            for name, by_n in m.collectives.items()
-        },
+        collectives=_curves(m.collectives),
     )
     # The fixed costs are what the simulation of the tiny site lacks without them: the
     # ring pays the step overhead once per step (n-1), the collective its overhead once.
@@ -96,46 +107,91 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
     )
 
 
-def measure(rank: int, world_size: int, reps: int) -> Measurements:
-    """Run on every rank of the default group (a ``RankPool`` job)."""
+Rings = Sequence[Sequence[int]]  # the job's ranks split into rings of one level, alike
+
+
+def one_ring(world_size: int) -> Rings:
+    """One node: every rank on one ring."""
+    return [range(world_size)]
+
+
+def node_rings(world_size: int, ranks_per_node: int) -> tuple[Rings, Rings]:
+    """(each node's ranks, the ranks of one local rank on every node): the rings inside
+    the nodes and across them, as torchrun numbers the ranks."""
+    nodes = world_size // ranks_per_node
+    inside = [range(k * ranks_per_node, (k + 1) * ranks_per_node) for k in range(nodes)]
+    across = [range(local, world_size, ranks_per_node) for local in range(ranks_per_node)]
+    return inside, across
+
+
+def _mine(rank: int, rings: Rings) -> list[int]:
+    return next(list(ring) for ring in rings if rank in ring)
+
+
+def _peers(rank: int, rings: Rings) -> tuple[int, int]:
+    """The next and the previous rank on this rank's ring."""
+    ring = _mine(rank, rings)
+    at = ring.index(rank)
+    return ring[(at + 1) % len(ring)], ring[(at - 1) % len(ring)]
+
+
+def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -> Measurements:
+    """Run on every rank of the default group (a ``RankPool`` job, or a launched one);
+    the link, the collectives and the site on ``rings`` (default: one ring of all), every
+    ring at once."""
+    rings = rings or one_ring(world_size)
     torch.manual_seed(rank)
     matmul = []
     for m, k, n in MATMUL_SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, n)
         matmul.append((2.0 * m * k * n, _median(functools.partial(torch.mm, a, b), reps)))
-    message = [(float(size), _one_way(rank, world_size, size, reps)) for size in MESSAGE_BYTES]
+    message = link_points(rank, rings, reps)
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
     add_s = _median(lambda: torch.add(x, y), reps)
-    ring, collective = _tiny_site_times(world_size, reps)
+    curves, group = collective_curves(rank, rings, reps)
+    ring, collective = _tiny_site_times(len(_mine(rank, rings)), group, reps)
     return Measurements(
         matmul,
         message,
         3 * x.numel() * 4 / add_s,
         ring,
         collective,
-        _collective_curves(rank, world_size, reps),
-        _overlap_slowdown(rank, world_size, reps),
+        curves,
+        _overlap_slowdown(rank, rings, reps),
     )
 
 
-def _collective_curves(
-    rank: int, world_size: int, reps: int
-) -> dict[str, dict[int, list[tuple[float, float]]]]:
-    """The backend's collectives (``COLLECTIVES``), timed by block size on the groups
-    of ranks 0..g-1 for every g from 2 to the world size (the others wait)."""
+def link_points(rank: int, rings: Rings, reps: int) -> list[tuple[float, float]]:
+    """(bytes, seconds) of ring exchanges on ``rings``, every ring at once."""
+    peers = _peers(rank, rings)
+    return [(float(size), _one_way(peers, size, reps)) for size in MESSAGE_BYTES]
+
+
+def collective_curves(
+    rank: int, rings: Rings, reps: int
+) -> tuple[dict[str, dict[int, list[tuple[float, float]]]], str]:
+    """The backend's collectives (``COLLECTIVES``), timed by block size on the groups of
+    the first g ranks of every ring at once, for every g from 2 to the ring's size (the
+    others wait); and the group name of this rank's whole ring."""
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
-    for g in range(2, world_size + 1):
-        group = dist.new_group(list(range(g))) if g < world_size else dist.group.WORLD
+    mine = _mine(rank, rings)
+    whole = dist.group.WORLD
+    for g in range(2, len(mine) + 1):
+        for ring in rings:  # every rank makes every group, in one order
+            members = list(ring)[:g]
+            made = whole if len(members) == dist.get_world_size() else dist.new_group(members)
+            if rank in members:
+                group = made
         for collective, by_size in curves.items():
             points = []
             for nbytes in CURVE_BLOCK_BYTES:
-                if rank < g:  # the others only wait (new_group gives them no group)
+                if rank in mine[:g]:  # the others only wait (new_group gives them no group)
                     seconds = _collective_s(collective, nbytes, g, group, reps)
                     points.append((float(nbytes), seconds))
                 dist.barrier()
-            if rank < g:
+            if rank in mine[:g]:
                 by_size[g] = points
-    return curves
+    return curves, group.group_name  # type: ignore[union-attr]
 
 
 def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: int) -> float:
@@ -157,21 +213,21 @@ def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: i
     return _median(lambda: c10d.wait_tensor(call()), reps)
 
 
-def _overlap_slowdown(rank: int, world_size: int, reps: int) -> float:
+def _overlap_slowdown(rank: int, rings: Rings, reps: int) -> float:
     """How much slower a matmul runs while a ring exchange is in flight: the matmul timed
     alone, then back to back during the first half of an exchange sized to outlast 8 of
     them (its time alone is measured first: gloo's works cannot be polled)."""
     m, k, n = OVERLAP_MATMUL
     a, b = torch.randn(m, k), torch.randn(k, n)
     alone = _median(functools.partial(torch.mm, a, b), reps)
-    probe = _one_way(rank, world_size, OVERLAP_MESSAGE_BYTES, reps)
+    peers = _peers(rank, rings)
+    probe = _one_way(peers, OVERLAP_MESSAGE_BYTES, reps)
     wanted = torch.tensor([OVERLAP_MESSAGE_BYTES * 8 * alone / probe])
     dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # every rank sends the same size
     nbytes = int(min(max(OVERLAP_MESSAGE_BYTES, wanted.item()), MAX_OVERLAP_MESSAGE_BYTES))
     nbytes -= nbytes % 4
     transfer = probe * nbytes / OVERLAP_MESSAGE_BYTES
     send, recv = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
-    peers = ((rank + 1) % world_size, (rank - 1) % world_size)
     under: list[float] = []
     for _ in range(reps):
         dist.barrier()
@@ -197,11 +253,10 @@ def _median(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
-def _one_way(rank: int, world_size: int, nbytes: int, reps: int) -> float:
+def _one_way(peers: tuple[int, int], nbytes: int, reps: int) -> float:
     """One ring exchange of ``nbytes``: every rank sends to the next and receives from
-    the previous at once, as a ring step does (the batch's time = one message)."""
+    the previous (``peers``) at once, as a ring step does (the batch's time = one message)."""
     send, recv = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
-    peers = ((rank + 1) % world_size, (rank - 1) % world_size)
 
     def exchange() -> None:
         # receive first, as commfuse::p2p does (see there why)
@@ -213,15 +268,14 @@ def _one_way(rank: int, world_size: int, nbytes: int, reps: int) -> float:
     return _median(exchange, reps)
 
 
-def _tiny_site_times(n: int, reps: int) -> tuple[float, float]:
-    """A float32 ``TINY_SITE`` shard all-gathered into a matmul: (as a ring, with its
-    collective)."""
+def _tiny_site_times(n: int, group: str, reps: int) -> tuple[float, float]:
+    """A float32 ``TINY_SITE`` shard all-gathered into a matmul on ``group`` of ``n``
+    ranks: (as a ring, with its collective)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ..api import apply
 
     c10d = torch.ops._c10d_functional
-    group = dist.group.WORLD.group_name  # type: ignore[union-attr]
 
     def site(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)), w)
@@ -255,3 +309,51 @@ def run(world_size: int, out: str, reps: int) -> Profile:
     profile = profile_from(m, world_size, f"calibrated-gloo-{world_size}", source)
     save(profile, out)
     return profile
+
+
+class CalibrationError(RuntimeError):
+    """A launched job whose ranks cannot be calibrated by level."""
+
+
+def run_launched(out: str, reps: int, ranks_per_nic: int | None = None) -> Profile | None:
+    """Calibrate on the ranks of a torchrun job of ``LOCAL_WORLD_SIZE`` ranks per node:
+    the link inside a node on each node's ranks, the NIC between nodes on the ranks of
+    each local rank across them (every node's ranks sending at once, as a data-parallel
+    group's copies do); ``ranks_per_nic``: how many of a node's ranks share one NIC
+    (None: all of them). Rank 0 writes one profile with both levels and returns it."""
+    dist.init_process_group("gloo")
+    try:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        per_node = topology.from_launcher().ranks_per_node or world_size
+        if per_node < 2 or world_size % per_node:
+            raise CalibrationError(
+                f"{world_size} ranks of {per_node} per node: calibrate needs 2 or more "
+                "ranks per node, the same on every node"
+            )
+        inside, across = node_rings(world_size, per_node)
+        m = measure(rank, world_size, reps, inside)
+        nodes = world_size // per_node
+        if nodes > 1:
+            link = link_points(rank, across, reps)
+            curves, _ = collective_curves(rank, across, reps)
+        dist.barrier()
+        if rank != 0:
+            return None
+        source = (
+            f"measured by `commfuse calibrate` on {nodes} node(s) of {per_node} gloo ranks "
+            f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {reps} reps)"
+        )
+        profile = profile_from(m, per_node, f"calibrated-gloo-{nodes}x{per_node}", source)
+        if nodes > 1:
+            # every rank of a node sent at once: a NIC carried its sharers' messages
+            sharing = min(ranks_per_nic or per_node, per_node)
+            alpha, s_per_byte = fit_line(link)
+            nic = Level(alpha, sharing / s_per_byte, True, ranks_per_nic or per_node)
+            nic = dataclasses.replace(nic, collectives=_curves(curves))
+            profile = dataclasses.replace(profile, across_nodes=nic, ranks_per_node=per_node)
+        from ..cost.profiles import save
+
+        save(profile, out)
+        return profile
+    finally:
+        dist.destroy_process_group()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..cost.profiles import Profile, ProfileError, load
+from ..cost.profiles import Curve, Profile, ProfileError, load
 from ..options import INNER_COMPILERS, MAX_SLICES, SCHEDULES, dump_dir_problem
 from .bench.config import CELL_KINDS, DROPLESS_KIND, MOE_KIND
 from .sim.layer import PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
@@ -181,6 +181,22 @@ def _add_calibrate(commands: _Commands) -> None:
     calibrate.add_argument(
         "--reps", type=_int_in(1), default=20, help="repetitions per measurement"
     )
+    calibrate.add_argument(
+        "--ranks-per-nic",
+        type=_int_in(1),
+        default=None,
+        help="under a multi-node torchrun launch: how many of a node's ranks share one NIC "
+        "(default: all of them)",
+    )
+
+
+def _print_curves(collectives: dict[str, dict[int, Curve]], where: str) -> None:
+    for kind, curves in collectives.items():
+        for n, curve in sorted(curves.items()):
+            print(
+                f"{kind:>14} on {n} ranks{where}: {curve.latency_s * 1e6:8.1f} us + "
+                f"{1 / curve.seconds_per_byte / 1e9:.3f} GB/s of a rank's block"
+            )
 
 
 def _add_sim(commands: _Commands) -> None:
@@ -201,7 +217,7 @@ def _add_sim(commands: _Commands) -> None:
     )
     sim.add_argument(
         "--parallelism",
-        choices=["tpsp", "up", "moe"],
+        choices=["tpsp", "up", "moe", "cluster"],
         default="tpsp",
         help="tpsp: the TP+SP layer's all-gathers and reduce-scatters; up: the Ulysses "
         "layer's all-to-alls around attention, at sequences "
@@ -209,13 +225,16 @@ def _add_sim(commands: _Commands) -> None:
         + " unless --tokens is given; moe: an MoE layer's expert-parallel dispatch and "
         "combine all-to-alls around its experts (projections), at "
         + ", ".join(map(str, MOE_TOKENS))
-        + " tokens per rank unless --tokens is given",
+        + " tokens per rank unless --tokens is given; cluster: jobs that span nodes (Llama 3 "
+        "70B TP 8 inside a node and sharded DP across 16-128 nodes, TP 16 over 2 nodes, "
+        "DeepSeek-V3-like expert parallelism across nodes), each group priced by its level, "
+        "as projections",
     )
     sim.add_argument(
         "--profile",
         type=_profile,
-        default="h100-nvlink4",
-        help="built-in profile name or a file from `commfuse calibrate`",
+        help="built-in profile name or a file from `commfuse calibrate`; default: "
+        "h100-nvlink4, h100-ib400 (cluster: a profile with links across nodes)",
     )
     sim.add_argument(
         "--group-size",
@@ -300,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "sim":
+        cluster = args.parallelism == "cluster"
+        args.profile = args.profile or load("h100-ib400" if cluster else "h100-nvlink4")
+        if cluster:
+            return _sim_cluster(args)
         if args.parallelism == "moe":
             return _sim_moe(parser, args)
         if args.model in MOE_PRESETS:
@@ -318,17 +341,26 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "calibrate":
         from .calibrate import run as calibrate_run
+        from .calibrate import run_launched
 
-        profile = calibrate_run(args.world_size, args.out, args.reps)
+        if "LOCAL_WORLD_SIZE" in os.environ:  # the ranks of a torchrun job: every level
+            launched = run_launched(args.out, args.reps, args.ranks_per_nic)
+            if launched is None:
+                return 0  # rank 0 writes and prints
+            profile = launched
+        else:
+            profile = calibrate_run(args.world_size, args.out, args.reps)
         for field, value in profile.as_json().items():
-            if field != "collectives":
+            if field not in ("collectives", "across_nodes"):
                 print(f"{field:>22}: {value}")
-        for kind, curves in profile.collectives.items():
-            for n, curve in sorted(curves.items()):
-                print(
-                    f"{kind:>14} on {n} ranks: {curve.latency_s * 1e6:8.1f} us + "
-                    f"{1 / curve.seconds_per_byte / 1e9:.3f} GB/s of a rank's block"
-                )
+        _print_curves(profile.collectives, "")
+        nic = profile.across_nodes
+        if nic is not None:
+            print(
+                f"{'across nodes':>22}: {nic.alpha_s * 1e6:.1f} us + {nic.bytes_per_s / 1e9:.3f} "
+                f"GB/s per NIC (one direction), {nic.ranks_per_nic} rank(s) per NIC"
+            )
+            _print_curves(nic.collectives, " across nodes")
         print(f"wrote {args.out}; use it with options={{'profile': {args.out!r}}}")
         return 0
 
@@ -385,6 +417,26 @@ def _sim(args: argparse.Namespace) -> int:
     if args.out:
         for path in write_traces(results, Path(args.out)):
             print(f"wrote {path} (open in https://ui.perfetto.dev)")
+    return 0
+
+
+def _sim_cluster(args: argparse.Namespace) -> int:
+    from .sim.cluster import cluster_rows, format_cluster
+    from .sim.layer import write_traces
+
+    if args.profile.across_nodes is None:
+        args.command_parser.error(
+            f"argument --profile: {args.profile.name} has no links across nodes: give "
+            "h100-ib400, a100-ib200 or a file calibrated under a multi-node launch"
+        )
+    rows = cluster_rows(args.profile, args.slices)
+    print(format_cluster(args.profile, rows))
+    if args.out:
+        for row in rows:
+            if row.result is not None:
+                prefix = "cluster-" + "-".join(row.job.replace(",", "").split()[:6])
+                for path in write_traces([row.result], Path(args.out), prefix):
+                    print(f"wrote {path} (open in https://ui.perfetto.dev)")
     return 0
 
 

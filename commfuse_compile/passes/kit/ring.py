@@ -119,17 +119,18 @@ def collect_then_compute(
     """Run ``schedule``'s steps of a collect-first ``direction``: ``send(transfer, step)``
     gives a message's buffer, ``compute(block, held block, step)`` multiplies a block at
     hand. ``held`` starts with this rank's block; returns every block, as held at the end.
-    A block received is like this rank's, with ``rows(block)`` rows if given (uneven)."""
-    r, n = group.rank, group.size
+    A block received is like this rank's, with ``rows(block)`` rows if given (uneven).
+    The schedule runs on ring places (``Group.order``); the callbacks see group ranks."""
+    r, n, member = group.position, group.size, group.member
     for s, step in enumerate(schedule.steps(direction, r, n, 0)):
-        buffers = {t.block: send(t, s) for t in step.sends}
-        recv_like = _likes(rw, held[r], step.recvs, direction, group, rows, s)
+        buffers = {t.block: send(Transfer(member(t.block), t.peer), s) for t in step.sends}
+        recv_like = _likes(rw, held[group.rank], step.recvs, direction, group, rows, s)
         pending = start_transfers(rw, group, s, step.sends, step.recvs, buffers, recv_like)
         for b in step.compute:
-            compute(b, held[b], s)
+            compute(member(b), held[member(b)], s)
         waits, received = wait_transfers(rw, s, pending)
         for (t, _), node in zip(pending[1], received, strict=True):
-            held[direction.source(t, r, n)] = node
+            held[member(direction.source(t, r, n))] = node
         rw.add_step(pending[0], s, waits)
     return held
 
@@ -146,12 +147,13 @@ def compute_then_send(
     is this rank's part of a block. Returns what this rank ends with: its own block
     (summed over the ranks, where the steps add), and the blocks others sent it that
     nothing added (an all-to-all's, by sender). A block received is like the step's
-    first computed one, with ``rows(block)`` rows if given (uneven blocks)."""
-    r, n = group.rank, group.size
+    first computed one, with ``rows(block)`` rows if given (uneven blocks). The schedule
+    runs on ring places (``Group.order``); the callbacks and the result see group ranks."""
+    r, n, member = group.position, group.size, group.member
     pending, sums = NOTHING_PENDING, {}
     received: dict[tuple[int, int], Node] = {}  # (block, peer) -> from that peer
     for s, step in enumerate(schedule.steps(direction, r, n, 0)):
-        parts = {b: compute(b, s) for b in step.blocks}
+        parts = {b: compute(member(b), s) for b in step.blocks}
         waits, arrived = wait_transfers(rw, s, pending)
         for (t, _), node in zip(pending[1], arrived, strict=True):
             received[t.block, t.peer] = node
@@ -166,7 +168,7 @@ def compute_then_send(
         pending = start_transfers(rw, group, s, step.sends, step.recvs, sums, recv_like)
     assert pending is NOTHING_PENDING, "a schedule's last step sends nothing"
     held = {direction.source(Transfer(b, p), r, n): node for (b, p), node in received.items()}
-    return {**held, r: sums[r]}
+    return {member(p): node for p, node in {**held, r: sums[r]}.items()}
 
 
 def _likes(
@@ -185,10 +187,8 @@ def _likes(
     rest = val(example).shape[1:]
     likes = []
     for t in recvs:
-        shape = [
-            rw.emit.size(size, step)
-            for size in (rows(direction.source(t, group.rank, group.size)), *rest)
-        ]
+        block = group.member(direction.source(t, group.position, group.size))
+        shape = [rw.emit.size(size, step) for size in (rows(block), *rest)]
         likes.append(rw.emit(aten.new_empty.default, (example, shape), step=step, lane="comm"))
     return likes
 

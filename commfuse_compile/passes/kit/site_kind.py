@@ -64,7 +64,7 @@ class SiteKind(Protocol[S]):
     def expected_peers(self, site: S, group: Group, schedule: Schedule, slices: int) -> list[Peers]:
         """This rank's P2P ops as the rewrite must emit them, in order: the schedule's
         steps in the kind's direction, those that send or receive."""
-        steps = schedule.steps(self.direction, group.rank, group.size, slices)
+        steps = schedule.steps(self.direction, group.position, group.size, slices)
         return [
             ([group.peer(t.peer) for t in st.sends], [group.peer(t.peer) for t in st.recvs])
             for st in steps
