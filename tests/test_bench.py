@@ -236,10 +236,13 @@ def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
         assert sites["ring"] == [counts, ("moe", "rewritten")]
         assert [kind for kind, _ in sites["auto"]] == ["a2a_mm", "moe"]
         ring = records["ring"]
-        assert (ring["schedule"], ring["decision"], ring["reason"]) == ("ring", "rewritten", "")
-        assert {"ring", "collective"} <= set(
-            ring["predicted_us"]
-        )  # the moe site's, not the counts'
+        # the row asked for ``ring``: the moe site runs, and is priced as, its round trip
+        assert (ring["schedule"], ring["decision"], ring["reason"]) == (
+            "round_trip",
+            "rewritten",
+            "",
+        )
+        assert set(ring["predicted_us"]) == {"round_trip", "collective"}  # the moe site's
         assert records["baseline"]["program"] != ring["program"]
         assert "matmul" in per_rank[0]["breakdown"]["ring"]
         cell = site_cell(DROPLESS_KIND, shape, 1.0, math.inf, [], per_rank, list(rows), 2)

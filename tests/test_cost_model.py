@@ -40,6 +40,7 @@ from commfuse_compile.tools.sim.layer import write_trace
 
 PROFILES = [pytest.param(p, id=name) for name, p in BUILTIN.items()]
 KINDS = ("gather", "reduce")
+GATHER = Direction.GATHER
 SIZES = [10.0**e for e in range(14)]  # FLOPs or bytes, 1 to 1e13
 DECOMPOSITIONS = ("ring", "bidir", "push", "slicing")
 
@@ -245,7 +246,7 @@ def test_the_collective_is_kept_for_a_tiny_matmul(profile, kind, n):
     credited with the same bidirectional algorithm)."""
     work = Work(kind, n, block_flops=2 * 2 * 8 * 8, block_bytes=2 * 8 * 4)
     with pytest.raises(Declined, match="^not profitable: "):
-        plan(predict(work, profile), Options())
+        plan(predict(work, profile), Options(), work.direction)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -261,7 +262,7 @@ def test_a_decomposition_is_chosen_for_a_llama3_8b_mlp_on_8_h100(kind):
         flops, nbytes = 2 * tokens * (ffn // n) * hidden, tokens // n * hidden * 2
     profile = BUILTIN["h100-nvlink4"]
     predicted = predict(Work(kind, n, flops / n, nbytes), profile)
-    chosen = plan(predicted, Options())
+    chosen = plan(predicted, Options(), Direction(kind))
     times = {s: t.end_s for s, t in predicted.items()}
     assert chosen.schedule == min(times, key=times.__getitem__) != "collective"
     assert times[chosen.schedule] * 1.2 < times["collective"]
@@ -275,25 +276,28 @@ def test_auto_keeps_the_collective_unless_the_gain_is_worth_the_risk():
     options = Options()
     near = {"collective": _timeline(1.0), "ring": _timeline(1.0 / MIN_GAIN * 1.001)}
     with pytest.raises(Declined, match="must gain 5%"):
-        plan(near, options)
+        plan(near, options, GATHER)
     clear = {"collective": _timeline(1.0), "ring": _timeline(0.5), "bidir": _timeline(0.6)}
-    assert plan(clear, options).schedule == "ring"
-    assert plan(clear, options).why == "ring predicted 2.00x faster"
+    assert plan(clear, options, GATHER).schedule == "ring"
+    assert plan(clear, options, GATHER).why == "ring predicted 2.00x faster"
 
 
 def test_auto_skips_disabled_schedules_and_a_requested_schedule_is_taken_as_is():
     predicted = {"collective": _timeline(1.0), "ring": _timeline(0.5), "bidir": _timeline(0.6)}
-    assert plan(predicted, Options(disable=frozenset({"ring"}))).schedule == "bidir"
+    assert plan(predicted, Options(disable=frozenset({"ring"})), GATHER).schedule == "bidir"
     with pytest.raises(Declined, match="every schedule is disabled"):
         plan(
             {"collective": _timeline(1.0), "ring": _timeline(0.5)},
             Options(disable=frozenset({"ring"})),
+            GATHER,
         )
-    assert plan(predicted, Options(schedule="bidir")).schedule == "bidir"  # slower, asked for
+    assert (
+        plan(predicted, Options(schedule="bidir"), GATHER).schedule == "bidir"
+    )  # slower, asked for
     with pytest.raises(Declined, match="schedule 'ring' is disabled"):
-        plan(predicted, Options(schedule="ring", disable=frozenset({"ring"})))
+        plan(predicted, Options(schedule="ring", disable=frozenset({"ring"})), GATHER)
     with pytest.raises(Declined, match="schedule 'off'"):
-        plan(predicted, Options(schedule="off"))
+        plan(predicted, Options(schedule="off"), GATHER)
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ import torch
 
 from ...options import SCHEDULES
 from ...passes.kinds import KINDS as SITE_KINDS
-from ...schedules import Direction, by_name
+from ...schedules import Direction, by_name, running
 from . import figures, targets
 from .block import BlockBench, run_block
 from .cells import SiteJob, measure_site
@@ -97,7 +97,8 @@ def kind_rows(rows: list[Variant], kind: str) -> list[Variant]:
     return [
         v
         for v in rows
-        if v.schedule in ("off", "auto") or all(by_name(v.schedule).supports(d) for d in directions)
+        if v.schedule in ("off", "auto")
+        or all(by_name(running(v.schedule, d)).supports(d) for d in directions)
     ]
 
 
