@@ -46,7 +46,7 @@ def commfuse_backend(
         # the traceback starts here, at the backend, not in Dynamo's frames
         raise BackendOptionError(str(err), first_useful_frame=inspect.currentframe()) from None
     if opts.inner == "eager":
-        return _eager(gm, example_inputs, opts)
+        return eager(gm, example_inputs, opts)
     return _inductor(gm, example_inputs, opts)
 
 
@@ -83,12 +83,21 @@ def _inductor(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> 
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
-def _eager(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> Any:
+def eager(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    opts: Options,
+    then: Callable[[GraphModule], None] | None = None,
+) -> Any:
+    """The pass, then eager FX execution of each graph; ``then`` changes each graph once
+    the pass ran (``tools/bench/alone``: every transfer replaced by a local copy)."""
     from functorch.compile import default_partition, make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(graph: GraphModule, inputs: Sequence[Any], kind: str) -> Any:
         rewrite_graph(graph, kind, opts)
+        if then is not None:
+            then(graph)
         return make_boxed_func(graph)
 
     return aot_autograd(
