@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from commfuse_compile.tools.bench.block import BlockJob, block_compile, block_times
+from commfuse_compile.tools.bench.block import ALONE, BlockJob, block_compile, block_times
 from commfuse_compile.tools.bench.cells import SiteJob, measure_site
 from commfuse_compile.tools.bench.config import (
     DROPLESS_KIND,
@@ -50,6 +51,65 @@ QUICK_KINDS = {"ag_mm", "mm_rs", *ULYSSES, "mm_ar_mm"}  # the MoE cells: full pr
 def _our_namespaces(pid: int) -> list[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in listing.splitlines() if f"{PREFIX}{pid}-" in line]
+
+
+def alone(times: dict[str, list[float]]) -> tuple[float, float]:
+    """The block's compute alone and communication alone, taken out of ``times``."""
+    compute, comm = (statistics.median(times.pop(label)) for label in ALONE)
+    assert compute > 0 and comm > 0
+    return compute, comm
+
+
+def _computed_alone(rank: int, n: int, schedule: str) -> dict:
+    """Job: an all-gather -> matmul -> reduce-scatter compiled with ``local_backend``:
+    what it computes, the calls it replaced, and their replay on the real group."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from commfuse_compile.tools.bench.alone import local_backend, recording, replay
+
+    group = dist.group.WORLD
+
+    def site(x, w):
+        return funcol.reduce_scatter_tensor(
+            funcol.all_gather_tensor(x, 0, group) @ w, "sum", 0, group
+        )
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    compiled = torch.compile(site, backend=local_backend({"schedule": schedule}))
+    compiled(x, w)
+    with recording() as calls:
+        out = compiled(x, w)
+    replay(calls)  # every rank posts the same transfers: it returns
+    return {
+        "shape": list(out.shape),
+        # the collectives' copies: the gathered tensor n copies of x, the scattered rows
+        # its first block's
+        "local": schedule != "off" or torch.equal(out, (torch.cat([x] * n) @ w)[:4]),
+        "calls": [str(target) for target, _ in calls],
+    }
+
+
+def test_compute_alone_sends_nothing_and_communication_alone_replays_it(ranks):
+    """The limit's terms (``bench.alone``): the program with every collective (``off``)
+    or P2P batch (``ring``) a local copy of the same shape, computing what it computes on
+    local copies; the replaced calls, recorded in order, replayed on the group."""
+    for schedule, calls in (
+        (
+            "off",
+            [
+                "_c10d_functional.all_gather_into_tensor.default",
+                "_c10d_functional.reduce_scatter_tensor.default",
+            ],
+        ),
+        # the all-gather's ring, one P2P batch on 2 ranks; the reduce-scatter of the same
+        # matmul stays a collective
+        ("ring", ["commfuse.p2p.default", "_c10d_functional.reduce_scatter_tensor.default"]),
+    ):
+        for result in ranks(2).run(_computed_alone, schedule):
+            assert result == {"shape": [4, 8], "local": True, "calls": calls}, schedule
 
 
 def test_rows_follow_the_schedule_list():
@@ -155,8 +215,8 @@ def test_moe_cell_and_block_rewrite_every_site_with_the_ring(ranks):
     block_rows = rows[:2]
     sites_per_rank = pool.run(block_compile, BlockJob(shape, block_rows, None))
     assert all(s == sites_per_rank[0] for s in sites_per_rank), "ranks disagree on the sites"
-    times = slowest(pool.run(block_times, ["baseline", "ring"], 0, 1))
-    block = block_result(shape, 1e8, 0.1, times, sites_per_rank[0], 1.0, 2, 2)
+    times = slowest(pool.run(block_times, ["baseline", "ring", *ALONE], 0, 1))
+    block = block_result(shape, 1e8, alone(times), times, sites_per_rank[0], 1.0, 2, 2)
     off, ring = block["rows"]
     assert (off["sites"]["rewritten"], off["sites"]["found"]) == (0, 4)
     assert (ring["sites"]["rewritten"], ring["sites"]["found"]) == (4, 4)
@@ -252,8 +312,8 @@ def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
     shape = BlockShape(seq=32, dim=32, heads=1, hidden=32, front="moe", moe="dropless")
     sites_per_rank = pool.run(block_compile, BlockJob(shape, rows[:2], None))
     assert all(s == sites_per_rank[0] for s in sites_per_rank), "ranks disagree on the sites"
-    times = slowest(pool.run(block_times, ["baseline", "ring"], 0, 1))
-    block = block_result(shape, 1e8, 0.1, times, sites_per_rank[0], 1.0, 2, 2)
+    times = slowest(pool.run(block_times, ["baseline", "ring", *ALONE], 0, 1))
+    block = block_result(shape, 1e8, alone(times), times, sites_per_rank[0], 1.0, 2, 2)
     off, ring = block["rows"]
     assert (off["sites"]["rewritten"], off["sites"]["found"]) == (0, 3)
     assert (ring["sites"]["rewritten"], ring["sites"]["found"]) == (2, 3)
@@ -414,9 +474,9 @@ def test_2d_block_row_is_built_and_reported(ranks):
     rows = tuple(v for v in variants() if v.label in ("baseline", "ring"))
     pool = ranks(spec.world_size)
     sites = pool.run(block_compile, BlockJob(spec.shape, rows, None))
-    times = slowest(pool.run(block_times, ["baseline", "ring"], 0, 1))
+    times = slowest(pool.run(block_times, ["baseline", "ring", *ALONE], 0, 1))
     assert all(s == sites[0] for s in sites), "ranks disagree on the sites"
-    block = block_result(spec.shape, 1e8, 0.1, times, sites[0], spec.ratio, 4, 2)
+    block = block_result(spec.shape, 1e8, alone(times), times, sites[0], spec.ratio, 4, 2)
     off, ring = block["rows"]
     assert off["sites"]["rewritten"] == 0 and off["sites"]["found"] > 0
     assert ring["sites"]["found"] == off["sites"]["found"]

@@ -123,20 +123,21 @@ def _cell_row(
 def block_result(
     shape: BlockShape,
     rate: float,
-    compute_s: float,
+    alone: tuple[float, float],
     times: dict[str, list[float]],
     sites: dict[str, dict[str, Any]],
     ratio: float,
     world_size: int = 2,
     cores: int | None = None,
 ) -> dict[str, Any]:
-    """The block rows; ``compute_s``: the baseline's step on an unthrottled link;
-    ``world_size`` ranks on a machine of ``cores`` cores. A row of the compared layout
-    (``COMPARED``) is sped up against that layout's baseline; ``vs_first`` is every
-    row's speedup against the first baseline."""
+    """The block rows; ``alone``: the baseline's compute and communication, each measured
+    alone (``alone``: its collectives local copies; its collectives with nothing
+    computed); ``world_size`` ranks on a machine of ``cores`` cores. A row of the
+    compared layout (``COMPARED``) is sped up against that layout's baseline;
+    ``vs_first`` is every row's speedup against the first baseline."""
     labels = list(times)
     baseline = statistics.median(times[labels[0]])
-    comm = max(baseline - compute_s, 0.0)
+    compute_s, comm = alone
     limit = max(compute_s, comm)
     rows = []
     for label in labels:
