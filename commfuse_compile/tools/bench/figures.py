@@ -260,3 +260,20 @@ def format_targets(targets: list[dict[str, Any]]) -> str:
         lines.append(f"  [{mark}] {t['target']}")
         lines += [f"      miss: {m}" for m in t["misses"]]
     return "\n".join(lines)
+
+
+def format_errors(errors: dict[str, Any]) -> str:
+    """``targets.error_distribution`` as the terminal and results.md print it."""
+    if not errors["rows"]:
+        return "model error: no row with a prediction"
+
+    def line(name: str, e: dict[str, Any]) -> str:
+        return (
+            f"{name}: {e['rows']} rows, {e['min']:+.0%} .. {e['max']:+.0%}, median "
+            f"{e['median']:+.0%} (|error| {e['median_abs']:.0%}), {e['beyond']} beyond "
+            f"{errors['bound']:.0%}"
+        )
+
+    return "\n".join(
+        [line("model error", errors)] + [f"  {line(k, e)}" for k, e in errors["by_kind"].items()]
+    )
