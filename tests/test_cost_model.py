@@ -452,11 +452,16 @@ def test_fit_line_recovers_a_line_and_keeps_both_terms_non_negative():
     assert 0 < b < 1e-20
 
 
-DIRECTION_OF = {"all_gather": "gather", "reduce_scatter": "reduce", "all_to_all": "exchange_in"}
+DIRECTION_OF = {
+    "all_gather": "gather",
+    "reduce_scatter": "reduce",
+    "all_to_all": "exchange_in",
+    "all_reduce": "reduce",  # then gathered: an ``mm_ar`` site's collective
+}
 
 
 def _collective_s(p: Profile, kind: str, g: int, block_bytes: float) -> float:
-    work = Work(DIRECTION_OF[kind], g, 0.0, block_bytes)
+    work = Work(DIRECTION_OF[kind], g, 0.0, block_bytes, then_gather=kind == "all_reduce")
     return simulate(work, "collective", p).end_s
 
 
@@ -586,7 +591,8 @@ def test_a_bad_all_to_all_curve_is_rejected(tmp_path):
         load(_write(tmp_path / "bad.json", json.dumps(fields)))
     fields["collectives"] = {"all_to_all_v": {}}
     with pytest.raises(
-        ProfileError, match=r"collectives are \['all_gather', 'reduce_scatter', 'all_to_all'\]"
+        ProfileError,
+        match=r"collectives are \['all_gather', 'reduce_scatter', 'all_to_all', 'all_reduce'\]",
     ):
         load(_write(tmp_path / "bad.json", json.dumps(fields)))
 
@@ -605,3 +611,24 @@ def test_a_transfer_slows_the_matmul_it_overlaps_by_the_profiles_slowdown():
     assert busy.end_s == pytest.approx(plain.end_s)  # hidden under the transfer all the same
     # the collective overlaps nothing: no slowdown
     assert simulate(work, "collective", slowed).end_s == simulate(work, "collective", base).end_s
+
+
+def test_an_all_reduce_is_timed_as_one_call_where_the_profile_measured_it():
+    """An ``mm_ar`` site's collective (its reduced blocks then gathered) is gloo's one
+    all-reduce call where the profile has its curve; else a reduce-scatter then an
+    all-gather. The schedules' all-gather after their reduce is timed as before."""
+    p = BUILTIN["gloo-loopback"]
+    work = Work(Direction.REDUCE, 2, 1e6, 1e5, then_gather=True)
+    split = simulate(work, "collective", p)
+    assert [e.name for e in split.on_rank(0) if e.lane == "comm"] == [
+        "reduce_scatter",
+        "all_gather",
+    ]
+    curve = Curve(1e-4, 1e-9)
+    measured = dataclasses.replace(p, collectives={**p.collectives, "all_reduce": {2: curve}})
+    one = simulate(work, "collective", measured)
+    assert [e.name for e in one.on_rank(0) if e.lane == "comm"] == ["all_reduce"]
+    assert one.end_s == pytest.approx(p.matmul_s(2e6) + curve.seconds(1e5))
+    assert collective_model(work, measured) == "all_reduce as measured on 2 ranks (gloo-loopback)"
+    ring = simulate(work, "ring", measured)
+    assert ring.end_s == simulate(work, "ring", p).end_s

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from ..schedules import NAMES, Direction, Transfer, by_name, slicing
 from . import steps
-from .profiles import COLLECTIVES, Profile
+from .profiles import COLLECTIVES, Curve, Profile
 from .timeline import Event, Timeline, overlapped
 
 __all__ = ["SCHEDULES", "Event", "Timeline", "Work", "overlapped", "predict", "simulate"]
@@ -39,6 +39,10 @@ class Work:
     then_gather: bool = False
     # a round trip's way back: the bytes of one block's results (None: ``block_bytes``)
     back_bytes: float | None = None
+    # other op calls per block (a round trip's sorting and indexing of each block's rows),
+    # each paying a call's fixed cost (``Profile.matmul_latency_s``); once for the
+    # collective, which runs them on all the rows at once
+    block_ops: int = 0
 
     @property
     def returned_bytes(self) -> float:
@@ -50,7 +54,16 @@ class Work:
 
 def simulate(work: Work, schedule: str, profile: Profile, slices: int = 2) -> Timeline:
     timeline = _simulate(work, schedule, profile, slices)
-    return _then_gathered(work, timeline, profile) if work.then_gather else timeline
+    one_call = schedule == "collective" and _all_reduce(work, profile) is not None
+    return (
+        _then_gathered(work, timeline, profile) if work.then_gather and not one_call else timeline
+    )
+
+
+def _all_reduce(work: Work, p: Profile) -> Curve | None:
+    """The measured all-reduce that runs a ``then_gather`` site's collective as one call
+    (gloo's is not a reduce-scatter then an all-gather), if the profile has one."""
+    return p.curve("all_reduce", work.n) if work.then_gather else None
 
 
 def _simulate(work: Work, schedule: str, profile: Profile, slices: int) -> Timeline:
@@ -79,11 +92,14 @@ def predict(work: Work, profile: Profile, slices: int = 2) -> dict[str, Timeline
 
 def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> float:
     calls = work.matmuls_per_block
-    return calls * profile.matmul_s(work.block_flops * fraction / calls)
+    ops = work.block_ops * profile.matmul_latency_s
+    return calls * profile.matmul_s(work.block_flops * fraction / calls) + ops
 
 
 def collective_model(work: Work, p: Profile) -> str:
     """How the site's collective is timed on ``p`` (the report says which)."""
+    if _all_reduce(work, p) is not None:
+        return f"all_reduce as measured on {work.n} ranks ({p.name})"
     collective = work.direction.collective
     if p.curve(collective, work.n) is not None:
         return f"{collective} as measured on {work.n} ranks ({p.name})"
@@ -125,8 +141,10 @@ def _collective(work: Work, p: Profile) -> Timeline:
     then a reduce-scatter."""
     n, events = work.n, list[Event]()
     matmul = work.matmuls_per_block * p.matmul_s(work.block_flops * n / work.matmuls_per_block)
-    comm = collective_s(work, p)
-    name = work.direction.collective
+    comm, name = collective_s(work, p), work.direction.collective
+    curve = _all_reduce(work, p)
+    if curve is not None:
+        comm, name = curve.seconds(work.block_bytes), "all_reduce"
     for r in range(n):
         if work.direction.collects_first:
             events += [
@@ -156,8 +174,8 @@ def _round_trip(work: Work, schedule: str, p: Profile) -> Timeline:
     back = dataclasses.replace(
         work, direction=Direction.EXCHANGE_OUT, block_bytes=work.returned_bytes
     )
-    combine, matmuls = collective_s(back, p), matmuls_s(work, p)
-    computed = dispatch + matmuls
+    combine = collective_s(back, p)
+    computed = dispatch + matmuls_s(work, p) + work.block_ops * p.matmul_latency_s
     events = []
     for r in range(n):
         events += [

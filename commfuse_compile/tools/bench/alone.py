@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.fx import GraphModule
 from torch.utils import _pytree as pytree
 
@@ -74,7 +75,18 @@ def local_all_reduce(x: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
 def local_all_to_all(
     x: torch.Tensor, output_splits: Any, input_splits: Any, group_name: str
 ) -> torch.Tensor:
-    _record(c10d.all_to_all_single.default, (x, output_splits, input_splits, group_name))
+    """The rows this rank sends, copied into as many rows as the graph says it receives
+    (an uneven exchange's counts are local copies too: what it sends itself). Recorded
+    with the rows the peers do send it (asked of them: a replay must post the sizes the
+    peers post), as every rank records the same step at once."""
+    real = output_splits
+    if _CALLS and input_splits is not None:
+        sent = torch.tensor([int(rows) for rows in input_splits])
+        received = torch.empty_like(sent)
+        group = dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
+        dist.all_to_all_single(received, sent, group=group)
+        real = received.tolist()
+    _record(c10d.all_to_all_single.default, (x, real, input_splits, group_name))
     rows = x.shape[0] if output_splits is None else sum(output_splits)
     return _copied(rows, x)
 

@@ -79,7 +79,7 @@ class Moe(SiteKind[MoeSite]):
         back = None if site.combine is None else block_bytes(site.combine)
         return Work(
             self.direction, n, flops / n, block_bytes(site.dispatch), len(site.grouped),
-            back_bytes=back,
+            back_bytes=back, block_ops=block_ops(site),
         )  # fmt: skip
 
     def start(self, site: MoeSite, taken: Taken) -> tuple[MoeSite, Node]:
@@ -104,6 +104,15 @@ class Moe(SiteKind[MoeSite]):
 
 
 KIND = Moe()
+
+
+def block_ops(site: MoeSite) -> int:
+    """The op calls ``lower`` runs on each block besides its grouped matmuls: the sort by
+    expert, the block's rows in that order, its offsets (two ops), the experts' other
+    ops, the paired tensors' rows and the rows' places where read, the output unsorted
+    (two ops)."""
+    placed = bool(site.saved or site.paired)
+    return 7 + len(site.experts) - len(site.grouped) + len(site.paired) + placed
 
 
 def _flops(mm: Node) -> float:
