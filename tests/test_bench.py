@@ -447,8 +447,14 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
         assert row["sent_bytes"] > 0 and row["saved_bytes"] > 0 and row["peak_bytes"] > 0
     assert ring["saved_bytes"] < off["saved_bytes"]
     texts = [t["target"] for t in results["targets"]]
-    assert len(texts) == 7 and texts[3].startswith("auto within") and texts[5].startswith("whole")
-    assert texts[6].startswith("plain TP with the pass")
+    assert len(texts) == 8 and texts[3].startswith("auto within") and texts[6].startswith("whole")
+    assert texts[5].startswith("no row below max(compute alone, communication alone)")
+    assert texts[7].startswith("plain TP with the pass")
+    errors = results["model_error"]  # the cost model's error over every predicted row
+    assert errors["rows"] == sum(
+        r["model_error"] is not None for c in results["sites"] for r in c["rows"]
+    )
+    assert errors["min"] <= errors["median"] <= errors["max"] and "model error:" in stdout
     assert all(t["reached"] in (True, False, None) for t in results["targets"])
 
     markdown = (out / "results.md").read_text()
