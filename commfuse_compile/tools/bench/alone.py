@@ -91,18 +91,10 @@ def local_all_to_all(
     return _copied(rows, x)
 
 
-def local_p2p(
-    sends: list[torch.Tensor],
-    send_peers: list[int],
-    recv_like: list[torch.Tensor],
-    recv_peers: list[int],
-    tag: int,
-    group_name: str,
-    label: str = "",
-    timed: bool = False,
-) -> list[torch.Tensor]:
-    _record(P2P, (sends, send_peers, recv_like, recv_peers, tag, group_name))
-    return [t.clone(memory_format=torch.contiguous_format) for t in recv_like]
+def local_p2p(*args: Any) -> list[torch.Tensor]:
+    """``commfuse::p2p``'s arguments: the received tensors, copied from their likes."""
+    _record(P2P, args[:6])  # sends, send peers, receive likes, receive peers, tag, group
+    return [t.clone(memory_format=torch.contiguous_format) for t in args[2]]
 
 
 def local_wait(x: torch.Tensor) -> torch.Tensor:
