@@ -18,7 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from commfuse_compile.tools.bench.block import ALONE, BlockJob, block_compile, block_times
+from commfuse_compile.tools.bench.block import (
+    BlockJob,
+    alone_labels,
+    block_compile,
+    block_times,
+)
 from commfuse_compile.tools.bench.cells import SiteJob, measure_site
 from commfuse_compile.tools.bench.config import (
     DROPLESS_KIND,
@@ -53,11 +58,18 @@ def _our_namespaces(pid: int) -> list[str]:
     return [line.split()[0] for line in listing.splitlines() if f"{PREFIX}{pid}-" in line]
 
 
-def alone(times: dict[str, list[float]]) -> tuple[float, float]:
-    """The block's compute alone and communication alone, taken out of ``times``."""
-    compute, comm = (statistics.median(times.pop(label)) for label in ALONE)
-    assert compute > 0 and comm > 0
-    return compute, comm
+BLOCK_ROWS = ["baseline", "ring"]
+TIMED = [*BLOCK_ROWS, *(x for label in BLOCK_ROWS for x in alone_labels(label))]
+
+
+def alone(times: dict[str, list[float]]) -> dict[str, tuple[float, ...]]:
+    """Each row's compute alone and communication alone, taken out of ``times``."""
+    out = {
+        label: tuple(statistics.median(times.pop(x)) for x in alone_labels(label))
+        for label in BLOCK_ROWS
+    }
+    assert all(t > 0 for pair in out.values() for t in pair)
+    return out
 
 
 def _computed_alone(rank: int, n: int, schedule: str) -> dict:
@@ -215,7 +227,7 @@ def test_moe_cell_and_block_rewrite_every_site_with_the_ring(ranks):
     block_rows = rows[:2]
     sites_per_rank = pool.run(block_compile, BlockJob(shape, block_rows, None))
     assert all(s == sites_per_rank[0] for s in sites_per_rank), "ranks disagree on the sites"
-    times = slowest(pool.run(block_times, ["baseline", "ring", *ALONE], 0, 1))
+    times = slowest(pool.run(block_times, TIMED, 0, 1))
     block = block_result(shape, 1e8, alone(times), times, sites_per_rank[0], 1.0, 2, 2)
     off, ring = block["rows"]
     assert (off["sites"]["rewritten"], off["sites"]["found"]) == (0, 4)
@@ -312,7 +324,7 @@ def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
     shape = BlockShape(seq=32, dim=32, heads=1, hidden=32, front="moe", moe="dropless")
     sites_per_rank = pool.run(block_compile, BlockJob(shape, rows[:2], None))
     assert all(s == sites_per_rank[0] for s in sites_per_rank), "ranks disagree on the sites"
-    times = slowest(pool.run(block_times, ["baseline", "ring", *ALONE], 0, 1))
+    times = slowest(pool.run(block_times, TIMED, 0, 1))
     block = block_result(shape, 1e8, alone(times), times, sites_per_rank[0], 1.0, 2, 2)
     off, ring = block["rows"]
     assert (off["sites"]["rewritten"], off["sites"]["found"]) == (0, 3)
@@ -480,7 +492,7 @@ def test_2d_block_row_is_built_and_reported(ranks):
     rows = tuple(v for v in variants() if v.label in ("baseline", "ring"))
     pool = ranks(spec.world_size)
     sites = pool.run(block_compile, BlockJob(spec.shape, rows, None))
-    times = slowest(pool.run(block_times, ["baseline", "ring", *ALONE], 0, 1))
+    times = slowest(pool.run(block_times, TIMED, 0, 1))
     assert all(s == sites[0] for s in sites), "ranks disagree on the sites"
     block = block_result(spec.shape, 1e8, alone(times), times, sites[0], spec.ratio, 4, 2)
     off, ring = block["rows"]

@@ -86,8 +86,13 @@ def _moe_setup(shape: BlockShape, rank: int, n: int) -> Any:
 # ----------------------------------------------------------------------------------------
 # On the ranks
 
-# the baseline's compute and communication, each alone (``alone``): timed with the rows
-ALONE = ("compute alone", "communication alone")
+
+def alone_labels(label: str) -> tuple[str, str]:
+    """The labels of a row's compute alone and communication alone (``alone``), timed
+    with the rows: the row's limit is the larger."""
+    return f"{label}: compute alone", f"{label}: communication alone"
+
+
 _BLOCK: dict[str, Any] = {}  # this rank's compiled block variants, kept between jobs
 
 
@@ -141,8 +146,7 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
             "schedules": sorted({s["schedule"] for s in found if s["decision"] == "rewritten"}),
             "summary": [dataclasses.asdict(r) for r in summarize(found)],
         }
-        if row.schedule == "off" and not job.prefix:  # the block's baseline
-            _BLOCK.update(_alone(setup_of(), options, shape))
+        _BLOCK.update(_alone(setup_of(), options, shape, label))
     return sites
 
 
@@ -162,15 +166,17 @@ def _stepper(setup: Any, compiled: Any, shape: BlockShape) -> Callable[[], None]
 
 
 def _alone(
-    setup: Any, options: dict[str, Any], shape: BlockShape
+    setup: Any, options: dict[str, Any], shape: BlockShape, label: str
 ) -> dict[str, Callable[[], object]]:
-    """The baseline's compute alone (its collectives local copies) and its communication
-    alone (the collectives of one step, one after the other), as rows (``ALONE``)."""
+    """A row's compute alone (its collectives and P2P batches local copies) and its
+    communication alone (those of one step, one after the other), as rows
+    (``alone_labels``)."""
     local = _stepper(setup, torch.compile(setup.loss_module, backend=local_backend(options)), shape)
     local()
     with recording() as calls:
         local()
-    return {ALONE[0]: local, ALONE[1]: lambda: replay(calls)}
+    compute, communication = alone_labels(label)
+    return {compute: local, communication: lambda: replay(calls)}
 
 
 def block_footprints(rank: int, n: int, labels: list[str]) -> dict[str, dict[str, int]]:
@@ -252,10 +258,14 @@ def run_block(
     for label, footprint in _largest(ranks.run(block_footprints, labels)).items():
         sites[label]["footprint"] = footprint
     progress.stage(f"{spec.key}: {len(labels)} rows x 1+{spec.reps} at {rate / 1e6:.0f} Mbit/s")
-    times = figures.slowest(ranks.run(block_times, [*labels, *ALONE], 1, spec.reps))
-    compute, comm = (statistics.median(times.pop(label)) for label in ALONE)
+    timed = [*labels, *(x for label in labels for x in alone_labels(label))]
+    times = figures.slowest(ranks.run(block_times, timed, 1, spec.reps))
+    alone = {
+        label: tuple(statistics.median(times.pop(x)) for x in alone_labels(label))
+        for label in labels
+    }
     block = figures.block_result(
-        shape, rate, (compute, comm), times, sites, spec.ratio, ranks.world_size, os.cpu_count()
+        shape, rate, alone, times, sites, spec.ratio, ranks.world_size, os.cpu_count()
     )
     progress.echo(figures.format_block(block))
     return block

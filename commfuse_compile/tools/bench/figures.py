@@ -123,21 +123,22 @@ def _cell_row(
 def block_result(
     shape: BlockShape,
     rate: float,
-    alone: tuple[float, float],
+    alone: dict[str, tuple[float, ...]],
     times: dict[str, list[float]],
     sites: dict[str, dict[str, Any]],
     ratio: float,
     world_size: int = 2,
     cores: int | None = None,
 ) -> dict[str, Any]:
-    """The block rows; ``alone``: the baseline's compute and communication, each measured
-    alone (``alone``: its collectives local copies; its collectives with nothing
-    computed); ``world_size`` ranks on a machine of ``cores`` cores. A row of the
-    compared layout (``COMPARED``) is sped up against that layout's baseline;
-    ``vs_first`` is every row's speedup against the first baseline."""
+    """The block rows; ``alone``: by row, its program's compute and communication, each
+    measured alone (``alone``: its transfers local copies; its transfers with nothing
+    computed), whose larger is the row's limit (the first row's are the block's);
+    ``world_size`` ranks on a machine of ``cores`` cores. A row of the compared layout
+    (``COMPARED``) is sped up against that layout's baseline; ``vs_first`` is every row's
+    speedup against the first baseline."""
     labels = list(times)
     baseline = statistics.median(times[labels[0]])
-    compute_s, comm = alone
+    compute_s, comm = alone[labels[0]]
     limit = max(compute_s, comm)
     rows = []
     for label in labels:
@@ -149,7 +150,9 @@ def block_result(
                 **{f"{k}_s": v for k, v in took.items()},
                 "speedup": statistics.median(times[own]) / took["median"],
                 "vs_first": baseline / took["median"],
-                "vs_limit": took["median"] / limit,
+                "vs_limit": took["median"] / max(alone[label]),
+                "compute_alone_s": alone[label][0],
+                "communication_alone_s": alone[label][1],
                 "sites": sites[label],
                 **sites[label].get("footprint", {}),
             }
