@@ -101,6 +101,10 @@ def _cell_row(
     predicted_us = predictions.get("collective" if ran == "off" else ran)
     if predicted_us is None and "+" in ran:  # two sites, two schedules (``auto``)
         predicted_us = record.get("predicted_ran_us")
+    if ran == "off" and record.get("predicted_written_us") is not None:
+        # the program as written (``cells.written_us``: a plain-TP all-reduce is one site
+        # there, two once split)
+        predicted_us = record["predicted_written_us"]
     return {
         "label": label,
         "ran": ran,
