@@ -92,9 +92,26 @@ def local_all_to_all(
 
 
 def local_p2p(*args: Any) -> list[torch.Tensor]:
-    """``commfuse::p2p``'s arguments: the received tensors, copied from their likes."""
-    _record(P2P, args[:6])  # sends, send peers, receive likes, receive peers, tag, group
-    return [t.clone(memory_format=torch.contiguous_format) for t in args[2]]
+    """``commfuse::p2p``'s arguments: the received tensors, copied from their likes.
+    Recorded with the shapes the peers do send (asked of them, as for ``local_all_to_all``:
+    an uneven exchange's blocks have the sizes the peers computed)."""
+    sends, send_peers, likes, recv_peers, tag, group_name = args[:6]
+    if _CALLS:
+        group = dist.distributed_c10d._resolve_process_group(group_name)  # type: ignore[arg-type]
+        shapes = [torch.empty(t.dim(), dtype=torch.int64) for t in likes]
+        ops = [
+            dist.P2POp(dist.irecv, t, peer, group, tag)
+            for t, peer in zip(shapes, recv_peers, strict=True)
+        ]
+        ops += [
+            dist.P2POp(dist.isend, torch.tensor(t.shape, dtype=torch.int64), peer, group, tag)
+            for t, peer in zip(sends, send_peers, strict=True)
+        ]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        real = [like.new_empty(shape.tolist()) for like, shape in zip(likes, shapes, strict=True)]
+        _record(P2P, (sends, send_peers, real, recv_peers, tag, group_name))
+    return [t.clone(memory_format=torch.contiguous_format) for t in likes]
 
 
 def local_wait(x: torch.Tensor) -> torch.Tensor:
