@@ -74,7 +74,7 @@ def commfuse_backend(
                 "inner='eager'",
                 stacklevel=2,
             )
-        return _eager(gm, example_inputs, opts)
+        return eager(gm, example_inputs, opts)
     return _inductor(gm, example_inputs, opts, given)
 
 
@@ -151,12 +151,21 @@ def _no_cudagraph_partitions(gm: GraphModule) -> Any:
     return config.patch(graph_partition=False)
 
 
-def _eager(gm: GraphModule, example_inputs: Sequence[Any], opts: Options) -> Any:
+def eager(
+    gm: GraphModule,
+    example_inputs: Sequence[Any],
+    opts: Options,
+    then: Callable[[GraphModule], None] | None = None,
+) -> Any:
+    """The pass, then eager FX execution of each graph; ``then`` changes each graph once
+    the pass ran (``tools/bench/alone``: every transfer replaced by a local copy)."""
     from functorch.compile import default_partition, make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(graph: GraphModule, inputs: Sequence[Any], kind: str) -> Any:
         rewrite_graph(graph, kind, opts)
+        if then is not None:
+            then(graph)
         return make_boxed_func(graph)
 
     return aot_autograd(

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from commfuse_compile.tools.bench.block import BlockJob, block_compile, block_times
+from commfuse_compile.tools.bench.block import (
+    BlockJob,
+    alone_labels,
+    block_compile,
+    block_times,
+)
 from commfuse_compile.tools.bench.cells import SiteJob, measure_site
 from commfuse_compile.tools.bench.config import (
     DROPLESS_KIND,
@@ -50,6 +56,72 @@ QUICK_KINDS = {"ag_mm", "mm_rs", *ULYSSES, "mm_ar_mm"}  # the MoE cells: full pr
 def _our_namespaces(pid: int) -> list[str]:
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return [line.split()[0] for line in listing.splitlines() if f"{PREFIX}{pid}-" in line]
+
+
+BLOCK_ROWS = ["baseline", "ring"]
+TIMED = [*BLOCK_ROWS, *(x for label in BLOCK_ROWS for x in alone_labels(label))]
+
+
+def alone(times: dict[str, list[float]]) -> dict[str, tuple[float, ...]]:
+    """Each row's compute alone and communication alone, taken out of ``times``."""
+    out = {
+        label: tuple(statistics.median(times.pop(x)) for x in alone_labels(label))
+        for label in BLOCK_ROWS
+    }
+    assert all(t > 0 for pair in out.values() for t in pair)
+    return out
+
+
+def _computed_alone(rank: int, n: int, schedule: str) -> dict:
+    """Job: an all-gather -> matmul -> reduce-scatter compiled with ``local_backend``:
+    what it computes, the calls it replaced, and their replay on the real group."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    from commfuse_compile.tools.bench.alone import local_backend, recording, replay
+
+    group = dist.group.WORLD
+
+    def site(x, w):
+        return funcol.reduce_scatter_tensor(
+            funcol.all_gather_tensor(x, 0, group) @ w, "sum", 0, group
+        )
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    compiled = torch.compile(site, backend=local_backend({"schedule": schedule}))
+    compiled(x, w)
+    with recording() as calls:
+        out = compiled(x, w)
+    replay(calls)  # every rank posts the same transfers: it returns
+    return {
+        "shape": list(out.shape),
+        # the collectives' copies: the gathered tensor n copies of x, the scattered rows
+        # its first block's
+        "local": schedule != "off" or torch.equal(out, (torch.cat([x] * n) @ w)[:4]),
+        "calls": [str(target) for target, _ in calls],
+    }
+
+
+def test_compute_alone_sends_nothing_and_communication_alone_replays_it(ranks):
+    """The limit's terms (``bench.alone``): the program with every collective (``off``)
+    or P2P batch (``ring``) a local copy of the same shape, computing what it computes on
+    local copies; the replaced calls, recorded in order, replayed on the group."""
+    for schedule, calls in (
+        (
+            "off",
+            [
+                "_c10d_functional.all_gather_into_tensor.default",
+                "_c10d_functional.reduce_scatter_tensor.default",
+            ],
+        ),
+        # the all-gather's ring, one P2P batch on 2 ranks; the reduce-scatter of the same
+        # matmul stays a collective
+        ("ring", ["commfuse.p2p.default", "_c10d_functional.reduce_scatter_tensor.default"]),
+    ):
+        for result in ranks(2).run(_computed_alone, schedule):
+            assert result == {"shape": [4, 8], "local": True, "calls": calls}, schedule
 
 
 def test_rows_follow_the_schedule_list():
@@ -155,8 +227,8 @@ def test_moe_cell_and_block_rewrite_every_site_with_the_ring(ranks):
     block_rows = rows[:2]
     sites_per_rank = pool.run(block_compile, BlockJob(shape, block_rows, None))
     assert all(s == sites_per_rank[0] for s in sites_per_rank), "ranks disagree on the sites"
-    times = slowest(pool.run(block_times, ["baseline", "ring"], 0, 1))
-    block = block_result(shape, 1e8, 0.1, times, sites_per_rank[0], 1.0, 2, 2)
+    times = slowest(pool.run(block_times, TIMED, 0, 1))
+    block = block_result(shape, 1e8, alone(times), times, sites_per_rank[0], 1.0, 2, 2)
     off, ring = block["rows"]
     assert (off["sites"]["rewritten"], off["sites"]["found"]) == (0, 4)
     assert (ring["sites"]["rewritten"], ring["sites"]["found"]) == (4, 4)
@@ -249,10 +321,13 @@ def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
         assert sites["ring"] == [counts, ("moe", "rewritten")]
         assert [kind for kind, _ in sites["auto"]] == ["a2a_mm", "moe"]
         ring = records["ring"]
-        assert (ring["schedule"], ring["decision"], ring["reason"]) == ("ring", "rewritten", "")
-        assert {"ring", "collective"} <= set(
-            ring["predicted_us"]
-        )  # the moe site's, not the counts'
+        # the row asked for ``ring``: the moe site runs, and is priced as, its round trip
+        assert (ring["schedule"], ring["decision"], ring["reason"]) == (
+            "round_trip",
+            "rewritten",
+            "",
+        )
+        assert set(ring["predicted_us"]) == {"round_trip", "collective"}  # the moe site's
         assert records["baseline"]["program"] != ring["program"]
         assert "matmul" in per_rank[0]["breakdown"]["ring"]
         cell = site_cell(DROPLESS_KIND, shape, 1.0, math.inf, [], per_rank, list(rows), 2)
@@ -262,8 +337,8 @@ def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
     shape = BlockShape(seq=32, dim=32, heads=1, hidden=32, front="moe", moe="dropless")
     sites_per_rank = pool.run(block_compile, BlockJob(shape, rows[:2], None))
     assert all(s == sites_per_rank[0] for s in sites_per_rank), "ranks disagree on the sites"
-    times = slowest(pool.run(block_times, ["baseline", "ring"], 0, 1))
-    block = block_result(shape, 1e8, 0.1, times, sites_per_rank[0], 1.0, 2, 2)
+    times = slowest(pool.run(block_times, TIMED, 0, 1))
+    block = block_result(shape, 1e8, alone(times), times, sites_per_rank[0], 1.0, 2, 2)
     off, ring = block["rows"]
     assert (off["sites"]["rewritten"], off["sites"]["found"]) == (0, 3)
     assert (ring["sites"]["rewritten"], ring["sites"]["found"]) == (2, 3)
@@ -398,9 +473,15 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
         assert row["sent_bytes"] > 0 and row["saved_bytes"] > 0 and row["peak_bytes"] > 0
     assert ring["saved_bytes"] < off["saved_bytes"]
     texts = [t["target"] for t in results["targets"]]
-    assert len(texts) == 8 and texts[3].startswith("auto within") and texts[5].startswith("whole")
-    assert texts[6].startswith("plain TP with the pass")
-    assert texts[7].startswith("served plain TP: auto never slower than the baseline")
+    assert len(texts) == 9 and texts[3].startswith("auto within") and texts[6].startswith("whole")
+    assert texts[5].startswith("no row below max(compute alone, communication alone)")
+    assert texts[7].startswith("plain TP with the pass")
+    assert texts[8].startswith("served plain TP: auto never slower than the baseline")
+    errors = results["model_error"]  # the cost model's error over every predicted row
+    assert errors["rows"] == sum(
+        r["model_error"] is not None for c in results["sites"] for r in c["rows"]
+    )
+    assert errors["min"] <= errors["median"] <= errors["max"] and "model error:" in stdout
     # served plain TP: prefills and a decode step on one link rate, every mm_ar_mm row
     served = results["served"]
     assert [(c["phase"], c["tokens"]) for c in served["cells"]] == [
@@ -441,9 +522,9 @@ def test_2d_block_row_is_built_and_reported(ranks):
     rows = tuple(v for v in variants() if v.label in ("baseline", "ring"))
     pool = ranks(spec.world_size)
     sites = pool.run(block_compile, BlockJob(spec.shape, rows, None))
-    times = slowest(pool.run(block_times, ["baseline", "ring"], 0, 1))
+    times = slowest(pool.run(block_times, TIMED, 0, 1))
     assert all(s == sites[0] for s in sites), "ranks disagree on the sites"
-    block = block_result(spec.shape, 1e8, 0.1, times, sites[0], spec.ratio, 4, 2)
+    block = block_result(spec.shape, 1e8, alone(times), times, sites[0], spec.ratio, 4, 2)
     off, ring = block["rows"]
     assert off["sites"]["rewritten"] == 0 and off["sites"]["found"] > 0
     assert ring["sites"]["found"] == off["sites"]["found"]

@@ -40,6 +40,7 @@ from commfuse_compile.tools.sim.layer import write_trace
 
 PROFILES = [pytest.param(p, id=name) for name, p in BUILTIN.items()]
 KINDS = ("gather", "reduce")
+GATHER = Direction.GATHER
 SIZES = [10.0**e for e in range(14)]  # FLOPs or bytes, 1 to 1e13
 DECOMPOSITIONS = ("ring", "bidir", "push", "slicing")
 
@@ -245,7 +246,7 @@ def test_the_collective_is_kept_for_a_tiny_matmul(profile, kind, n):
     credited with the same bidirectional algorithm)."""
     work = Work(kind, n, block_flops=2 * 2 * 8 * 8, block_bytes=2 * 8 * 4)
     with pytest.raises(Declined, match="^not profitable: "):
-        plan(predict(work, profile), Options())
+        plan(predict(work, profile), Options(), work.direction)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -261,7 +262,7 @@ def test_a_decomposition_is_chosen_for_a_llama3_8b_mlp_on_8_h100(kind):
         flops, nbytes = 2 * tokens * (ffn // n) * hidden, tokens // n * hidden * 2
     profile = BUILTIN["h100-nvlink4"]
     predicted = predict(Work(kind, n, flops / n, nbytes), profile)
-    chosen = plan(predicted, Options())
+    chosen = plan(predicted, Options(), Direction(kind))
     times = {s: t.end_s for s, t in predicted.items()}
     assert chosen.schedule == min(times, key=times.__getitem__) != "collective"
     assert times[chosen.schedule] * 1.2 < times["collective"]
@@ -275,25 +276,28 @@ def test_auto_keeps_the_collective_unless_the_gain_is_worth_the_risk():
     options = Options()
     near = {"collective": _timeline(1.0), "ring": _timeline(1.0 / MIN_GAIN * 1.001)}
     with pytest.raises(Declined, match="must gain 5%"):
-        plan(near, options)
+        plan(near, options, GATHER)
     clear = {"collective": _timeline(1.0), "ring": _timeline(0.5), "bidir": _timeline(0.6)}
-    assert plan(clear, options).schedule == "ring"
-    assert plan(clear, options).why == "ring predicted 2.00x faster"
+    assert plan(clear, options, GATHER).schedule == "ring"
+    assert plan(clear, options, GATHER).why == "ring predicted 2.00x faster"
 
 
 def test_auto_skips_disabled_schedules_and_a_requested_schedule_is_taken_as_is():
     predicted = {"collective": _timeline(1.0), "ring": _timeline(0.5), "bidir": _timeline(0.6)}
-    assert plan(predicted, Options(disable=frozenset({"ring"}))).schedule == "bidir"
+    assert plan(predicted, Options(disable=frozenset({"ring"})), GATHER).schedule == "bidir"
     with pytest.raises(Declined, match="every schedule is disabled"):
         plan(
             {"collective": _timeline(1.0), "ring": _timeline(0.5)},
             Options(disable=frozenset({"ring"})),
+            GATHER,
         )
-    assert plan(predicted, Options(schedule="bidir")).schedule == "bidir"  # slower, asked for
+    assert (
+        plan(predicted, Options(schedule="bidir"), GATHER).schedule == "bidir"
+    )  # slower, asked for
     with pytest.raises(Declined, match="schedule 'ring' is disabled"):
-        plan(predicted, Options(schedule="ring", disable=frozenset({"ring"})))
+        plan(predicted, Options(schedule="ring", disable=frozenset({"ring"})), GATHER)
     with pytest.raises(Declined, match="schedule 'off'"):
-        plan(predicted, Options(schedule="off"))
+        plan(predicted, Options(schedule="off"), GATHER)
 
 
 @pytest.fixture
@@ -448,11 +452,16 @@ def test_fit_line_recovers_a_line_and_keeps_both_terms_non_negative():
     assert 0 < b < 1e-20
 
 
-DIRECTION_OF = {"all_gather": "gather", "reduce_scatter": "reduce", "all_to_all": "exchange_in"}
+DIRECTION_OF = {
+    "all_gather": "gather",
+    "reduce_scatter": "reduce",
+    "all_to_all": "exchange_in",
+    "all_reduce": "reduce",  # then gathered: an ``mm_ar`` site's collective
+}
 
 
 def _collective_s(p: Profile, kind: str, g: int, block_bytes: float) -> float:
-    work = Work(DIRECTION_OF[kind], g, 0.0, block_bytes)
+    work = Work(DIRECTION_OF[kind], g, 0.0, block_bytes, then_gather=kind == "all_reduce")
     return simulate(work, "collective", p).end_s
 
 
@@ -582,7 +591,8 @@ def test_a_bad_all_to_all_curve_is_rejected(tmp_path):
         load(_write(tmp_path / "bad.json", json.dumps(fields)))
     fields["collectives"] = {"all_to_all_v": {}}
     with pytest.raises(
-        ProfileError, match=r"collectives are \['all_gather', 'reduce_scatter', 'all_to_all'\]"
+        ProfileError,
+        match=r"collectives are \['all_gather', 'reduce_scatter', 'all_to_all', 'all_reduce'\]",
     ):
         load(_write(tmp_path / "bad.json", json.dumps(fields)))
 
@@ -601,3 +611,24 @@ def test_a_transfer_slows_the_matmul_it_overlaps_by_the_profiles_slowdown():
     assert busy.end_s == pytest.approx(plain.end_s)  # hidden under the transfer all the same
     # the collective overlaps nothing: no slowdown
     assert simulate(work, "collective", slowed).end_s == simulate(work, "collective", base).end_s
+
+
+def test_an_all_reduce_is_timed_as_one_call_where_the_profile_measured_it():
+    """An ``mm_ar`` site's collective (its reduced blocks then gathered) is gloo's one
+    all-reduce call where the profile has its curve; else a reduce-scatter then an
+    all-gather. The schedules' all-gather after their reduce is timed as before."""
+    p = BUILTIN["gloo-loopback"]
+    work = Work(Direction.REDUCE, 2, 1e6, 1e5, then_gather=True)
+    split = simulate(work, "collective", p)
+    assert [e.name for e in split.on_rank(0) if e.lane == "comm"] == [
+        "reduce_scatter",
+        "all_gather",
+    ]
+    curve = Curve(1e-4, 1e-9)
+    measured = dataclasses.replace(p, collectives={**p.collectives, "all_reduce": {2: curve}})
+    one = simulate(work, "collective", measured)
+    assert [e.name for e in one.on_rank(0) if e.lane == "comm"] == ["all_reduce"]
+    assert one.end_s == pytest.approx(p.matmul_s(2e6) + curve.seconds(1e5))
+    assert collective_model(work, measured) == "all_reduce as measured on 2 ranks (gloo-loopback)"
+    ring = simulate(work, "ring", measured)
+    assert ring.end_s == simulate(work, "ring", p).end_s

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
 
 import pytest
 import torch
@@ -273,6 +274,24 @@ def test_dispatch_experts_combine_is_one_rewritten_site(fake_world):
     assert A2A not in kinds and kinds.count(P2P) == record.p2p_ops == P2P_BATCHES[N]
     # each block through the experts with its own offsets: 4 blocks x 2 grouped matmuls
     assert kinds.count(aten._grouped_mm.default) == 2 * (N + 1)  # the own block in halves
+
+
+def test_the_site_is_planned_and_reported_as_the_round_trip_it_runs(fake_world):
+    """The schedule, predicted times and timeline in the report are the round trip's
+    (asked for as ``ring``): n + 1 steps, and in each step that sends, messages to the
+    ranks the emitted P2P batch sends to, in the lowering's order."""
+    gm = traced(layer)
+    (record,) = records_of(gm)
+    assert record.schedule == "round_trip"
+    assert set(record.predicted_us) == {"collective", "round_trip"}
+    assert {e["step"] for e in record.timeline} == set(range(N + 1))
+    planned = [
+        [int(rank) for rank in re.findall(r"to rank (\d+)", e["name"])]
+        for e in sorted(record.timeline, key=lambda e: e["step"])
+        if e["lane"] == "comm"
+    ]
+    emitted = [list(node.args[1]) for node in gm.graph.find_nodes(op="call_function", target=P2P)]
+    assert planned == emitted and len(emitted) == P2P_BATCHES[N]
 
 
 def test_backward_shape_pairs_saved_rows_and_sums_the_weight_gradient(fake_world):

@@ -29,8 +29,9 @@ class ProfileError(ValueError):
 
 
 # what ``calibrate`` measures; a profile file may lack a collective (those written before
-# all-to-alls were measured): the model then times that collective with the ring formula
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all")
+# all-to-alls or all-reduces were measured): the model then times that collective with the
+# ring formula (an all-reduce: a reduce-scatter, then an all-gather)
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 CURVE_BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block, calibrated
 
 
@@ -38,8 +39,9 @@ CURVE_BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block, 
 class Curve:
     """A collective's time as measured on a group of one size: ``latency_s`` plus
     ``seconds_per_byte`` times the bytes of one rank's block (the all-gather's shard, the
-    reduce-scatter's output, the all-to-all's block for one peer: even splits), fitted on
-    ``points`` (block bytes, seconds)."""
+    reduce-scatter's output, the all-to-all's block for one peer: even splits; the
+    all-reduce's tensor over the group size), fitted on ``points`` (block bytes,
+    seconds)."""
 
     latency_s: float
     seconds_per_byte: float

@@ -14,9 +14,14 @@ import dataclasses
 from collections.abc import Sequence
 
 from ..schedules import NAMES, Direction, Transfer, by_name, slicing
-from .profiles import COLLECTIVES, Profile
+from . import steps
+from .profiles import COLLECTIVES, Curve, Profile
+from .timeline import Event, Timeline, overlapped
 
-SCHEDULES = ("collective", *NAMES)
+__all__ = ["SCHEDULES", "Event", "Timeline", "Work", "overlapped", "predict", "simulate"]
+
+SCHEDULES = ("collective", *NAMES)  # a site's alternatives, in the order reports list them
+ROUND_TRIP = "round_trip"  # the one program of a round trip (``Direction.ROUND_TRIP``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,58 +37,38 @@ class Work:
     # the reduced blocks are then all-gathered (an all-reduce's second half, the same
     # on every schedule and after the collective alike)
     then_gather: bool = False
+    # a round trip's way back: the bytes of one block's results (None: ``block_bytes``)
+    back_bytes: float | None = None
+    # other op calls per block (a round trip's sorting and indexing of each block's rows),
+    # each paying a call's fixed cost (``Profile.matmul_latency_s``); once for the
+    # collective, which runs them on all the rows at once
+    block_ops: int = 0
+
+    @property
+    def returned_bytes(self) -> float:
+        return self.block_bytes if self.back_bytes is None else self.back_bytes
 
     def __post_init__(self) -> None:  # a direction's name is taken too ("gather")
         object.__setattr__(self, "direction", Direction(self.direction))
 
 
-@dataclasses.dataclass(frozen=True)
-class Event:
-    rank: int
-    lane: str  # "compute" | "comm"
-    step: int
-    name: str
-    start_s: float
-    end_s: float
-
-
-@dataclasses.dataclass
-class Timeline:
-    schedule: str
-    events: list[Event]
-
-    @property
-    def end_s(self) -> float:
-        return max((e.end_s for e in self.events), default=0.0)
-
-    def on_rank(self, rank: int) -> list[Event]:
-        return [e for e in self.events if e.rank == rank]
-
-    def exposed_comm_s(self, rank: int = 0) -> float:
-        """Time on ``rank`` that is not spent computing."""
-        busy = sum(e.end_s - e.start_s for e in self.on_rank(rank) if e.lane == "compute")
-        return max((e.end_s for e in self.on_rank(rank)), default=0.0) - busy
-
-    def as_json(self, rank: int) -> list[dict[str, object]]:
-        """This rank's events in report.json's ``timeline`` format (microseconds)."""
-        return [
-            {
-                "lane": e.lane,
-                "step": e.step,
-                "name": e.name,
-                "start_us": round(e.start_s * 1e6, 3),
-                "end_us": round(e.end_s * 1e6, 3),
-            }
-            for e in self.on_rank(rank)
-        ]
-
-
 def simulate(work: Work, schedule: str, profile: Profile, slices: int = 2) -> Timeline:
     timeline = _simulate(work, schedule, profile, slices)
-    return _then_gathered(work, timeline, profile) if work.then_gather else timeline
+    one_call = schedule == "collective" and _all_reduce(work, profile) is not None
+    return (
+        _then_gathered(work, timeline, profile) if work.then_gather and not one_call else timeline
+    )
+
+
+def _all_reduce(work: Work, p: Profile) -> Curve | None:
+    """The measured all-reduce that runs a ``then_gather`` site's collective as one call
+    (gloo's is not a reduce-scatter then an all-gather), if the profile has one."""
+    return p.curve("all_reduce", work.n) if work.then_gather else None
 
 
 def _simulate(work: Work, schedule: str, profile: Profile, slices: int) -> Timeline:
+    if work.direction is Direction.ROUND_TRIP:
+        return _round_trip(work, schedule, profile)
     if schedule == "collective":
         return _collective(work, profile)
     if schedule == "slicing":
@@ -95,10 +80,11 @@ def _simulate(work: Work, schedule: str, profile: Profile, slices: int) -> Timel
 
 def predict(work: Work, profile: Profile, slices: int = 2) -> dict[str, Timeline]:
     """Every schedule's timeline for ``work`` (those with steps for its direction;
-    slicing only with more than one chunk)."""
+    slicing only with more than one chunk): what ``plan`` decides on, the report shows,
+    ``commfuse sim`` prints and ``commfuse bench`` predicts."""
     names = ["collective"] + [
         s
-        for s in SCHEDULES[1:]
+        for s in (*SCHEDULES[1:], ROUND_TRIP)
         if by_name(s).supports(work.direction) and (s != "slicing" or slices > 1)
     ]
     return {s: simulate(work, s, profile, slices) for s in names}
@@ -106,11 +92,14 @@ def predict(work: Work, profile: Profile, slices: int = 2) -> dict[str, Timeline
 
 def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> float:
     calls = work.matmuls_per_block
-    return calls * profile.matmul_s(work.block_flops * fraction / calls)
+    ops = work.block_ops * profile.matmul_latency_s
+    return calls * profile.matmul_s(work.block_flops * fraction / calls) + ops
 
 
 def collective_model(work: Work, p: Profile) -> str:
     """How the site's collective is timed on ``p`` (the report says which)."""
+    if _all_reduce(work, p) is not None:
+        return f"all_reduce as measured on {work.n} ranks ({p.name})"
     collective = work.direction.collective
     if p.curve(collective, work.n) is not None:
         return f"{collective} as measured on {work.n} ranks ({p.name})"
@@ -152,8 +141,10 @@ def _collective(work: Work, p: Profile) -> Timeline:
     then a reduce-scatter."""
     n, events = work.n, list[Event]()
     matmul = work.matmuls_per_block * p.matmul_s(work.block_flops * n / work.matmuls_per_block)
-    comm = collective_s(work, p)
-    name = work.direction.collective
+    comm, name = collective_s(work, p), work.direction.collective
+    curve = _all_reduce(work, p)
+    if curve is not None:
+        comm, name = curve.seconds(work.block_bytes), "all_reduce"
     for r in range(n):
         if work.direction.collects_first:
             events += [
@@ -165,6 +156,33 @@ def _collective(work: Work, p: Profile) -> Timeline:
                 Event(r, "compute", 0, "matmul", 0.0, matmul),
                 Event(r, "comm", 0, name, matmul, matmul + comm),
             ]
+    return Timeline("collective", events)
+
+
+def _round_trip(work: Work, schedule: str, p: Profile) -> Timeline:
+    """A round trip, every peer's block the same: the dispatch all-to-all, the matmuls
+    on all n blocks and the combine all-to-all; or ``steps.round_trip``, the program
+    ``kinds/moe`` lowers."""
+    n = work.n
+    if schedule == ROUND_TRIP:
+        sent = [[work.block_bytes] * n for _ in range(n)]
+        returned = [[work.returned_bytes] * n for _ in range(n)]
+        return steps.round_trip(
+            p, sent, returned, lambda r, src, part: _block_compute_s(work, p, part)
+        )
+    dispatch = collective_s(dataclasses.replace(work, direction=Direction.EXCHANGE_IN), p)
+    back = dataclasses.replace(
+        work, direction=Direction.EXCHANGE_OUT, block_bytes=work.returned_bytes
+    )
+    combine = collective_s(back, p)
+    computed = dispatch + matmuls_s(work, p) + work.block_ops * p.matmul_latency_s
+    events = []
+    for r in range(n):
+        events += [
+            Event(r, "comm", 0, "all_to_all (dispatch)", 0.0, dispatch),
+            Event(r, "compute", 0, "matmul", dispatch, computed),
+            Event(r, "comm", 0, "all_to_all (combine)", computed, computed + combine),
+        ]
     return Timeline("collective", events)
 
 
@@ -201,23 +219,12 @@ def _sliced(work: Work, p: Profile, k: int) -> Timeline:
             if step.compute is not None:
                 start = max(compute_free, comm_end.get(step.compute, 0.0) if gather else 0.0)
                 in_flight = comm_free - start if step.issue is not None else 0.0
-                took = _overlapped(chunk_compute, in_flight, p.overlap_slowdown)
+                took = overlapped(chunk_compute, in_flight, p.overlap_slowdown)
                 compute_free = compute_end[step.compute] = start + took
                 events.append(
                     Event(r, "compute", s, f"matmul chunk {step.compute}", start, compute_free)
                 )
     return Timeline("slicing", events)
-
-
-def _overlapped(compute_s: float, in_flight_s: float, slowdown: float) -> float:
-    """How long ``compute_s`` of matmul takes when a transfer is in flight for the first
-    ``in_flight_s`` of it, slowed by ``slowdown`` meanwhile (``Profile.overlap_slowdown``)."""
-    if slowdown <= 0 or in_flight_s <= 0:
-        return compute_s
-    slowed = compute_s * (1 + slowdown)
-    if slowed <= in_flight_s:
-        return slowed
-    return compute_s + in_flight_s * slowdown / (1 + slowdown)
 
 
 def _send(
@@ -256,7 +263,7 @@ def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
         for r in range(n):
             computed, in_flight = issue[r], done[r]  # this rank's messages end by done[r]
             for b in plans[r][s].compute:
-                took = _overlapped(c, in_flight - computed, p.overlap_slowdown)
+                took = overlapped(c, in_flight - computed, p.overlap_slowdown)
                 events.append(
                     Event(r, "compute", s, f"matmul block {b}", computed, computed + took)
                 )
@@ -278,7 +285,7 @@ def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
             step = plans[r][s]
             computed = now[r]
             for b in step.blocks:  # under the messages of the step before
-                took = _overlapped(c, arrivals[r] - computed, p.overlap_slowdown)
+                took = overlapped(c, arrivals[r] - computed, p.overlap_slowdown)
                 events.append(
                     Event(r, "compute", s, f"matmul block {b}", computed, computed + took)
                 )

@@ -2,9 +2,10 @@
 
 The prediction is the discrete-event simulation of ``simulator.py`` (the same one
 ``commfuse sim`` runs), fed with the site's per-block matmul FLOPs and message bytes.
-``auto`` takes the fastest prediction and keeps the collective when no schedule is
-predicted at least ``MIN_GAIN`` faster; the per-step fixed cost in the profile is what
-makes the collective win for small matmuls.
+Every decision of the pass, each site's schedule and the plain-TP split, is ``pays``:
+a rewrite is taken only when predicted at least ``MIN_GAIN`` faster than what it
+replaces; the per-step fixed cost in the profile is what makes the collective win for
+small matmuls.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from ..cost.simulator import Timeline, Work, collective_model, matmuls_s, predic
 from ..options import Options
 from ..report import SiteRecord
 from ..runtime import groups, topology
-from ..schedules import Direction
+from ..schedules import Direction, running
 from .fx.declines import Declined, decline
 from .kinds import of
 from .kit.site import Site
 
-# ``auto`` decomposes only for a predicted gain of at least 5%: within the model's
-# error, the collective (one call, no extra steps) is the safer choice.
+# A rewrite is taken only for a predicted gain of at least 5%: within the model's error,
+# the program as written (one call, no extra steps) is the safer choice.
 MIN_GAIN = 1.05
 
 
@@ -45,19 +46,23 @@ def plan_options(options: Options) -> None:
         raise decline("plan.schedule_disabled", schedule=options.schedule)
 
 
-def check_applies(predicted: dict[str, Timeline], options: Options, kind: str) -> None:
-    """A requested schedule must have steps for the site's kind (``predict`` times only
-    those that do): an all-to-all has no ring to forward along, nor chunks to slice."""
-    if options.schedule not in ("auto", "off") and options.schedule not in predicted:
-        raise decline("plan.schedule_not_for_kind", schedule=options.schedule, kind=kind)
+def check_applies(predicted: dict[str, Timeline], schedule: str, kind: str) -> None:
+    """A requested schedule (as it runs on the site: ``running``) must have steps for the
+    site's kind (``predict`` times only those that do): an all-to-all has no ring to
+    forward along, nor chunks to slice."""
+    if schedule not in ("auto", "off") and schedule not in predicted:
+        raise decline("plan.schedule_not_for_kind", schedule=schedule, kind=kind)
 
 
-def plan(predicted: dict[str, Timeline], options: Options) -> Plan:
-    """The schedule for a site with these predicted timelines (by schedule)."""
+def plan(predicted: dict[str, Timeline], options: Options, direction: Direction) -> Plan:
+    """The schedule for a site of ``direction`` with these predicted timelines (by
+    schedule): the program that runs (``running``: a round trip's for ``ring``)."""
     plan_options(options)
     if options.schedule != "auto":
-        return Plan(options.schedule, f"schedule {options.schedule!r} requested")
-    times = {k: t.end_s for k, t in predicted.items() if k not in options.disable}
+        schedule = running(options.schedule, direction)
+        return Plan(schedule, f"schedule {options.schedule!r} requested")
+    disabled = {running(name, direction) for name in options.disable}
+    times = {k: t.end_s for k, t in predicted.items() if k not in disabled}
     best = auto_choice(times)
     collective = times["collective"]
     if best == "collective":
@@ -74,11 +79,18 @@ def plan(predicted: dict[str, Timeline], options: Options) -> Plan:
     return Plan(best, f"{best} predicted {collective / times[best]:.2f}x faster")
 
 
+def pays(rewritten_s: float, written_s: float) -> bool:
+    """The one decision rule (docs/schedules.md): a rewrite predicted to take
+    ``rewritten_s`` replaces the program as written (``written_s``) only when it gains at
+    least ``MIN_GAIN``. Each site's schedule and the plain-TP split are decided by it."""
+    return rewritten_s * MIN_GAIN <= written_s
+
+
 def auto_choice(times: dict[str, float]) -> str:
     """``auto``'s rule on predicted times (by schedule, "collective" included): the
-    fastest schedule if it gains at least ``MIN_GAIN`` over the collective."""
+    fastest schedule if it ``pays`` against the collective."""
     best = min(times, key=times.__getitem__)
-    return best if times[best] * MIN_GAIN <= times["collective"] else "collective"
+    return best if pays(times[best], times["collective"]) else "collective"
 
 
 def site_work(site: Site, n: int) -> Work:
@@ -155,7 +167,7 @@ def predict_site(
         record.profile = profile.name
         record.collective_model = collective_model(work, profile)
         record.timeline = timelines["collective"].as_json(group.rank)
-    check_applies(timelines, options, site.kind)
+    check_applies(timelines, running(options.schedule, work.direction), site.kind)
     return site, timelines
 
 
@@ -167,7 +179,7 @@ def plan_site(
     model said goes into ``record``, its timeline the collective's until the site is
     rewritten (what runs if it is declined)."""
     site, predicted = predict_site(site, group, options, profile_for(site, options), record)
-    return site, predicted, plan(predicted, options)
+    return site, predicted, plan(predicted, options, of(site).direction)
 
 
 def without_disabled(site: Site, disabled: frozenset[str]) -> Site:
@@ -214,7 +226,7 @@ def site_times(site: Site, options: Options) -> SiteTimes | None:
         return None
     written = timelines["collective"].end_s
     try:
-        planned = timelines[plan(timelines, options).schedule].end_s
+        planned = timelines[plan(timelines, options, of(site).direction).schedule].end_s
     except Declined:
         planned = written
     return SiteTimes(written, planned, matmuls_s(site_work(site, group.size), profile))

@@ -25,11 +25,14 @@ class Direction(enum.StrEnum):
     REDUCE = "reduce"  # matmul -> reduce-scatter
     EXCHANGE_IN = "exchange_in"  # all-to-all -> matmul
     EXCHANGE_OUT = "exchange_out"  # matmul -> all-to-all
+    # all-to-all -> matmuls -> all-to-all back (an MoE layer's dispatch, experts, combine):
+    # one program, ``round_trip``
+    ROUND_TRIP = "round_trip"
 
     @property
     def collects_first(self) -> bool:
         """Does the collective run before the matmul (blocks arrive, then are multiplied)?"""
-        return self in (Direction.GATHER, Direction.EXCHANGE_IN)
+        return self in (Direction.GATHER, Direction.EXCHANGE_IN, Direction.ROUND_TRIP)
 
     @property
     def collective(self) -> str:
@@ -40,7 +43,7 @@ class Direction(enum.StrEnum):
         """The block a received ``transfer`` holds: the one it names (a ring forwards
         blocks), or under an all-to-all the sender's (each message carries the block of
         the sender's tensor meant for its receiver, ``Transfer.block``)."""
-        if self in (Direction.EXCHANGE_IN, Direction.EXCHANGE_OUT):
+        if self in (Direction.EXCHANGE_IN, Direction.EXCHANGE_OUT, Direction.ROUND_TRIP):
             return (rank + transfer.peer) % n
         return transfer.block
 
@@ -97,13 +100,28 @@ _COLLECTIVES = {
     Direction.REDUCE: "reduce_scatter",
     Direction.EXCHANGE_IN: "all_to_all",
     Direction.EXCHANGE_OUT: "all_to_all",
+    Direction.ROUND_TRIP: "all_to_all",
 }
 NAMES = ("ring", "bidir", "push", "slicing")  # every schedule, in the order reports list them
 
 
 def by_name(name: str) -> Schedule:
-    """The schedule called ``name`` (one of ``NAMES``)."""
-    from . import bidir, push, ring, slicing
+    """The schedule called ``name`` (one of ``NAMES``, or ``round_trip``: what a round
+    trip runs, ``running``)."""
+    from . import bidir, push, ring, round_trip, slicing
 
-    modules = {"ring": ring, "bidir": bidir, "push": push, "slicing": slicing}
+    modules = {
+        "ring": ring,
+        "bidir": bidir,
+        "push": push,
+        "slicing": slicing,
+        "round_trip": round_trip,
+    }
     return Schedule(name, modules[name], sliced=name == "slicing")
+
+
+def running(name: str, direction: Direction) -> str:
+    """The schedule that runs where ``name`` is asked for (an option's value, or a name in
+    ``disable``) on a site of ``direction``: a round trip has one program, in the ring's
+    pairwise order, which ``ring`` asks for; every other name runs itself."""
+    return "round_trip" if direction is Direction.ROUND_TRIP and name == "ring" else name

@@ -3,12 +3,12 @@
 On n local gloo ranks (or the ranks of a running job): matmul time by shape (fitted as
 call latency + FLOPs / throughput, all ranks computing at once as in training), P2P
 time by message size (a ring exchange, fitted as alpha + bytes/beta), an element-wise
-add, the backend's own all-gather, reduce-scatter and all-to-all (``all_to_all_single``,
-even splits) by block size on every group size from 2 to n (fitted per collective and size:
-the model times the collective with these curves, not with a ring formula), how much a
-matmul slows while a transfer is in flight, and the fixed cost of one P2P step of a
-rewritten graph, from a tiny all-gather -> matmul site run both ways. The result loads
-with ``options={"profile": path}``.
+add, the backend's own all-gather, reduce-scatter, all-to-all (``all_to_all_single``,
+even splits) and all-reduce by block size on every group size from 2 to n (fitted per
+collective and size: the model times the collective with these curves, not with a ring
+formula), how much a matmul slows while a transfer is in flight, and the fixed cost of
+one P2P step of a rewritten graph, from a tiny all-gather -> matmul site run both ways.
+The result loads with ``options={"profile": path}``.
 
 Under a multi-node torchrun launch it measures every level: the above on each node's
 ranks (all nodes at once), and the link and collectives between nodes on the ranks of
@@ -196,8 +196,8 @@ def collective_curves(
 
 def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: int) -> float:
     """The median time of one all-gather of ``block_bytes`` blocks (or the reduce-scatter
-    down to them, or the all-to-all of one such block to each rank) on ``group`` of ``g``
-    ranks, as the functional collectives run it."""
+    down to them, the all-to-all of one such block to each rank, the all-reduce of g of
+    them) on ``group`` of ``g`` ranks, as the functional collectives run it."""
     c10d = torch.ops._c10d_functional
     block = torch.randn(block_bytes // 4)
     whole = torch.randn(g * block.numel())
@@ -206,6 +206,8 @@ def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: i
         call = functools.partial(c10d.all_gather_into_tensor, block, g, group.group_name)
     elif collective == "reduce_scatter":
         call = functools.partial(c10d.reduce_scatter_tensor, whole, "sum", g, group.group_name)
+    elif collective == "all_reduce":  # of g blocks: the product a ``mm_ar`` site sums
+        call = functools.partial(c10d.all_reduce, whole, "sum", group.group_name)
     else:  # all_to_all: even splits, as the Ulysses sites run it
         splits = [block.numel()] * g
         call = functools.partial(c10d.all_to_all_single, whole, splits, splits, group.group_name)

@@ -10,8 +10,11 @@ Over plain loopback a transfer costs CPU, not wall time: there is nothing for a 
 hide, and the rewrite can only cost. So, as root, the ranks run behind the throttled
 links of ``commfuse bench`` (network namespaces, a token bucket per rank) at
 ``LINK_RATE``, and the headline is the speedup over ``schedule="off"`` there and the
-distance to the overlap limit. Where links cannot be throttled (not root, no ``tc``) the
-demo says so and gives the cost model's figure for the block on such a link instead.
+distance to the overlap limit: max(compute, communication), each measured alone
+(``bench.alone``: the same programs with every transfer a local copy, and the baseline's
+collectives one after the other with nothing computed). Where links cannot be throttled
+(not root, no ``tc``) the demo says so and gives the cost model's figure for the block on
+such a link instead.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import functools
 import statistics
 import tempfile
 import time
@@ -30,6 +34,7 @@ import torch
 
 from .. import report
 from ..cost.profiles import BUILTIN
+from .bench.alone import local_backend, recording, replay
 from .bench.figures import slowest
 from .bench.netns import throttled_ranks
 from .sim.layer import ModelShape, simulate_layer
@@ -70,8 +75,9 @@ def _rank_compile(rank: int, n: int, cfg: DemoConfig) -> dict[str, Any]:
     torch.manual_seed(0)
     eager = Block(cfg.dim, cfg.heads, cfg.hidden)
     fused, baseline = copy.deepcopy(eager), copy.deepcopy(eager)
-    for model in (eager, fused, baseline):
-        parallelize_module(model, mesh, block_plan())
+    alone = {label: copy.deepcopy(eager) for label in ("off", "commfuse")}
+    for module in (eager, fused, baseline, *alone.values()):
+        parallelize_module(module, mesh, block_plan())
     options: dict[str, Any] = {"schedule": cfg.schedule, "inner": cfg.inner}
     x = torch.randn(cfg.batch, cfg.seq_per_rank * n, cfg.dim).chunk(n, dim=1)[rank]
 
@@ -86,6 +92,27 @@ def _rank_compile(rank: int, n: int, cfg: DemoConfig) -> dict[str, Any]:
     # not what compiling does. Compiled first, so that the report holds the pass's sites.
     off = torch.compile(baseline, backend="commfuse", options={**options, "schedule": "off"})
     step(off)
+    # each program's compute alone (its transfers local copies), and the baseline's
+    # communication alone (its collectives as one step of it calls them)
+    computing = {
+        label: torch.compile(
+            model,
+            backend=local_backend(
+                {**options, "schedule": "off" if label == "off" else cfg.schedule}
+            ),
+        )
+        for label, model in alone.items()
+    }
+    for model in computing.values():
+        step(model)
+    with recording() as calls:
+        step(computing["off"])
+
+    def communicate() -> float:
+        start = time.perf_counter()
+        replay(calls)
+        return time.perf_counter() - start
+
     report.reset()
     measured = {**options, "debug_dir": cfg.debug_dir, "measure": cfg.debug_dir is not None}
     compiled = torch.compile(fused, backend="commfuse", options=measured)
@@ -99,6 +126,9 @@ def _rank_compile(rank: int, n: int, cfg: DemoConfig) -> dict[str, Any]:
     }
     _STEPS["off"] = lambda: step(off)[1]
     _STEPS["commfuse"] = lambda: step(compiled)[1]
+    for label, program in computing.items():
+        _STEPS[f"{label} compute"] = functools.partial(lambda p: step(p)[1], program)
+    _STEPS["communication"] = communicate
     return {
         "out_diff": (out_fused - out_eager).abs().max().item(),
         "grad_diff": max((a - b).abs().max().item() for a, b in grads.values()),
@@ -132,14 +162,22 @@ def _rank_write_dump(rank: int, n: int, debug_dir: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class StepTimes:
     """Median steps (forward + backward, the slowest rank's) of the block with the pass
-    and with ``schedule="off"``."""
+    and with ``schedule="off"``; each program's compute alone and the baseline's
+    communication alone (``bench.alone``)."""
 
     commfuse_s: float
     off_s: float
+    commfuse_compute_s: float
+    off_compute_s: float
+    communication_s: float
 
     @property
     def speedup(self) -> float:
         return self.off_s / self.commfuse_s
+
+    def limit_s(self, compute_s: float) -> float:
+        """The overlap limit of a program computing for ``compute_s``."""
+        return max(compute_s, self.communication_s)
 
 
 def _time_steps(network: Any, ranks: Any, steps: int) -> tuple[StepTimes, StepTimes | None]:
@@ -154,7 +192,12 @@ def _time_steps(network: Any, ranks: Any, steps: int) -> tuple[StepTimes, StepTi
             for label, took in slowest(ranks.run(_rank_times, 1)).items():
                 times[link].setdefault(label, []).extend(took)
     medians = {
-        link: StepTimes(statistics.median(t["commfuse"]), statistics.median(t["off"]))
+        link: StepTimes(
+            *(
+                statistics.median(t[label])
+                for label in ("commfuse", "off", "commfuse compute", "off compute", "communication")
+            )
+        )
         for link, t in times.items()
         if t
     }
@@ -227,20 +270,23 @@ def run(cfg: DemoConfig) -> int:
         f"rewrite's cost shows): commfuse {free.commfuse_s * 1e3:.1f} ms, schedule='off' "
         f"{free.off_s * 1e3:.1f} ms"
     )
+    print(
+        f"  compute alone (every transfer a local copy): commfuse "
+        f"{free.commfuse_compute_s * 1e3:.1f} ms, schedule='off' {free.off_compute_s * 1e3:.1f} ms"
+    )
     if on_link is not None:
-        compute_s = free.off_s  # the baseline's step with communication nearly free
-        comm_s = max(on_link.off_s - compute_s, 0.0)
-        limit_s = max(compute_s, comm_s)
         print(
             f"  on the {LINK_RATE / 1e6:.0f} Mbit/s link: commfuse {on_link.commfuse_s * 1e3:.1f} "
             f"ms, the same compile with schedule='off' {on_link.off_s * 1e3:.1f} ms: "
             f"{on_link.speedup:.2f}x faster with the pass"
         )
+        commfuse_limit = on_link.limit_s(free.commfuse_compute_s)
+        off_limit = on_link.limit_s(free.off_compute_s)
         print(
-            f"  overlap limit max(compute {compute_s * 1e3:.1f} ms, communication "
-            f"{comm_s * 1e3:.1f} ms) = {limit_s * 1e3:.1f} ms: commfuse at "
-            f"{on_link.commfuse_s / limit_s:.2f}x it, schedule='off' at "
-            f"{on_link.off_s / limit_s:.2f}x"
+            f"  overlap limit max(compute, communication {on_link.communication_s * 1e3:.1f} ms "
+            f"alone): commfuse at {on_link.commfuse_s / commfuse_limit:.2f}x its "
+            f"{commfuse_limit * 1e3:.1f} ms, schedule='off' at {on_link.off_s / off_limit:.2f}x "
+            f"its {off_limit * 1e3:.1f} ms"
         )
     else:
         collective_s, fused_s = predicted_on_link(cfg, LINK_RATE)

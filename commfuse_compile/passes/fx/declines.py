@@ -141,8 +141,8 @@ _REASONS = (
     Reason(
         "split.not_profitable",
         "not_profitable",
-        "auto: the split predicted to save {split_us:.1f} us, the all-reduce sites "
-        "{whole_us:.1f} us",
+        "auto: the split predicted {split_us:.1f} us, the all-reduce sites {whole_us:.1f} "
+        "us (a rewrite must gain {gain:.0%})",
     ),
     Reason("split.site", "unsupported", "its all-reduce site is declined: {why}"),
     Reason("split.planned", "unsupported", "its all-reduce site is not to be rewritten: {why}"),

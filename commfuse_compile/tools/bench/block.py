@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,7 @@ from torch import nn
 
 from ... import report
 from . import figures
+from .alone import local_backend, recording, replay
 from .cells import interleaved
 from .config import COMPARED, BlockShape, Progress, Variant
 from .footprint import measure
@@ -84,6 +86,13 @@ def _moe_setup(shape: BlockShape, rank: int, n: int) -> Any:
 # ----------------------------------------------------------------------------------------
 # On the ranks
 
+
+def alone_labels(label: str) -> tuple[str, str]:
+    """The labels of a row's compute alone and communication alone (``alone``), timed
+    with the rows: the row's limit is the larger."""
+    return f"{label}: compute alone", f"{label}: communication alone"
+
+
 _BLOCK: dict[str, Any] = {}  # this rank's compiled block variants, kept between jobs
 
 
@@ -125,22 +134,7 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
         setup = setup_of()
         options = {**row.options(job.profile), "inner": "eager"}
         compiled = torch.compile(setup.loss_module, backend="commfuse", options=options)
-        x, target = setup.inputs(0)
-        # the dropless layer's ``.tolist()`` splits: unbacked sizes in the graph, as
-        # torchtitan compiles it (a graph break otherwise)
-        scalars = shape.front == "moe" and shape.moe == "dropless"
-
-        def step(
-            compiled: Any = compiled,
-            x: Any = x,
-            target: Any = target,
-            setup: Any = setup,
-            scalars: bool = scalars,
-        ) -> None:
-            with torch._dynamo.config.patch(capture_scalar_outputs=scalars):
-                compiled(x, target).backward()
-            setup.loss_module.zero_grad(set_to_none=True)
-
+        step = _stepper(setup, compiled, shape)
         first = len(report.REPORT.sites)
         step()
         label = job.prefix + row.label
@@ -152,7 +146,37 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
             "schedules": sorted({s["schedule"] for s in found if s["decision"] == "rewritten"}),
             "summary": [dataclasses.asdict(r) for r in summarize(found)],
         }
+        _BLOCK.update(_alone(setup_of(), options, shape, label))
     return sites
+
+
+def _stepper(setup: Any, compiled: Any, shape: BlockShape) -> Callable[[], None]:
+    """One training step of ``compiled`` (``setup``'s loss module) on its first inputs."""
+    x, target = setup.inputs(0)
+    # the dropless layer's ``.tolist()`` splits: unbacked sizes in the graph, as
+    # torchtitan compiles it (a graph break otherwise)
+    scalars = shape.front == "moe" and shape.moe == "dropless"
+
+    def step() -> None:
+        with torch._dynamo.config.patch(capture_scalar_outputs=scalars):
+            compiled(x, target).backward()
+        setup.loss_module.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _alone(
+    setup: Any, options: dict[str, Any], shape: BlockShape, label: str
+) -> dict[str, Callable[[], object]]:
+    """A row's compute alone (its collectives and P2P batches local copies) and its
+    communication alone (those of one step, one after the other), as rows
+    (``alone_labels``)."""
+    local = _stepper(setup, torch.compile(setup.loss_module, backend=local_backend(options)), shape)
+    local()
+    with recording() as calls:
+        local()
+    compute, communication = alone_labels(label)
+    return {compute: local, communication: lambda: replay(calls)}
 
 
 def block_footprints(rank: int, n: int, labels: list[str]) -> dict[str, dict[str, int]]:
@@ -234,9 +258,14 @@ def run_block(
     for label, footprint in _largest(ranks.run(block_footprints, labels)).items():
         sites[label]["footprint"] = footprint
     progress.stage(f"{spec.key}: {len(labels)} rows x 1+{spec.reps} at {rate / 1e6:.0f} Mbit/s")
-    times = figures.slowest(ranks.run(block_times, labels, 1, spec.reps))
+    timed = [*labels, *(x for label in labels for x in alone_labels(label))]
+    times = figures.slowest(ranks.run(block_times, timed, 1, spec.reps))
+    alone = {
+        label: tuple(statistics.median(times.pop(x)) for x in alone_labels(label))
+        for label in labels
+    }
     block = figures.block_result(
-        shape, rate, compute_s, times, sites, spec.ratio, ranks.world_size, os.cpu_count()
+        shape, rate, alone, times, sites, spec.ratio, ranks.world_size, os.cpu_count()
     )
     progress.echo(figures.format_block(block))
     return block

@@ -152,6 +152,8 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
         graphs[row.label] = gm
         fns[row.label] = _bind(gm, site.inputs)
         rows[row.label] = _row_record(records) | {"program": program_key(gm)}
+        if rows[row.label]["schedule"] == "off":  # the program as written ran
+            rows[row.label]["predicted_written_us"] = written_us(site.graph, job.profile)
     times = interleaved(fns, job.warmup, job.reps)
     breakdown = {}
     for label, gm in graphs.items():
@@ -163,6 +165,21 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
             runs.append(clock.spent)
         breakdown[label] = {c: statistics.median(r[c] for r in runs) for c in NODE_CATEGORIES}
     return {"times": times, "rows": rows, "breakdown": breakdown}
+
+
+def written_us(graph: torch.fx.GraphModule, profile: str | None) -> float | None:
+    """The cost model's time of ``graph``'s sites as written (each collective, then its
+    matmuls; a plain-TP all-reduce as one site, not split), as ``auto`` predicts them;
+    None where no site has a prediction."""
+    from ...options import Options
+    from ...passes import match, plan
+
+    options = Options(schedule="auto", inner="eager", profile=profile)
+    times = [
+        plan.site_times(site, options) for site in match.find_sites(copy.deepcopy(graph).graph)
+    ]
+    written = [t.written_s for t in times if t is not None]
+    return sum(written) * 1e6 if written else None
 
 
 def program_key(gm: torch.fx.GraphModule) -> str:

@@ -101,6 +101,10 @@ def _cell_row(
     predicted_us = predictions.get("collective" if ran == "off" else ran)
     if predicted_us is None and "+" in ran:  # two sites, two schedules (``auto``)
         predicted_us = record.get("predicted_ran_us")
+    if ran == "off" and record.get("predicted_written_us") is not None:
+        # the program as written (``cells.written_us``: a plain-TP all-reduce is one site
+        # there, two once split)
+        predicted_us = record["predicted_written_us"]
     return {
         "label": label,
         "ran": ran,
@@ -123,20 +127,22 @@ def _cell_row(
 def block_result(
     shape: BlockShape,
     rate: float,
-    compute_s: float,
+    alone: dict[str, tuple[float, ...]],
     times: dict[str, list[float]],
     sites: dict[str, dict[str, Any]],
     ratio: float,
     world_size: int = 2,
     cores: int | None = None,
 ) -> dict[str, Any]:
-    """The block rows; ``compute_s``: the baseline's step on an unthrottled link;
+    """The block rows; ``alone``: by row, its program's compute and communication, each
+    measured alone (``alone``: its transfers local copies; its transfers with nothing
+    computed), whose larger is the row's limit (the first row's are the block's);
     ``world_size`` ranks on a machine of ``cores`` cores. A row of the compared layout
-    (``COMPARED``) is sped up against that layout's baseline; ``vs_first`` is every
-    row's speedup against the first baseline."""
+    (``COMPARED``) is sped up against that layout's baseline; ``vs_first`` is every row's
+    speedup against the first baseline."""
     labels = list(times)
     baseline = statistics.median(times[labels[0]])
-    comm = max(baseline - compute_s, 0.0)
+    compute_s, comm = alone[labels[0]]
     limit = max(compute_s, comm)
     rows = []
     for label in labels:
@@ -148,7 +154,9 @@ def block_result(
                 **{f"{k}_s": v for k, v in took.items()},
                 "speedup": statistics.median(times[own]) / took["median"],
                 "vs_first": baseline / took["median"],
-                "vs_limit": took["median"] / limit,
+                "vs_limit": took["median"] / max(alone[label]),
+                "compute_alone_s": alone[label][0],
+                "communication_alone_s": alone[label][1],
                 "sites": sites[label],
                 **sites[label].get("footprint", {}),
             }
@@ -259,3 +267,20 @@ def format_targets(targets: list[dict[str, Any]]) -> str:
         lines.append(f"  [{mark}] {t['target']}")
         lines += [f"      miss: {m}" for m in t["misses"]]
     return "\n".join(lines)
+
+
+def format_errors(errors: dict[str, Any]) -> str:
+    """``targets.error_distribution`` as the terminal and results.md print it."""
+    if not errors["rows"]:
+        return "model error: no row with a prediction"
+
+    def line(name: str, e: dict[str, Any]) -> str:
+        return (
+            f"{name}: {e['rows']} rows, {e['min']:+.0%} .. {e['max']:+.0%}, median "
+            f"{e['median']:+.0%} (|error| {e['median_abs']:.0%}), {e['beyond']} beyond "
+            f"{errors['bound']:.0%}"
+        )
+
+    return "\n".join(
+        [line("model error", errors)] + [f"  {line(k, e)}" for k, e in errors["by_kind"].items()]
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import COMPARED
-from .figures import KIND_TITLES, mb, ms, ranks_text, row_name, site_counts
+from .figures import KIND_TITLES, format_errors, mb, ms, ranks_text, row_name, site_counts
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -78,6 +78,9 @@ def _targets(results: dict[str, Any]) -> list[str]:
         mark = {True: "reached", False: "**missed**", None: "not judged"}[t["reached"]]
         lines.append(f"* {mark}: {t['target']}" + (f" ({t['note']})" if "note" in t else ""))
         lines += [f"  * {line}" for line in t["figures"]]
+    if results.get("model_error"):  # predicted / measured - 1, over every row that has one
+        lines += ["", "The cost model's error (predicted / measured - 1):", "", "```"]
+        lines += [format_errors(results["model_error"]), "```"]
     declined = [
         f"{c['kind']} {c['size']} ratio {c['ratio']:g} {r['label']}: {r['reason']}"
         for c in results["sites"]

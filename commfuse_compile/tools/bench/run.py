@@ -39,7 +39,7 @@ import torch
 
 from ...options import SCHEDULES
 from ...passes.kinds import KINDS as SITE_KINDS
-from ...schedules import Direction, by_name
+from ...schedules import Direction, by_name, running
 from . import figures, targets
 from .block import BlockBench, run_block
 from .cells import SiteJob, measure_site
@@ -99,7 +99,8 @@ def kind_rows(rows: list[Variant], kind: str) -> list[Variant]:
     return [
         v
         for v in rows
-        if v.schedule in ("off", "auto") or all(by_name(v.schedule).supports(d) for d in directions)
+        if v.schedule in ("off", "auto")
+        or all(by_name(running(v.schedule, d)).supports(d) for d in directions)
     ]
 
 
@@ -345,10 +346,12 @@ def run(
         results[extra.key] = _block_apart(extra, preset, world_size, topology, rows, out, progress)
     results["meta"]["machine_after"] = machine()
     results["noise"] = targets.run_noise(results["sites"])
+    results["model_error"] = targets.error_distribution(results["sites"])
     results["targets"] = targets.check_targets(results)
     write(results, out)
     progress.stage(f"done: {out / 'results.md'}")
     echo(figures.format_targets(results["targets"]))
+    echo(figures.format_errors(results["model_error"]))
     return results
 
 

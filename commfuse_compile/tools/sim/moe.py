@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from ...cost import steps
 from ...cost.profiles import Profile
-from ...cost.simulator import Work, _overlapped, simulate
+from ...cost.simulator import Work, simulate
 from ...schedules import Direction, by_name
 
 MOE_GROUP_SIZES = (4, 8)  # expert-parallel ranks of the MOE section
@@ -141,82 +142,26 @@ def moe_routing(n: int, rows: float, skew: float = 1.0) -> list[list[float]]:
     return [[block(src, dst) for dst in range(n)] for src in range(n)]
 
 
-Sends = list[tuple[int, float]]  # (destination rank, bytes)
-
-
-def _leaving_s(p: Profile, sizes: list[float]) -> list[float]:
-    """How long each of a step's messages takes when they leave one rank together: behind
-    one port they share it fairly, so a message of b bytes ends once the port has moved
-    min(b, b') of every message b' (``Profile.message_s`` when all are the same size; a
-    small message no longer slows a large one for its whole length)."""
-    if p.duplex_neighbours:
-        return [p.message_s(b) for b in sizes]
-    return [p.link_alpha_s + sum(min(o, b) for o in sizes) / p.link_bytes_per_s for b in sizes]
-
-
-def _transfer(p: Profile, r: int, sends: Sends, start: list[float], done: list[float]) -> None:
-    """Rank ``r``'s messages of one step, each leaving when both ends have started
-    (``start``): ``done`` of both ends moves to the message's arrival."""
-    spans = _leaving_s(p, [nbytes for _, nbytes in sends])
-    for (dst, _), t in zip(sends, spans, strict=True):
-        end = max(start[r], start[dst]) + t
-        done[r], done[dst] = max(done[r], end), max(done[dst], end)
-
-
-def _steps_gather_like(
-    n: int, p: Profile, sends: list[list[Sends]], compute: list[list[float]]
-) -> float:
-    """``_p2p_gather``'s timing with a size per message and per block: each step issues
-    its messages and computes the blocks at hand under them. Returns the end."""
-    now = [0.0] * n
-    for s in range(len(sends[0])):
-        issue = [now[r] + (p.step_overhead_s if sends[r][s] else 0.0) for r in range(n)]
-        done = list(issue)
-        for r in range(n):
-            _transfer(p, r, sends[r][s], issue, done)
-        for r in range(n):
-            took = _overlapped(compute[r][s], done[r] - issue[r], p.overlap_slowdown)
-            done[r] = max(done[r], issue[r] + took)
-        now = done
-    return max(now)
-
-
-def _steps_reduce_like(
-    n: int, p: Profile, sends: list[list[Sends]], compute: list[list[float]]
-) -> float:
-    """``_p2p_reduce``'s timing (no adds) with a size per message and per block: each step
-    computes its block under the messages before, then sends it. Returns the end."""
-    now, arrivals = [0.0] * n, [0.0] * n
-    for s in range(len(sends[0])):
-        ready = []
-        for r in range(n):
-            took = _overlapped(compute[r][s], arrivals[r] - now[r], p.overlap_slowdown)
-            added = max(now[r] + took, arrivals[r])
-            ready.append(added + (p.step_overhead_s if sends[r][s] else 0.0))
-        arrivals = list(ready)
-        for r in range(n):
-            _transfer(p, r, sends[r][s], ready, arrivals)
-        now = ready
-    return max(arrivals + now)
-
-
 def moe_sites_ring_s(model: MoeShape, routing: list[list[float]], p: Profile) -> float:
     """The two sites on the ring's pairwise steps (``ring.exchange_in_steps`` then
     ``exchange_out_steps``) with each block's own rows, the SwiGLU between them on all
     of a rank's rows. With balanced ``routing`` it is the simulator's ring."""
     n, row_bytes = len(routing), model.hidden * model.dtype_bytes
     ring = by_name("ring")
-    sends: list[list[Sends]] = [[] for _ in range(n)]
-    compute: list[list[float]] = [[] for _ in range(n)]
+    sends: list[list[list[steps.Message]]] = [[] for _ in range(n)]
+    compute: list[list[list[steps.Work]]] = [[] for _ in range(n)]
     for r in range(n):
         for step in ring.steps(Direction.EXCHANGE_IN, r, n, 0):
             sends[r].append(
                 [((r + t.peer) % n, routing[r][t.block] * row_bytes) for t in step.sends]
             )
             compute[r].append(
-                sum(p.matmul_s(_gate_up_flops(model, routing[b][r])) for b in step.compute)
+                [
+                    (f"gate/up {b}", p.matmul_s(_gate_up_flops(model, routing[b][r])))
+                    for b in step.compute
+                ]
             )
-    dispatch = _steps_gather_like(n, p, sends, compute)
+    dispatch = steps.gather_like("ring", p, sends, compute).end_s
     sends, compute = [[] for _ in range(n)], [[] for _ in range(n)]
     for r in range(n):
         for step in ring.steps(Direction.EXCHANGE_OUT, r, n, 0):
@@ -225,43 +170,33 @@ def moe_sites_ring_s(model: MoeShape, routing: list[list[float]], p: Profile) ->
                 [((r + t.peer) % n, routing[t.block][r] * row_bytes) for t in step.sends]
             )
             compute[r].append(
-                sum(p.matmul_s(_down_flops(model, routing[b][r])) for b in step.blocks)
+                [(f"down {b}", p.matmul_s(_down_flops(model, routing[b][r]))) for b in step.blocks]
             )
-    combine = _steps_reduce_like(n, p, sends, compute)
+    combine = steps.reduce_like("ring", p, sends, compute).end_s
     received = max(sum(routing[src][r] for src in range(n)) for r in range(n))
     return dispatch + moe_activation_s(model, received, p) + combine
 
 
 def moe_fused_s(model: MoeShape, routing: list[list[float]], p: Profile) -> float:
-    """The fused site, a projection (no site kind does it): in the pairwise order, step s
+    """The fused site, the pass's ``moe`` site as the cost model times it
+    (``steps.round_trip``, the program its lowering runs): in the pairwise order, step s
     in 1..n-1 runs the whole expert MLP (gate/up, SwiGLU, down) on the block from rank
     r - s while the block for step s + 1 arrives and the result of step s - 1 goes back to
     its sender. The rank's own block is split in halves, run in step 0 (under the first
     block's arrival: the head) and in step n (under the last result's return: the tail)."""
-    n, row_bytes = len(routing), model.hidden * model.dtype_bytes
+    row_bytes = model.hidden * model.dtype_bytes
+    sent = [[rows * row_bytes for rows in row] for row in routing]
+    returned = [list(column) for column in zip(*sent, strict=True)]  # [dst][src]
 
-    def expert_mlp_s(rows: float) -> float:
+    def experts_s(r: int, src: int, part: float) -> float:
+        rows = routing[src][r] * part
         return (
             p.matmul_s(_gate_up_flops(model, rows))
             + moe_activation_s(model, rows, p)
             + p.matmul_s(_down_flops(model, rows))
         )
 
-    sends: list[list[Sends]] = [[] for _ in range(n)]
-    compute: list[list[float]] = [[] for _ in range(n)]
-    for r in range(n):
-        for s in range(n + 1):
-            out: Sends = []
-            if s <= n - 2:  # dispatch: this rank's rows for the rank s + 1 ahead
-                dst = (r + s + 1) % n
-                out.append((dst, routing[r][dst] * row_bytes))
-            if s >= 2:  # combine: the result of step s - 1, back to its sender
-                src = (r - s + 1) % n
-                out.append((src, routing[src][r] * row_bytes))
-            sends[r].append(out)
-            own = s in (0, n)
-            compute[r].append(expert_mlp_s(routing[r][r] / 2 if own else routing[(r - s) % n][r]))
-    return _steps_gather_like(n, p, sends, compute)
+    return steps.round_trip(p, sent, returned, experts_s).end_s
 
 
 def moe_limit_s(model: MoeShape, routing: list[list[float]], p: Profile) -> float:

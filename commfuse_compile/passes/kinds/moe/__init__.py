@@ -48,7 +48,7 @@ __all__ = ["KIND", "MoeSite", "peers"]
 
 class Moe(SiteKind[MoeSite]):
     name = "moe"
-    direction = Direction.EXCHANGE_IN
+    direction = Direction.ROUND_TRIP
     nests = False
 
     def find(self, graph: Graph) -> list[MoeSite]:
@@ -62,18 +62,25 @@ class Moe(SiteKind[MoeSite]):
         return site  # one fused computation: nothing to leave out but the whole site
 
     def work(self, site: MoeSite, n: int) -> Work:
-        """The grouped matmuls' FLOPs and both all-to-alls' bytes. The rows received are
-        known only at run time (torch hints each unbacked split at thousands): they are
-        taken as many as this rank sends where that is a static count (the tokens it
-        routed: balanced routing), at the hints otherwise."""
+        """The grouped matmuls' FLOPs, the dispatched and the returned bytes: the round
+        trip the lowering runs. The rows received are known only at run time (torch hints
+        each unbacked split at thousands): they are taken as many as this rank sends where
+        that is a static count (the tokens it routed: balanced routing), at the hints
+        otherwise."""
         assert site.dispatch_wait is not None
         received = val(site.dispatch_wait).shape[0]
         sent = val(node_arg(site.dispatch, 0, "input")).shape[0]
         scale = sent / dims.hint(received) if isinstance(sent, int) else 1.0
         flops = sum(_flops(mm) for mm in site.grouped) * scale
-        collectives = [site.dispatch, *([site.combine] if site.combine is not None else [])]
-        message = sum(numel(c) * val(c).element_size() for c in collectives) * scale
-        return Work(self.direction, n, flops / n, message / n, len(site.grouped))
+
+        def block_bytes(collective: Node) -> float:
+            return numel(collective) * val(collective).element_size() * scale / n
+
+        back = None if site.combine is None else block_bytes(site.combine)
+        return Work(
+            self.direction, n, flops / n, block_bytes(site.dispatch), len(site.grouped),
+            back_bytes=back, block_ops=block_ops(site),
+        )  # fmt: skip
 
     def start(self, site: MoeSite, taken: Taken) -> tuple[MoeSite, Node]:
         assert site.permuted is not None, "a matched site has its permuted read"
@@ -97,6 +104,15 @@ class Moe(SiteKind[MoeSite]):
 
 
 KIND = Moe()
+
+
+def block_ops(site: MoeSite) -> int:
+    """The op calls ``lower`` runs on each block besides its grouped matmuls: the sort by
+    expert, the block's rows in that order, its offsets (two ops), the experts' other
+    ops, the paired tensors' rows and the rows' places where read, the output unsorted
+    (two ops)."""
+    placed = bool(site.saved or site.paired)
+    return 7 + len(site.experts) - len(site.grouped) + len(site.paired) + placed
 
 
 def _flops(mm: Node) -> float:

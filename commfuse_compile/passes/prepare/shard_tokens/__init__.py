@@ -171,9 +171,10 @@ def _split_faster(
     as planned, plus the gathers no matmul reads (values read whole: bytes the
     all-reduce did not move), less the matmuls of the gathers' sites (which the
     all-reduces' alternative runs outside any site), against the split all-reduces' own
-    sites as planned (``whole``: by all-reduce, predicted before the split). Times, not
-    gains: merged all-reduces (one reduce-scatter for q, k and v's input gradients) save
-    the collectives they remove."""
+    sites as planned (``whole``: by all-reduce, predicted before the split), decided by
+    the rule that decides every site (``plan.pays``). Totals, not per-site gains: merged
+    all-reduces (one reduce-scatter for q, k and v's input gradients) save the
+    collectives they remove."""
     split = [s for s in match.find_sites(graph) if META in s.anchor.meta]
     gone = [t for c, t in whole.items() if c not in graph.nodes and t is not None]
     whole_s = sum(t.planned_s for t in gone)
@@ -189,6 +190,11 @@ def _split_faster(
                 n = int(gather.args[1])  # type: ignore[arg-type, call-overload]
                 block = nbytes(gather.args[0])  # type: ignore[arg-type]
                 split_s += collective_s(Work(Direction.GATHER, n, 0.0, block), profile)
-    if split_s < whole_s:
+    if plan.pays(split_s, whole_s):
         return None
-    return decline("split.not_profitable", split_us=split_s * 1e6, whole_us=whole_s * 1e6)
+    return decline(
+        "split.not_profitable",
+        split_us=split_s * 1e6,
+        whole_us=whole_s * 1e6,
+        gain=plan.MIN_GAIN - 1,
+    )
