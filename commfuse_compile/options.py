@@ -35,6 +35,7 @@ ENV = {
     "debug_dir": DEBUG_DIR_ENV,
     "disable": DISABLE_ENV,
     "exchange_timeout": "COMMFUSE_EXCHANGE_TIMEOUT",
+    "strict": "COMMFUSE_STRICT",
 }
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 UNSET_BY_NONE = frozenset({"debug_dir", "profile", "disable", "exchange_timeout"})  # None: unset
@@ -52,6 +53,10 @@ class Options:
     # how long a rank waits for its peers' view of a graph, in seconds; None: half the
     # process group's timeout (a peer blocked in a collective meanwhile must outlast it)
     exchange_timeout: float | None = None
+    # re-raise an unexpected error inside the pass instead of declining the site (tests,
+    # and a user reporting a bug: the traceback as it happened); unless given, from the
+    # environment, also for options built directly (the test suite runs strict)
+    strict: bool = dataclasses.field(default_factory=lambda: _flag(_given_or_env({}, "strict")))
     # option -> where its value came from: "option", "environment variable NAME", "default"
     origins: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 
@@ -74,7 +79,8 @@ class Options:
             "disable": _disable(got["disable"]),
             "profile": _profile(got["profile"]),
             "slices": _slices(got["slices"]),
-            "measure": _measure(got["measure"]),
+            "measure": _flag(got["measure"]),
+            "strict": _flag(got["strict"]),
             "exchange_timeout": _seconds(got["exchange_timeout"]),
         }
         origins = tuple((name, got[name].origin) for name in ENV)
@@ -202,7 +208,7 @@ def _seconds(got: _Given) -> float | None:
     return float(value)
 
 
-def _measure(got: _Given) -> bool:
+def _flag(got: _Given) -> bool:
     if got.origin == "default":
         return False
     if isinstance(got.value, str) and got.from_env:

@@ -13,6 +13,7 @@ default layouts, as transformers' ``tp_plan`` does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -148,7 +149,7 @@ def test_split_that_fails_leaves_the_all_reduce_to_its_site(fake_world, monkeypa
     monkeypatch.setattr(build, "_moved", broken)
     gm = traced(residual_norm_qk, SHAPES)
     with pytest.warns(UserWarning, match="all-reduces left whole .*RuntimeError: boom"):
-        records = rewrite_graph(gm, "forward", RING)
+        records = rewrite_graph(gm, "forward", dataclasses.replace(RING, strict=False))
     assert [(r.kind, r.decision) for r in records] == [("mm_ar", "rewritten")]
 
 

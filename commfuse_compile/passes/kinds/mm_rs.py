@@ -152,7 +152,7 @@ def _check(
     g: int,
     product: Node,
     terms: list[Matmul],
-    window: tuple[int, int] | None,
+    window: tuple[str, int] | None,
     laid: LaidOut | None,
 ) -> dict[str, Any]:
     """The site's product shape and block layout, or the first reason it cannot be
