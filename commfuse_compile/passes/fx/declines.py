@@ -55,6 +55,12 @@ _REASONS = (
     Reason("site.lost", "unsupported", "no longer next to a matmul"),
     Reason("site.no_kind", "unsupported", "no site kind rewrites {pattern}"),
     Reason(
+        "site.claimed",
+        "unsupported",
+        "{collective} is claimed by a {winner} site (a collective two kinds match goes to "
+        "the first in kinds.KINDS that matched it)",
+    ),
+    Reason(
         "site.custom_op",
         "unsupported",
         "{node} calls {op}, which takes a process group ({argument}) and is no collective "
