@@ -46,8 +46,8 @@ def _settled(sites: list[Site]) -> list[Site]:
     for site in sites:
         winner = next((owner[c] for c in site.collectives if owner[c] is not site), None)
         if winner is not None:
-            collective = next(c for c in site.collectives if owner[c] is winner).name
-            why = decline("site.claimed", collective=collective, winner=winner.kind)
+            taken = next(c for c in site.collectives if owner[c] is winner)
+            why = decline("site.claimed", collective=taken.name, winner=winner.kind)
             site = dataclasses.replace(site, declined=why.kept())
         settled.append(site)
     return settled
