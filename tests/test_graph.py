@@ -166,6 +166,27 @@ def test_site_becomes_n_minus_1_ring_steps(case, send_peer, recv_peer):
     gm.graph.lint()
 
 
+def test_a_site_has_the_same_id_on_every_rank():
+    """A site's id is its graph's number and its place among the graph's sites as
+    matched, not a count of the sites this process met before: two ranks (two fresh
+    reports) whose second graphs had 2 and 1 sites give the third graph's site one id,
+    which its P2P labels and nodes carry."""
+    seen = []
+    for unread_gathers in (2, 1):
+        report.reset()
+        rewrite_graph(build(MmRs()), "forward", RING)
+        earlier = fx(lambda x: [gathered(x, N, 0) * i for i in range(unread_gathers)], (2, 3))
+        rewrite_graph(earlier, "forward", RING)
+        gm = build(AgMm())
+        (record,) = rewrite_graph(gm, "forward", RING)
+        p2ps = calls(gm, P2P)
+        assert {p.meta["commfuse"]["site"] for p in p2ps} == {record.site}
+        assert p2ps[0].args[6] == f"site {record.site} step 0 (ag_mm)"
+        seen.append((record.site, [r.site for r in report.REPORT.sites]))
+    assert seen[0][0] == seen[1][0] == "2.0"
+    assert seen[0][1] == ["0.0", "1.0", "1.1", "2.0"] and seen[1][1] == ["0.0", "1.0", "2.0"]
+
+
 @pytest.mark.parametrize(("case", "send_peer", "recv_peer"), REWRITES)
 def test_p2p_peers_are_ring_neighbours(case, send_peer, recv_peer):
     gm = build(case)
