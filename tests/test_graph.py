@@ -166,6 +166,10 @@ def test_site_becomes_n_minus_1_ring_steps(case, send_peer, recv_peer):
     gm.graph.lint()
 
 
+def _gathers_times(k: int):
+    return lambda x: [gathered(x, N, 0) * i for i in range(k)]
+
+
 def test_a_site_has_the_same_id_on_every_rank():
     """A site's id is its graph's number and its place among the graph's sites as
     matched, not a count of the sites this process met before: two ranks (two fresh
@@ -175,7 +179,7 @@ def test_a_site_has_the_same_id_on_every_rank():
     for unread_gathers in (2, 1):
         report.reset()
         rewrite_graph(build(MmRs()), "forward", RING)
-        earlier = fx(lambda x: [gathered(x, N, 0) * i for i in range(unread_gathers)], (2, 3))
+        earlier = fx(_gathers_times(unread_gathers), (2, 3))
         rewrite_graph(earlier, "forward", RING)
         gm = build(AgMm())
         (record,) = rewrite_graph(gm, "forward", RING)

@@ -34,7 +34,7 @@ import dataclasses
 from typing import ClassVar
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Node
 
 from ...cost.simulator import Work
 from ...runtime.groups import Group
@@ -125,14 +125,10 @@ class A2aMm(SiteKind[A2aMmSite]):
     name = "a2a_mm"
     roles = ("rows", "contract", "columns", "contract_left")
     direction = Direction.EXCHANGE_IN
-    nests = False
+    collective = ALL_TO_ALL
 
-    def find(self, graph: Graph) -> list[A2aMmSite]:
-        found = map(_match, graph.find_nodes(op="call_function", target=ALL_TO_ALL))
-        return [site for site in found if site is not None]
-
-    def rematch(self, site: A2aMmSite, taken: Taken) -> A2aMmSite | None:
-        return _match(site.all_to_all)
+    def match(self, collective: Node, taken: Taken) -> A2aMmSite | None:
+        return _match(collective)
 
     def without(self, site: A2aMmSite, disabled: frozenset[str]) -> A2aMmSite:
         return site.without_roles(disabled)

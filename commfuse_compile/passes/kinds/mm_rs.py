@@ -24,7 +24,7 @@ import operator
 from typing import Any, ClassVar
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Node
 
 from ...cost.simulator import Work
 from ...runtime.groups import Group
@@ -67,25 +67,13 @@ class MmRsSite(ReducedProductSite):
 class MmRs(SiteKind[MmRsSite]):
     name = "mm_rs"
     direction = Direction.REDUCE
-    nests = False
+    collective = c10d.reduce_scatter_tensor.default
 
-    def find(self, graph: Graph) -> list[MmRsSite]:
-        nodes = graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
-        # (not the slicing schedule's own chunk collectives)
-        found = (_match(n, Taken()) for n in nodes if "commfuse" not in n.meta)
-        return [site for site in found if site is not None]
-
-    def rematch(self, site: MmRsSite, taken: Taken) -> MmRsSite | None:
-        return _match(site.collective, taken)
-
-    def without(self, site: MmRsSite, disabled: frozenset[str]) -> MmRsSite:
-        return site  # one product: nothing to leave out but the whole site
+    def match(self, collective: Node, taken: Taken) -> MmRsSite | None:
+        return _match(collective, taken)
 
     def work(self, site: MmRsSite, n: int) -> Work:
         return Work(self.direction, n, flops(site) / n, site.product_bytes() / n, len(site.terms))
-
-    def start(self, site: MmRsSite, taken: Taken) -> tuple[MmRsSite, Node]:
-        return site, site.collective
 
     def lower(
         self, rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, slices: int
