@@ -708,7 +708,7 @@ def _boom(*args, **kwargs):
     [
         pytest.param(
             "kinds.ag_mm.lower",
-            "matmul",
+            "multiply",
             "eager",
             r"site \d+\.0 declined: internal error",
             id="lower",
@@ -751,7 +751,7 @@ def test_internal_error_declines_and_restores_the_graph(
 @pytest.mark.parametrize(
     ("module", "function"),
     [
-        pytest.param("kinds.ag_mm.lower", "matmul", id="lower"),
+        pytest.param("kinds.ag_mm.lower", "multiply", id="lower"),
         pytest.param("plan", "predict", id="plan"),
         pytest.param("verify", "check_committed", id="after-commit"),
     ],

@@ -61,7 +61,7 @@ from ..fx.matmuls import (
     sums_problem,
 )
 from ..kit import paths
-from ..kit.blocks import contiguous, replay, slice_span
+from ..kit.blocks import make_contiguous, replay, slice_span
 from ..kit.rewrite import Rewrite, Taken
 from ..kit.ring import Products, collect_then_compute, replace_collective
 from ..kit.site_kind import SiteKind
@@ -280,7 +280,9 @@ def _lower(rw: Rewrite, site: A2aMmSite, group: Group, schedule: Schedule) -> No
     products = Products(rw, [(u.mm, u.role) for u in site.uses])
 
     def send(t: Transfer, s: int) -> Node:
-        return contiguous(em, slice_span(em, source, 0, sent.bounds(rows, t.block), s, "comm"), s)
+        return make_contiguous(
+            em, slice_span(em, source, 0, sent.bounds(rows, t.block), s, "comm"), s
+        )
 
     def compute(b: int, block: Node, s: int) -> None:
         for i, use in enumerate(site.uses):

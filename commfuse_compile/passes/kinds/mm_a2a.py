@@ -57,7 +57,7 @@ from ..fx.matmuls import (
     scales_problem,
 )
 from ..kit import paths
-from ..kit.blocks import contiguous, replay
+from ..kit.blocks import make_contiguous, replay
 from ..kit.emit import Emitter
 from ..kit.rewrite import Rewrite, Taken
 from ..kit.ring import compute_then_send, replace_collective
@@ -227,4 +227,4 @@ def _input_block(em: Emitter, site: MmA2aSite, j: int, step: int) -> Node:
     assert mm is not None and split is not None
     span = split.bounds(val(mm.node).shape[mm.lead + site.product_dim], j)
     part = paths.product_block(em, mm, site.product_dim == 1, span, step)
-    return contiguous(em, replay(em, part, site.chain, split, j, step, "compute"), step)
+    return make_contiguous(em, replay(em, part, site.chain, split, j, step, "compute"), step)

@@ -25,8 +25,8 @@ from ...runtime.groups import Group
 from ...schedules import Direction, Schedule
 from ..fx.graph import val
 from ..kit.all_reduce import AllReduceSite, match_all_reduce
-from ..kit.blocks import contiguous, viewed
-from ..kit.reduced import flops, reduced_block
+from ..kit.blocks import make_contiguous, view
+from ..kit.reduced import flops, reduce_block
 from ..kit.rewrite import Rewrite, Taken
 from ..kit.ring import replace_collective
 from ..kit.site_kind import SiteKind
@@ -65,10 +65,10 @@ def _lower(rw: Rewrite, site: AllReduceSite, group: Group, schedule: Schedule, s
     """The reduce-scatter half on the ring; then one all-gather of this rank's reduced
     rows, the all-reduce's second half as it was."""
     em = rw.emit
-    block, last = reduced_block(rw, site, group, schedule, slices)
-    block = contiguous(em, block, last)
+    block, last = reduce_block(rw, site, group, schedule, slices)
+    block = make_contiguous(em, block, last)
     gather = c10d.all_gather_into_tensor.default
     gathering = em(gather, (block, group.size, group.name), step=last, lane="comm")
     gathered = em(c10d.wait_tensor.default, (gathering,), step=last, lane="comm")
-    result = viewed(em, gathered, val(site.wait).shape, last)
+    result = view(em, gathered, val(site.wait).shape, last)
     replace_collective(rw, [site.collective], [site.wait], result)

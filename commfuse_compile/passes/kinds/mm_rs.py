@@ -34,7 +34,7 @@ from ..fx.collectives import the_wait
 from ..fx.declines import Declined, decline
 from ..fx.graph import node_arg, normalized_dim, op_name, ordered_getitems, val, view_sources
 from ..fx.matmuls import ANY_MATMUL, Matmul, comes_from_matmul, is_matmul
-from ..kit.blocks import viewed
+from ..kit.blocks import view
 from ..kit.reduced import (
     REDUCE_OPS,
     LaidOut,
@@ -43,7 +43,7 @@ from ..kit.reduced import (
     check_terms,
     find_product,
     flops,
-    reduced_block,
+    reduce_block,
     through_casts,
 )
 from ..kit.rewrite import Rewrite, Taken
@@ -200,6 +200,6 @@ def _scattered(inp: Node, n: int) -> tuple[Node, int, list[Node]]:
 
 def _lower(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, slices: int) -> None:
     """This rank's reduced block, as the reduce-scatter returns it."""
-    block, last = reduced_block(rw, site, group, schedule, slices)
-    result = viewed(rw.emit, block, val(site.wait).shape, last)
+    block, last = reduce_block(rw, site, group, schedule, slices)
+    result = view(rw.emit, block, val(site.wait).shape, last)
     replace_collective(rw, [site.collective], [site.wait], result)
