@@ -1,8 +1,10 @@
 """What the pass decided, per site: the report.json of a debug dump and the log.
 
-Every site found next to a matmul ends up as one ``SiteRecord``. Declines go through
-``passes.declines.decline`` only, so that every reason reaches the report and the log
-the same way.
+Every collective of a graph the pass sees ends up in one ``SiteRecord`` (a site of a
+kind, or a declined site of its own: ``passes/kinds/unclaimed.py``), kept in ``REPORT``
+when its graph's decisions are final (``Report.finish_graph``). Declines go through
+``passes.fx.declines.decline`` only (an unexpected error through
+``declines.failed``), so that every reason reaches the report and the log the same way.
 """
 
 from __future__ import annotations
