@@ -41,6 +41,7 @@ ENV = {
     "disable": DISABLE_ENV,
     "exchange_timeout": "COMMFUSE_EXCHANGE_TIMEOUT",
     "topology": "COMMFUSE_TOPOLOGY",
+    "strict": "COMMFUSE_STRICT",
 }
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # None: unset
@@ -64,6 +65,10 @@ class Options:
     exchange_timeout: float | None = None
     # ranks per node, or the node of every rank (``runtime.topology``); None: the launcher's
     topology: Topology | None = None
+    # re-raise an unexpected error inside the pass instead of declining the site (tests,
+    # and a user reporting a bug: the traceback as it happened); unless given, from the
+    # environment, also for options built directly (the test suite runs strict)
+    strict: bool = dataclasses.field(default_factory=lambda: _flag(_given_or_env({}, "strict")))
     # option -> where its value came from: "option", "environment variable NAME", "default"
     origins: tuple[tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 
@@ -92,7 +97,8 @@ class Options:
             "disable": _disable(got["disable"]),
             "profile": _profile(got["profile"]),
             "slices": _slices(got["slices"]),
-            "measure": _measure(got["measure"]),
+            "measure": _flag(got["measure"]),
+            "strict": _flag(got["strict"]),
             "exchange_timeout": _seconds(got["exchange_timeout"]),
             "topology": _topology(got["topology"]),
         }
@@ -230,7 +236,7 @@ def _seconds(got: _Given) -> float | None:
     return float(value)
 
 
-def _measure(got: _Given) -> bool:
+def _flag(got: _Given) -> bool:
     if got.origin == "default":
         return False
     if isinstance(got.value, str) and got.from_env:

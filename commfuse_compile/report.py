@@ -1,15 +1,16 @@
 """What the pass decided, per site: the report.json of a debug dump and the log.
 
-Every site found next to a matmul ends up as one ``SiteRecord``. Declines go through
-``passes.declines.decline`` only, so that every reason reaches the report and the log
-the same way.
+Every collective of a graph the pass sees ends up in one ``SiteRecord`` (a site of a
+kind, or a declined site of its own: ``passes/kinds/unclaimed.py``), kept in ``REPORT``
+when its graph's decisions are final (``Report.finish_graph``). Declines go through
+``passes.fx.declines.decline`` only (an unexpected error through
+``declines.failed``), so that every reason reaches the report and the log the same way.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
-import itertools
 import json
 import logging
 import statistics
@@ -38,21 +39,35 @@ DECLINE_CATEGORIES = {
 }
 
 
+def site_id(graph_index: int, ordinal: int) -> str:
+    """A site's id, ``"graph.site"``: its graph's number and its place in the graph's
+    sites as matched (``match.find_sites``), the same on every rank that compiled the
+    graph (the ranks agree on its digest) and unique in the process (P2P labels and
+    ``measured_us`` timings are keyed by it)."""
+    return f"{graph_index}.{ordinal}"
+
+
 @dataclasses.dataclass
 class SiteRecord:
-    kind: str  # "ag_mm" | "mm_rs"
-    graph: str  # "forward" | "backward" | "inference" | "export"
+    """What the pass decided on one site. The pipeline creates it as the site is found;
+    each later stage adds to it through a method (``predicted``, ``rewritten``,
+    ``declined``, ``exposed``), so that every field has one writer."""
+
+    kind: str  # a site kind's name (``passes.kinds.KINDS``), or "collective"
+    graph: str  # "forward" | "backward" | "inference" | "export" | "joint"
     decision: str = "declined"  # "rewritten" | "declined"
     schedule: str = "off"
     reason: str = ""
-    decline_code: str = ""  # a code of passes.declines.REASONS when declined
+    decline_code: str = ""  # a code of passes.fx.declines.REASONS when declined
     decline_category: str = ""  # a key of DECLINE_CATEGORIES when declined
-    site: int = -1
+    traceback: str = ""  # an internal error's (``declines.failed``), else empty
+    site: str = ""  # ``site_id``: "graph.site"
     graph_index: int = -1  # the graph's number in this process (its files in the dump)
     match: dict[str, Any] = dataclasses.field(default_factory=dict)  # the kind's describe()
     nodes: list[str] = dataclasses.field(default_factory=list)  # created by the rewrite
     # the cost model: every schedule's predicted time, on which profile, how it models the
-    # collective, and the chosen schedule's predicted timeline on this rank
+    # collective, and the predicted timeline on this rank of what runs (the collective's
+    # until the site is rewritten, then the chosen schedule's)
     predicted_us: dict[str, float] = dataclasses.field(default_factory=dict)
     profile: str = ""
     collective_model: str = ""
@@ -65,10 +80,51 @@ class SiteRecord:
     p2p_ops: int = 0
     exposed_steps: list[str] = dataclasses.field(default_factory=list)  # see program.py
 
+    def predicted(
+        self,
+        predicted_us: dict[str, float],
+        profile: str,
+        collective_model: str,
+        timeline: list[dict[str, Any]],
+        level: str,
+        ring: list[int],
+    ) -> None:
+        """What the cost model said (plan), the collective's timeline, the level of the
+        group's links and its ring."""
+        self.predicted_us, self.profile, self.collective_model = (
+            predicted_us,
+            profile,
+            collective_model,
+        )
+        self.timeline, self.level, self.ring = timeline, level, ring
+
+    def rewritten(
+        self,
+        schedule: str,
+        why: str,
+        match: dict[str, Any],
+        timeline: list[dict[str, Any]],
+        nodes: list[str],
+        steps: int,
+        p2p_ops: int,
+    ) -> None:
+        """The site is rewritten as ``schedule`` (``match``: as lowered, some matmuls may
+        be left out), with the nodes it created and its steps."""
+        self.decision, self.schedule, self.reason = "rewritten", schedule, why
+        self.match, self.timeline = match, timeline
+        self.nodes, self.steps, self.p2p_ops = nodes, steps, p2p_ops
+
     def declined(self, why: Any) -> SiteRecord:
-        """Record the decline ``why`` (a ``passes.declines.Declined``)."""
+        """Record the decline ``why`` (a ``passes.fx.declines.Declined``): also of a
+        rewritten site whose graph falls back, which then runs its collective."""
+        self.decision, self.schedule, self.exposed_steps = "declined", "off", []
         self.reason, self.decline_code, self.decline_category = why.reason, why.code, why.category
+        self.traceback = why.traceback
         return self
+
+    def exposed(self, steps: list[str]) -> None:
+        """The steps of the rewrite whose overlap the compiled program lost."""
+        self.exposed_steps = steps
 
     def as_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -84,17 +140,12 @@ class Report:
         self.graphs = 0
         self.options: dict[str, Any] = {}  # the last compile's options and their origins
         self._at_exit: set[str] = set()
-        # ids of sites in this process: their records, P2P labels and timings (never reused)
-        self._site_ids = itertools.count()
 
     def new_graph(self, options: dict[str, Any]) -> int:
         """Number the next graph (its files in the dump), compiled with ``options``."""
         self.graphs += 1
         self.options = options
         return self.graphs - 1
-
-    def new_site_id(self) -> int:
-        return next(self._site_ids)
 
     def finish_graph(
         self, records: list[SiteRecord], graph: str, debug_dir: str | None, measure: bool

@@ -11,6 +11,9 @@ import pytest
 from commfuse_compile.tools.ranks import RankPool
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite runs strict: an unexpected error inside the pass raises instead of declining
+# its site (a test that injects one to check the fall-back turns it off for itself).
+os.environ["COMMFUSE_STRICT"] = "1"
 
 # The process group's timeout on every pool: a transfer whose peer never comes raises
 # this soon, naming its site and step, instead of stalling the suite. The pass's

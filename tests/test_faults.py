@@ -25,7 +25,7 @@ from commfuse_compile.tools.ranks import free_port, join_gloo
 
 TIMEOUT_S = 5.0  # the process group's timeout
 FAULTY = 1  # the rank that dies or stalls
-STEP_LABEL = re.compile(r"site \d+ step \d+ \(ag_mm\)")  # each P2P op's label
+STEP_LABEL = re.compile(r"site \d+\.\d+ step \d+ \(ag_mm\)")  # each P2P op's label
 
 
 def _rank(rank: int, world_size: int, port: int, fault: str, conn) -> None:

@@ -121,7 +121,7 @@ SHRINK = os.environ.get("COMMFUSE_FUZZ_SHRINK", "") not in ("", "0")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
 PROGRAM_DTYPES = (torch.float32, *DTYPES)  # float32 twice as often
 SIZES = (2, 4, 3, 8, 1, 6, 5, 12, 0)  # op_input: the first 8 only
-INTERNAL_WARNINGS = ("commfuse: internal error", "commfuse: site ")
+INTERNAL = re.compile(r"^commfuse: .*: internal error: ")  # ``declines.failed``'s warning
 NAME = re.compile(r"\b[vx]\d+\b")  # a value of a built program
 
 
@@ -834,7 +834,7 @@ def next_to_matmul(gm: GraphModule) -> dict[str, tuple[str, ...]]:
 def internal_errors(caught: list[warnings.WarningMessage], records: list[SiteRecord]) -> list[str]:
     """Warnings of an internal error, and sites declined for one (``internal...`` reasons:
     an exception inside the pass, or the verifier catching the lowering)."""
-    warned = [str(w.message) for w in caught if str(w.message).startswith(INTERNAL_WARNINGS)]
+    warned = [str(w.message) for w in caught if INTERNAL.match(str(w.message))]
     return warned + [r.reason for r in records if r.reason.startswith("internal")]
 
 

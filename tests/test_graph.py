@@ -30,7 +30,7 @@ import commfuse_compile
 from commfuse_compile import CommfuseOptionError, Options, report
 from commfuse_compile.cost.profiles import BUILTIN, save
 from commfuse_compile.options import DEBUG_DIR_ENV
-from commfuse_compile.passes import resolve_options, rewrite_and_compile, rewrite_graph
+from commfuse_compile.passes import PASSED, resolve_options, rewrite_and_compile, rewrite_graph
 from commfuse_compile.passes.kinds import KINDS, mm_a2a
 from commfuse_compile.passes.kit import ring
 from commfuse_compile.passes.prepare import unfuse
@@ -164,6 +164,31 @@ def test_site_becomes_n_minus_1_ring_steps(case, send_peer, recv_peer):
     assert record.steps == N and record.p2p_ops == N - 1
     assert record.match["group_size"] == N
     gm.graph.lint()
+
+
+def _gathers_times(k: int):
+    return lambda x: [gathered(x, N, 0) * i for i in range(k)]
+
+
+def test_a_site_has_the_same_id_on_every_rank():
+    """A site's id is its graph's number and its place among the graph's sites as
+    matched, not a count of the sites this process met before: two ranks (two fresh
+    reports) whose second graphs had 2 and 1 sites give the third graph's site one id,
+    which its P2P labels and nodes carry."""
+    seen = []
+    for unread_gathers in (2, 1):
+        report.reset()
+        rewrite_graph(build(MmRs()), "forward", RING)
+        earlier = fx(_gathers_times(unread_gathers), (2, 3))
+        rewrite_graph(earlier, "forward", RING)
+        gm = build(AgMm())
+        (record,) = rewrite_graph(gm, "forward", RING)
+        p2ps = calls(gm, P2P)
+        assert {p.meta["commfuse"]["site"] for p in p2ps} == {record.site}
+        assert p2ps[0].args[6] == f"site {record.site} step 0 (ag_mm)"
+        seen.append((record.site, [r.site for r in report.REPORT.sites]))
+    assert seen[0][0] == seen[1][0] == "2.0"
+    assert seen[0][1] == ["0.0", "1.0", "1.1", "2.0"] and seen[1][1] == ["0.0", "1.0", "2.0"]
 
 
 @pytest.mark.parametrize(("case", "send_peer", "recv_peer"), REWRITES)
@@ -682,7 +707,11 @@ def _boom(*args, **kwargs):
     ("module", "function", "inner", "warning"),
     [
         pytest.param(
-            "kinds.ag_mm.lower", "matmul", "eager", "declined, internal error", id="lower"
+            "kinds.ag_mm.lower",
+            "multiply",
+            "eager",
+            r"site \d+\.0 declined: internal error",
+            id="lower",
         ),
         pytest.param(
             "verify", "check_committed", "eager", "graph left as it was", id="after-commit"
@@ -693,21 +722,59 @@ def _boom(*args, **kwargs):
     ],
 )
 def test_internal_error_declines_and_restores_the_graph(
-    monkeypatch, module, function, inner, warning
+    monkeypatch, caplog, module, function, inner, warning
 ):
+    """Not strict: the site is declined (``internal.error``) with a warning, and the
+    traceback is in its record and in the ``commfuse`` log at DEBUG."""
     # importlib: the module by its dotted name (``kinds.ag_mm.lower``)
     target = importlib.import_module(f"commfuse_compile.passes.{module}")
     monkeypatch.setattr(target, function, _boom)
     gm = build(AgMm())
     before = gm.code
+    caplog.set_level("DEBUG", logger="commfuse")
     with pytest.warns(UserWarning, match=warning):
-        records = rewrite_graph(gm, "forward", Options(schedule="ring", inner=inner))
-    assert [(r.kind, r.decision) for r in records] == [("ag_mm", "declined")]
-    assert records[0].reason.startswith("internal error")
+        records = rewrite_graph(gm, "forward", Options(schedule="ring", inner=inner, strict=False))
+    assert [(r.kind, r.decision, r.decline_code) for r in records] == [
+        ("ag_mm", "declined", "internal.error")
+    ]
     assert records[0].reason == "internal error: RuntimeError: boom"
+    # the record names its graph and site, also where the whole graph was restored
+    assert (records[0].graph_index, records[0].site) == (gm.meta[PASSED], f"{gm.meta[PASSED]}.0")
+    assert records[0].traceback.startswith("Traceback (most recent call last)")
+    assert "in _boom" in records[0].traceback and "RuntimeError: boom" in records[0].traceback
+    assert records[0].traceback in caplog.text  # at DEBUG
     assert gm.code == before
     assert len(calls(gm, ALL_GATHER)) == 1 and calls(gm, P2P) == []
     gm.graph.lint()
+
+
+@pytest.mark.parametrize(
+    ("module", "function"),
+    [
+        pytest.param("kinds.ag_mm.lower", "multiply", id="lower"),
+        pytest.param("plan", "predict", id="plan"),
+        pytest.param("verify", "check_committed", id="after-commit"),
+    ],
+)
+def test_strict_raises_an_internal_error(monkeypatch, module, function):
+    """``strict`` (the suite's default: ``COMMFUSE_STRICT=1``) raises the error itself."""
+    monkeypatch.setattr(
+        importlib.import_module(f"commfuse_compile.passes.{module}"), function, _boom
+    )
+    assert Options().strict  # from the environment
+    with pytest.raises(RuntimeError, match="^boom$"):
+        rewrite_graph(build(AgMm()), "forward", Options(schedule="ring", inner="eager"))
+
+
+def test_strict_comes_from_the_option_or_the_environment(monkeypatch):
+    monkeypatch.setenv("COMMFUSE_STRICT", "0")
+    assert not Options().strict and not resolve_options({}).strict
+    assert resolve_options({"strict": True}).strict
+    monkeypatch.setenv("COMMFUSE_STRICT", "1")
+    assert resolve_options({}).strict and not resolve_options({"strict": False}).strict
+    monkeypatch.setenv("COMMFUSE_STRICT", "maybe")
+    with pytest.raises(CommfuseOptionError, match="COMMFUSE_STRICT"):
+        resolve_options({})
 
 
 # ----------------------------------------------------------------------------------------
@@ -831,8 +898,9 @@ def test_inner_compiler_failure_falls_back_to_the_original_graph():
         compiled.append(g.code)
         return "compiled"
 
+    lenient = dataclasses.replace(RING, strict=False)
     with pytest.warns(UserWarning, match="inner compiler failed on the rewritten graph"):
-        assert rewrite_and_compile(gm, "forward", RING, compile_fn) == "compiled"
+        assert rewrite_and_compile(gm, "forward", lenient, compile_fn) == "compiled"
     assert compiled == [before] and gm.code == before
     (record,) = [r for r in commfuse_compile.REPORT.sites if r.graph == "forward"][-1:]
     assert record.decision == "declined" and record.schedule == "off"
@@ -840,6 +908,9 @@ def test_inner_compiler_failure_falls_back_to_the_original_graph():
         record.reason
         == "inner compiler failed on the rewritten graph: RuntimeError: compiler says no"
     )
+    assert "in compile_fn" in record.traceback
+    with pytest.raises(RuntimeError, match="compiler says no"):  # strict
+        rewrite_and_compile(build(AgMm()), "forward", RING, compile_fn)
 
 
 def test_exchange_check_proves_the_graph_is_its_schedule_on_every_rank():

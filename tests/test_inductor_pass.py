@@ -127,9 +127,10 @@ def test_each_graph_inductor_compiles_an_internal_error_keeps_it(slot, monkeypat
         raise RuntimeError("broken matcher")
 
     monkeypatch.setattr(match, "find_sites", broken)
+    monkeypatch.setenv("COMMFUSE_STRICT", "0")  # the fall-back, not the error
     commfuse_compile.install_inductor_pass()
     bypassed = counters["inductor"]["fxgraph_cache_bypass"]
-    with pytest.warns(UserWarning, match="internal error, graph left as it was"):
+    with pytest.warns(UserWarning, match="graph left as it was: internal error"):
         roles, diff = _linear_roles(monkeypatch)
     assert roles == ["forward", "backward", "inference"]
     assert diff < 1e-6

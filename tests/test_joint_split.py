@@ -165,6 +165,7 @@ def test_an_internal_error_in_the_joint_split_warns_and_keeps_the_graph(fake_wor
         raise RuntimeError("boom")
 
     monkeypatch.setattr(shard_tokens, "split_planned", broken)
-    with pytest.warns(UserWarning, match="the joint graph left as it was .*boom"):
+    monkeypatch.setenv("COMMFUSE_STRICT", "0")  # the fall-back, not the error
+    with pytest.warns(UserWarning, match="the joint graph left as it was: .*boom"):
         run(tensor_parallel(Decoder(), N))
     assert not [r for r in report.REPORT.sites if r.match.get("from") == "all_reduce"]

@@ -13,6 +13,7 @@ default layouts, as transformers' ``tp_plan`` does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -148,8 +149,36 @@ def test_split_that_fails_leaves_the_all_reduce_to_its_site(fake_world, monkeypa
     monkeypatch.setattr(build, "_moved", broken)
     gm = traced(residual_norm_qk, SHAPES)
     with pytest.warns(UserWarning, match="all-reduces left whole .*RuntimeError: boom"):
-        records = rewrite_graph(gm, "forward", RING)
+        records = rewrite_graph(gm, "forward", dataclasses.replace(RING, strict=False))
     assert [(r.kind, r.decision) for r in records] == [("mm_ar", "rewritten")]
+
+
+def test_a_failing_plan_of_an_all_reduce_warns_and_never_in_silence(
+    fake_world, monkeypatch, caplog
+):
+    """The split asks the plan of each all-reduce's site (``plan.plannable``,
+    ``plan.site_times``): a fault there warns and logs its traceback (strict: raises),
+    and the site's own record has it."""
+    from commfuse_compile.passes import plan
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(plan, "predict", broken)
+    with pytest.raises(RuntimeError, match="^boom$"):
+        rewrite_graph(traced(residual_norm_qk, SHAPES), "forward", RING)
+    caplog.set_level("DEBUG", logger="commfuse")
+    with pytest.warns(UserWarning) as caught:
+        records = rewrite_graph(
+            traced(residual_norm_qk, SHAPES), "forward", dataclasses.replace(RING, strict=False)
+        )
+    warned = [str(w.message) for w in caught]
+    assert any(
+        w.startswith("commfuse: its all-reduce is not split: internal error") for w in warned
+    )
+    (record,) = [r for r in records if r.kind == "mm_ar"]
+    assert record.decline_code == "internal.error" and "in broken" in record.traceback
+    assert caplog.text.count("RuntimeError: boom") >= 2  # each traceback at DEBUG
 
 
 def test_vocabulary_parallel_embedding_all_reduce_split_too(fake_world):

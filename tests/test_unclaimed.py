@@ -7,7 +7,9 @@ Graph level, on torch's fake process group (rank 1 of 4).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from typing import ClassVar
 
 import pytest
 import torch
@@ -24,12 +26,17 @@ from cases import (
     scattered,
     trace,
 )
-from torch.fx import GraphModule
+from torch.fx import Graph, GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commfuse_compile import Options, report
-from commfuse_compile.passes import match, rewrite_graph
+from commfuse_compile.passes import kinds, match, rewrite_graph
+from commfuse_compile.passes.fx.declines import Decline, decline
+from commfuse_compile.passes.kinds import KINDS
+from commfuse_compile.passes.kinds.ag_mm import AgMm as AgMmKind
+from commfuse_compile.passes.kinds.ag_mm.site import AgMmSite
+from commfuse_compile.passes.kit.rewrite import Taken
 
 N, RANK = 4, 1
 RING = Options(schedule="ring", inner="eager")
@@ -267,3 +274,63 @@ def test_a_matmul_on_the_side_no_kind_rewrites_is_declined(fn, shapes, kind, pat
     record = only(fx(fn, *(torch.randn(s) for s in shapes)))
     assert (record.kind, record.decline_code) == (kind, "site.no_kind")
     assert record.reason.startswith(f"no site kind rewrites {pattern}")
+
+
+# ----------------------------------------------------------------------------------------
+# one collective, two kinds: the claim is settled in the registry's order
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _RivalSite(AgMmSite):
+    kind: ClassVar[str] = "rival"
+
+
+class _Rival(AgMmKind):
+    """A kind that claims every all-gather ``ag_mm`` claims, and lowers it as ``ag_mm``
+    does; ``declined``: each site declined as found."""
+
+    name = "rival"
+
+    def __init__(self, declined: bool) -> None:
+        self.declined = declined
+
+    def find(self, graph: Graph) -> list[AgMmSite]:
+        why = decline("site.no_kind", pattern="a rival's").kept() if self.declined else None
+        return [_rival(site, declined=why) for site in super().find(graph)]
+
+    def rematch(self, site: AgMmSite, taken: Taken) -> AgMmSite | None:
+        again = super().rematch(site, taken)
+        return None if again is None else _rival(again, declined=again.declined)
+
+
+def _rival(site: AgMmSite, declined: Decline | None) -> _RivalSite:
+    fields = {f.name: getattr(site, f.name) for f in dataclasses.fields(site)}
+    return _RivalSite(**{**fields, "declined": declined})
+
+
+@pytest.mark.parametrize(
+    ("first", "declined", "winner", "loser"),
+    [
+        pytest.param(False, False, "ag_mm", "rival", id="registered-last"),
+        pytest.param(True, False, "rival", "ag_mm", id="registered-first"),
+        pytest.param(True, True, "ag_mm", "rival", id="first-but-declined-as-found"),
+    ],
+)
+def test_a_collective_two_kinds_claim_goes_to_the_first_that_matched_it(
+    monkeypatch, first, declined, winner, loser
+):
+    """The loser keeps a record, declined ``site.claimed``, naming the winner."""
+    rival = [("rival", _Rival(declined))]
+    registry = dict(rival + list(KINDS.items()) if first else list(KINDS.items()) + rival)
+    monkeypatch.setattr(kinds, "KINDS", registry)
+    monkeypatch.setattr(match, "KINDS", registry)
+    gm = trace(AgMm(), N, AgMm().inputs(RANK, seed=0))
+    (gather,) = collective_names(gm)
+    records = {r.kind: r for r in rewrite_graph(gm, "forward", RING)}
+    assert sorted(records) == ["ag_mm", "rival"]
+    assert records[winner].decision == "rewritten"
+    assert records[loser].decline_code == "site.claimed"
+    assert records[loser].reason == (
+        f"{gather} is claimed by a {winner} site (a collective two kinds match goes to the "
+        "first in kinds.KINDS that matched it)"
+    )

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -41,7 +40,7 @@ from ..options import Options
 from ..report import REPORT, SiteRecord, dump_code, log
 from ..runtime import groups
 from . import plan
-from .fx.declines import Declined, decline
+from .fx.declines import Declined, decline, failed
 from .kit.rewrite import graph_digest
 from .prepare import shard_tokens
 from .prepare.canonical import canonicalize
@@ -77,12 +76,7 @@ def split_joint(gm: GraphModule, options: Options) -> int:
         gm.meta[DONE] = _split_agreed(gm, options, identity)
     except Exception as err:  # noqa: BLE001 - never break the user's compile
         gm.graph = came
-        first = (str(err).splitlines() or [""])[0][:300]
-        warnings.warn(
-            f"commfuse: the joint graph left as it was (internal error: "
-            f"{type(err).__name__}: {first})",
-            stacklevel=2,
-        )
+        failed(err, options.strict, "the joint graph left as it was")
         return 0
     gm.recompile()
     if gm.meta[DONE]:
@@ -137,10 +131,10 @@ def _disagreement(
         SiteRecord(kind="mm_ar", graph="joint", decision="rewritten" if n in split else "declined")
         for n in candidates
     ]
-    planned: dict[int, tuple[groups.Group, dict[str, Any]]] = {}
+    planned: dict[str, tuple[groups.Group, dict[str, Any]]] = {}
     for i, node in enumerate(_all_reduces(graph)):
         group = groups.resolve(node.args[2], len(groups.ranks_of(str(node.args[2]))))
-        planned[i] = (group, plan.decision_inputs(options, plan.profile_of(node, options)))
+        planned[str(i)] = (group, plan.decision_inputs(options, plan.profile_of(node, options)))
     why = agree.agree(records, planned, graph, identity, options)
     if why is None:
         return None

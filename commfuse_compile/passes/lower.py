@@ -21,7 +21,7 @@ from .kit.site import Site
 
 
 def start(
-    site: Site, site_id: int, tag: int, graph: Graph, taken: Taken, timed: bool = False
+    site: Site, site_id: str, tag: int, graph: Graph, taken: Taken, timed: bool = False
 ) -> Rewrite:
     """An empty rewrite of ``site``: where its nodes go, and the fake mode of their values.
     The kind may leave some of the site's matmuls out (``rw.site`` says which are in)."""

@@ -2,9 +2,10 @@
 
 Nothing here changes the graph. A found site either carries what the lowering needs, or
 the reason it cannot be rewritten (``Site.declined``). Each kind matches from its
-collective, looking only at the nodes around it (``kinds/``); a collective no kind
-claims (one that touches no matmul) is a declined site of its own
-(``kinds/unclaimed.py``), so that every collective has its record.
+collective, looking only at the nodes around it (``kinds/``); a collective two kinds
+match is claimed by one of them (``_settled``), and a collective no kind claims (one that
+touches no matmul) is a declined site of its own (``kinds/unclaimed.py``), so that every
+collective has its record.
 """
 
 from __future__ import annotations
@@ -28,9 +29,28 @@ def find_sites(graph: Graph) -> list[Site]:
     splits the matmul by the steps of its ring, and the nesting one runs inside that
     ring's first window. (On one group the blocks of the two would have to line up
     instead: the first site takes the matmul.)"""
-    found: list[Site] = [site for kind in KINDS.values() for site in kind.find(graph)]
+    found = _settled([site for kind in KINDS.values() for site in kind.find(graph)])
     found += unclaimed.declined_sites(graph, {c for site in found for c in site.collectives})
     return _nesting_last(sorted(found, key=lambda s: s.anchor._sort_key))
+
+
+def _settled(sites: list[Site]) -> list[Site]:
+    """``sites`` (in ``KINDS`` order) with every collective claimed once: where two
+    kinds' sites share a collective, the first kind's site that matched (one declined as
+    found only where none did) keeps it, and the others are declined ``site.claimed``."""
+    owner: dict[Node, Site] = {}
+    for site in sorted(sites, key=lambda s: s.declined is not None):  # stable: KINDS order
+        for collective in site.collectives:
+            owner.setdefault(collective, site)
+    settled = []
+    for site in sites:
+        winner = next((owner[c] for c in site.collectives if owner[c] is not site), None)
+        if winner is not None:
+            taken = next(c for c in site.collectives if owner[c] is winner)
+            why = decline("site.claimed", collective=taken.name, winner=winner.kind)
+            site = dataclasses.replace(site, declined=why.kept())
+        settled.append(site)
+    return settled
 
 
 def _nesting_last(sites: list[Site]) -> list[Site]:

@@ -4,7 +4,8 @@ aten-level FX graph.
 Every site is found before any is rewritten. A site the pass cannot prove correct or
 profitable is declined with a reason and left untouched; an unexpected error inside
 the pass declines the site (or, if the graph was already touched, restores the whole
-graph) and warns: the user's compile never breaks because of this pass.
+graph) and warns, its traceback in the site's record and the log (``declines.failed``;
+the ``strict`` option raises it): the user's compile never breaks because of this pass.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any, TypeVar
 from torch.fx import Graph, GraphModule
 
 from ..options import Options
-from ..report import REPORT, SiteRecord, dump_code
+from ..report import REPORT, SiteRecord, dump_code, site_id
 from ..runtime import groups
 from ..schedules import by_name
 from . import match, plan, verify
-from .fx.declines import Declined, decline
+from .fx.declines import Declined, decline, failed
 from .kit.rewrite import Rewrite, Taken, graph_digest, tag_of, transfers_digest
 from .kit.site import Site
 from .lower import lower, start
@@ -55,7 +56,7 @@ def decline_graph(
     """Leave ``gm`` as it is; every site it has is recorded declined for ``why``."""
     graph_index = REPORT.new_graph(options.described())
     gm.meta[PASSED] = graph_index
-    records = _declined_records(gm, graph_role, why)
+    records = _declined_records(gm, graph_index, graph_role, why, options)
     REPORT.finish_graph(records, graph_role, options.debug_dir, options.measure)
     return records
 
@@ -95,8 +96,8 @@ def _compile_and_check(
     except Exception as err:
         if not _rewritten(result):
             raise
-        failed = err if isinstance(err, Declined) else decline("compiler.failed", error=_brief(err))
-        _fall_back(result, failed)
+        outcome = "compiling the original graph"
+        _fall_back(result, failed(err, options.strict, outcome, "compiler.failed"))
         compiled = compile_fn(gm)
     why = _agree(result, gm, options, checked.sequence if checked is not None else None)
     if why is not None and _rewritten(result):
@@ -114,7 +115,7 @@ class _Result:
     original: _Original
     graph_index: int
     graph_role: str
-    groups: dict[int, tuple[groups.Group, dict[str, Any]]]  # site id -> (group, inputs)
+    groups: dict[str, tuple[groups.Group, dict[str, Any]]]  # site id -> (group, inputs)
     digest: int = 0  # the graph as it came (``rewrite.graph_digest``): equal on every rank
     ops: list[str] = dataclasses.field(default_factory=list)  # its ops, to name a difference
     # the rewritten graph's transfers in node order, read before ``order.keep_order`` wraps
@@ -127,13 +128,12 @@ def _rewritten(result: _Result) -> list[SiteRecord]:
 
 
 def _fall_back(result: _Result, why: Declined) -> None:
-    """Restore the graph as it came and record every rewritten site as declined."""
-    if why.code not in agree.WARNED:
+    """Restore the graph as it came and record every rewritten site as declined (a
+    failure warned as it became ``why``: ``declines.failed``)."""
+    if why.code not in agree.WARNED and not why.traceback:
         warnings.warn(f"commfuse: {why.reason}; compiling the original graph", stacklevel=3)
     result.original.restore()
     for record in _rewritten(result):
-        record.decision, record.schedule = "declined", "off"
-        record.exposed_steps = []
         record.declined(why)
 
 
@@ -176,13 +176,14 @@ def _check_program(code: str | None, options: Options, result: _Result) -> progr
     try:
         checked = program.check(code, groups.ranks_of)
     except Exception as err:  # noqa: BLE001 - unreadable code, or a fault of the check
-        raise decline("compiler.unverifiable", error=_brief(err)) from None
+        outcome = "compiling the original graph"
+        raise failed(err, options.strict, outcome, "compiler.unverifiable") from None
     if checked.violations:
         shown = "; ".join(checked.violations[:3])
         raise decline("compiler.breaks_buffer", violations=shown)
     for record in _rewritten(result):
         prefix = f"site {record.site} "
-        record.exposed_steps = [e for e in checked.exposed if e.startswith(prefix)]
+        record.exposed([e for e in checked.exposed if e.startswith(prefix)])
     return checked
 
 
@@ -209,14 +210,10 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
             gm.graph.lint()
             gm.recompile()
     except Exception as err:  # noqa: BLE001 - never break the user's compile
-        warnings.warn(
-            f"commfuse: internal error, graph left as it was: {_brief(err)}", stacklevel=2
-        )
+        why = failed(err, options.strict, "graph left as it was")
         result.original.restore()
         result.groups.clear()
-        result.records = _declined_records(
-            gm, graph_role, decline("internal.error", error=_brief(err))
-        )
+        result.records = _declined_records(gm, graph_index, graph_role, why, options)
     dump_code(options.debug_dir, graph_index, graph_role, "after", lambda: _code(gm))
     return result
 
@@ -236,13 +233,7 @@ def _rewrite_sites(gm: GraphModule, options: Options, result: _Result, tags: int
     taken = Taken()
     for ordinal, found in enumerate(match.find_sites(gm.graph)):
         site = match.rematch(found, taken) if rewrites and not found.declined else found
-        record = SiteRecord(
-            kind=site.kind,
-            graph=result.graph_role,
-            site=REPORT.new_site_id(),
-            graph_index=result.graph_index,
-            match=_described(site),
-        )
+        record = _record(site, result.graph_index, result.graph_role, ordinal)
         result.records.append(record)
         rewrite = _rewrite_site(gm, site, options, result, record, tag_of(tags, ordinal), taken)
         if rewrite is not None:
@@ -274,7 +265,6 @@ def _rewrite_site(
         site, predicted, chosen = plan.plan_site(site, group, options, record)
         result.original.keep()
         rewrite = start(site, record.site, tag, gm.graph, taken, options.measure)
-        record.match = _described(rewrite.site)  # some matmuls may be left out
         schedule = by_name(chosen.schedule)
         lower(rewrite, group, schedule, options.slices)
         verify.check_emitted(rewrite)
@@ -286,12 +276,17 @@ def _rewrite_site(
             raise  # the graph is half rewritten: rewrite_graph restores all of it
         if rewrite is not None:
             rewrite.discard()
-        _record_decline(record, err)
+        record.declined(failed(err, options.strict, f"site {record.site} declined"))
         return None
-    record.decision, record.schedule, record.reason = "rewritten", chosen.schedule, chosen.why
-    record.timeline = predicted[chosen.schedule].as_json(group.rank)
-    record.nodes = [n.name for n in rewrite.created]
-    record.steps, record.p2p_ops = len(rewrite.steps), rewrite.p2p_ops
+    record.rewritten(
+        chosen.schedule,
+        chosen.why,
+        _described(rewrite.site),  # some matmuls may be left out
+        predicted[chosen.schedule].as_json(group.rank),
+        [n.name for n in rewrite.created],
+        len(rewrite.steps),
+        rewrite.p2p_ops,
+    )
     return rewrite
 
 
@@ -300,32 +295,29 @@ def _described(site: Site) -> dict[str, Any]:
     return {**site.describe(), **site.anchor.meta.get(shard_tokens.META, {})}
 
 
-def _record_decline(record: SiteRecord, err: Exception) -> None:
-    """Record why the site is declined; an internal error warns too."""
-    if isinstance(err, Declined):
-        record.declined(err)
-        return
-    record.declined(decline("internal.error", error=_brief(err)))
-    warnings.warn(f"commfuse: site {record.site} declined, {record.reason}", stacklevel=3)
+def _record(site: Site, graph_index: int, graph_role: str, ordinal: int) -> SiteRecord:
+    """The record of the graph's ``ordinal``-th site as matched: the one place a site's
+    record is created; the stages add to it."""
+    return SiteRecord(
+        kind=site.kind,
+        graph=graph_role,
+        site=site_id(graph_index, ordinal),
+        graph_index=graph_index,
+        match=_described(site),
+    )
 
 
-def _declined_records(gm: GraphModule, graph_role: str, why: Declined) -> list[SiteRecord]:
-    """A record per site of ``gm``, each declined for ``why``."""
-    return [
-        SiteRecord(kind=kind, graph=graph_role, match=described).declined(why)
-        for kind, described in _sites_or_none(gm)
-    ]
-
-
-def _sites_or_none(gm: GraphModule) -> list[tuple[str, dict[str, Any]]]:
-    """The sites of a restored graph (kind, description), for the report; none if even
-    matching fails."""
+def _declined_records(
+    gm: GraphModule, graph_index: int, graph_role: str, why: Declined, options: Options
+) -> list[SiteRecord]:
+    """A record per site of ``gm`` (numbered as ``_rewrite_sites`` numbers them), each
+    declined for ``why``; none if even matching fails (which warns too)."""
     try:
-        return [(site.kind, site.describe()) for site in match.find_sites(gm.graph)]
-    except Exception:  # noqa: BLE001
+        sites = match.find_sites(gm.graph)
+    except Exception as err:  # noqa: BLE001 - never break the user's compile
+        failed(err, options.strict, "the graph's sites are not recorded")
         return []
-
-
-def _brief(err: BaseException) -> str:
-    first = (str(err).splitlines() or [""])[0]
-    return f"{type(err).__name__}: {first[:300]}"
+    return [
+        _record(site, graph_index, graph_role, ordinal).declined(why)
+        for ordinal, site in enumerate(sites)
+    ]

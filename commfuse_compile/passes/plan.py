@@ -23,7 +23,7 @@ from ..options import Options
 from ..report import SiteRecord
 from ..runtime import groups, topology
 from ..schedules import Direction, running
-from .fx.declines import Declined, decline
+from .fx.declines import Declined, decline, failed
 from .kinds import of
 from .kit.site import Site
 
@@ -161,12 +161,14 @@ def predict_site(
     profile = group_profile(site, group, options, profile)
     timelines = predict(work, profile, options.slices)
     if record is not None:
-        record.level = topology.current(options.topology).level(group.ranks)
-        record.ring = group.ring()
-        record.predicted_us = {k: round(t.end_s * 1e6, 2) for k, t in timelines.items()}
-        record.profile = profile.name
-        record.collective_model = collective_model(work, profile)
-        record.timeline = timelines["collective"].as_json(group.rank)
+        record.predicted(
+            {k: round(t.end_s * 1e6, 2) for k, t in timelines.items()},
+            profile.name,
+            collective_model(work, profile),
+            timelines["collective"].as_json(group.rank),
+            topology.current(options.topology).level(group.ranks),
+            group.ring(),
+        )
     check_applies(timelines, running(options.schedule, work.direction), site.kind)
     return site, timelines
 
@@ -199,10 +201,8 @@ def plannable(site: Site, options: Options) -> groups.Group | Declined:
             without_disabled(site, options.disable)
         else:
             predict_site(site, group, options, profile_for(site, options))
-    except Declined as why:
-        return why
     except Exception as err:  # noqa: BLE001 - its own planning fails: never a compile's
-        return decline("internal.error", error=f"{type(err).__name__}: {err}"[:300])
+        return failed(err, options.strict, "its all-reduce is not split")
     return group
 
 
@@ -218,11 +218,15 @@ class SiteTimes:
 
 def site_times(site: Site, options: Options) -> SiteTimes | None:
     """The site's predicted times (``planned_s`` = ``written_s`` where the plan keeps the
-    collective); None where it has no prediction (declined, or its planning fails)."""
+    collective); None where it has no prediction (declined, or its planning fails: which
+    warns, ``declines.failed``)."""
+    if site.declined:
+        return None
     try:
         group, profile = site_group(site, options), profile_for(site, options)
         _, timelines = predict_site(site, group, options, profile)
-    except Exception:  # noqa: BLE001 - declined, or its own planning fails
+    except Exception as err:  # noqa: BLE001 - its own planning fails: never a compile's
+        failed(err, options.strict, "the token-wise split is decided without the site")
         return None
     written = timelines["collective"].end_s
     try:

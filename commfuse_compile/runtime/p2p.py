@@ -52,8 +52,8 @@ class P2PError(RuntimeError):
 # Site id -> [start, end] (perf_counter seconds) of each call of the site's steps, from
 # its first P2P op's start to the end of its last wait; filled for ``timed`` ops only
 # (the ``measure`` option) and read into report.json's ``measured_us``.
-TIMINGS: dict[int, list[list[float]]] = {}
-LABEL = re.compile(r"site (\d+) step (\d+)")
+TIMINGS: dict[str, list[list[float]]] = {}
+LABEL = re.compile(r"site (\d+\.\d+) step (\d+)")
 
 
 class _LabelledWork(dist.Work):
@@ -61,7 +61,7 @@ class _LabelledWork(dist.Work):
     (NCCL coalesces a batch into one work), holding the tensors it transfers until then;
     its failure is re-raised as ``P2PError`` with the step's label."""
 
-    def __init__(self, work: dist.Work, what: str, site: int | None) -> None:
+    def __init__(self, work: dist.Work, what: str, site: str | None) -> None:
         super().__init__()
         self._work, self._what, self._site = work, what, site
         self._tensors: list[torch.Tensor] = []
@@ -97,7 +97,8 @@ def p2p(
     ``recv_like``). Peers are global ranks. Each returned tensor, and each tensor of
     ``sends``, must be passed to ``wait_tensor``: a received one before it is read, a
     sent one before it is freed or written. ``label`` names the step in errors
-    (e.g. ``"site 3 step 1 (ag_mm)"``); ``timed`` records the site's span in ``TIMINGS``.
+    (e.g. ``"site 0.3 step 1 (ag_mm)"``: graph 0's site 3); ``timed`` records the site's
+    span in ``TIMINGS``.
     """
     site = _start_timing(label) if timed else None
     what = (
@@ -136,12 +137,12 @@ def p2p(
     return recvs
 
 
-def _start_timing(label: str) -> int | None:
+def _start_timing(label: str) -> str | None:
     """Step 0 of a site opens a new call's span; later steps extend it."""
     found = LABEL.match(label)
     if found is None:
         return None
-    site, step = int(found.group(1)), int(found.group(2))
+    site, step = found.group(1), int(found.group(2))
     now = time.perf_counter()
     spans = TIMINGS.setdefault(site, [])
     if step == 0 or not spans:

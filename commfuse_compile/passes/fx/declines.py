@@ -11,9 +11,11 @@ markers) and tests/test_declines.py keeps the two in sync.
 from __future__ import annotations
 
 import dataclasses
+import traceback
+import warnings
 from typing import Any
 
-from ...report import DECLINE_CATEGORIES
+from ...report import DECLINE_CATEGORIES, log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,12 @@ _REASONS = (
     Reason("site.wait", "unsupported", "{node} is used without exactly one wait_tensor"),
     Reason("site.lost", "unsupported", "no longer next to a matmul"),
     Reason("site.no_kind", "unsupported", "no site kind rewrites {pattern}"),
+    Reason(
+        "site.claimed",
+        "unsupported",
+        "{collective} is claimed by a {winner} site (a collective two kinds match goes to "
+        "the first in kinds.KINDS that matched it)",
+    ),
     Reason(
         "site.custom_op",
         "unsupported",
@@ -397,11 +405,13 @@ class Decline:
 
 
 class Declined(Exception):
-    """Raised by ``decline``: the site is left as it was, for ``reason``."""
+    """Raised by ``decline``: the site is left as it was, for ``reason``; ``traceback``:
+    the unexpected error's it stands for (``failed``), else empty."""
 
     def __init__(self, code: str, reason: str, category: str) -> None:
         super().__init__(reason)
         self.code, self.reason, self.category = code, reason, category
+        self.traceback = ""
 
     def kept(self) -> Decline:
         return Decline(self.code, self.reason)
@@ -411,6 +421,28 @@ def decline(code: str, **fields: Any) -> Declined:
     """The one way to decline a site: ``raise decline("rs.not_sum", op=op)``."""
     reason = REASONS[code]
     return Declined(code, reason.template.format(**fields), reason.category)
+
+
+def failed(
+    err: BaseException, strict: bool, outcome: str, code: str = "internal.error"
+) -> Declined:
+    """The one way an unexpected exception becomes a decline (``code``, whose template
+    takes ``error``; a ``Declined`` is one already): re-raised under the ``strict``
+    option; else warned, with ``outcome`` (what the pass does instead), its traceback
+    logged at DEBUG to the ``commfuse`` log and kept on the decline (the site's record)."""
+    if isinstance(err, Declined):
+        return err
+    if strict:
+        raise err
+    why = decline(code, error=f"{type(err).__name__}: {(str(err).splitlines() or [''])[0]}")
+    why.traceback = "".join(traceback.format_exception(err))
+    log.debug("commfuse: %s: %s\n%s", outcome, why.reason, why.traceback)
+    warnings.warn(
+        f"commfuse: {outcome}: {why.reason} (the traceback: report.json's record, "
+        'TORCH_LOGS="+commfuse"; COMMFUSE_STRICT=1 raises it)',
+        stacklevel=3,
+    )
+    return why
 
 
 def markdown_table() -> str:

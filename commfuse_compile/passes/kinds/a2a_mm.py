@@ -34,7 +34,7 @@ import dataclasses
 from typing import ClassVar
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Node
 
 from ...cost.simulator import Work
 from ...runtime.groups import Group
@@ -61,7 +61,7 @@ from ..fx.matmuls import (
     sums_problem,
 )
 from ..kit import paths
-from ..kit.blocks import contiguous, replay, slice_span
+from ..kit.blocks import make_contiguous, replay, slice_span
 from ..kit.rewrite import Rewrite, Taken
 from ..kit.ring import Products, collect_then_compute, replace_collective
 from ..kit.site_kind import SiteKind
@@ -125,14 +125,10 @@ class A2aMm(SiteKind[A2aMmSite]):
     name = "a2a_mm"
     roles = ("rows", "contract", "columns", "contract_left")
     direction = Direction.EXCHANGE_IN
-    nests = False
+    collective = ALL_TO_ALL
 
-    def find(self, graph: Graph) -> list[A2aMmSite]:
-        found = map(_match, graph.find_nodes(op="call_function", target=ALL_TO_ALL))
-        return [site for site in found if site is not None]
-
-    def rematch(self, site: A2aMmSite, taken: Taken) -> A2aMmSite | None:
-        return _match(site.all_to_all)
+    def match(self, collective: Node, taken: Taken) -> A2aMmSite | None:
+        return _match(collective)
 
     def without(self, site: A2aMmSite, disabled: frozenset[str]) -> A2aMmSite:
         return site.without_roles(disabled)
@@ -284,7 +280,9 @@ def _lower(rw: Rewrite, site: A2aMmSite, group: Group, schedule: Schedule) -> No
     products = Products(rw, [(u.mm, u.role) for u in site.uses])
 
     def send(t: Transfer, s: int) -> Node:
-        return contiguous(em, slice_span(em, source, 0, sent.bounds(rows, t.block), s, "comm"), s)
+        return make_contiguous(
+            em, slice_span(em, source, 0, sent.bounds(rows, t.block), s, "comm"), s
+        )
 
     def compute(b: int, block: Node, s: int) -> None:
         for i, use in enumerate(site.uses):

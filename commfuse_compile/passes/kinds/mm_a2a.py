@@ -23,7 +23,7 @@ import dataclasses
 from typing import ClassVar
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Node
 
 from ...cost.simulator import Work
 from ...runtime.groups import Group
@@ -57,7 +57,7 @@ from ..fx.matmuls import (
     scales_problem,
 )
 from ..kit import paths
-from ..kit.blocks import contiguous, replay
+from ..kit.blocks import make_contiguous, replay
 from ..kit.emit import Emitter
 from ..kit.rewrite import Rewrite, Taken
 from ..kit.ring import compute_then_send, replace_collective
@@ -107,17 +107,10 @@ class MmA2aSite(Site):
 class MmA2a(SiteKind[MmA2aSite]):
     name = "mm_a2a"
     direction = Direction.EXCHANGE_OUT
-    nests = False
+    collective = ALL_TO_ALL
 
-    def find(self, graph: Graph) -> list[MmA2aSite]:
-        found = map(_match, graph.find_nodes(op="call_function", target=ALL_TO_ALL))
-        return [site for site in found if site is not None]
-
-    def rematch(self, site: MmA2aSite, taken: Taken) -> MmA2aSite | None:
-        return _match(site.all_to_all)
-
-    def without(self, site: MmA2aSite, disabled: frozenset[str]) -> MmA2aSite:
-        return site  # one product: nothing to leave out but the whole site
+    def match(self, collective: Node, taken: Taken) -> MmA2aSite | None:
+        return _match(collective)
 
     def work(self, site: MmA2aSite, n: int) -> Work:
         mm = site.product
@@ -125,9 +118,6 @@ class MmA2a(SiteKind[MmA2aSite]):
         flops = 2 * numel(mm.node) * dims.hint(mm.contracted)
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
         return Work(self.direction, n, flops / n, message / n)
-
-    def start(self, site: MmA2aSite, taken: Taken) -> tuple[MmA2aSite, Node]:
-        return site, site.all_to_all
 
     def lower(
         self, rw: Rewrite, site: MmA2aSite, group: Group, schedule: Schedule, slices: int
@@ -237,4 +227,4 @@ def _input_block(em: Emitter, site: MmA2aSite, j: int, step: int) -> Node:
     assert mm is not None and split is not None
     span = split.bounds(val(mm.node).shape[mm.lead + site.product_dim], j)
     part = paths.product_block(em, mm, site.product_dim == 1, span, step)
-    return contiguous(em, replay(em, part, site.chain, split, j, step, "compute"), step)
+    return make_contiguous(em, replay(em, part, site.chain, split, j, step, "compute"), step)

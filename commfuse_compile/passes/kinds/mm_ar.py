@@ -18,15 +18,15 @@ sum of matmuls) behind views and casts is declined (``ar.not_matmul``).
 from __future__ import annotations
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Node
 
 from ...cost.simulator import Work
 from ...runtime.groups import Group
 from ...schedules import Direction, Schedule
 from ..fx.graph import val
-from ..kit.all_reduce import AllReduceSite, all_reduces, match_all_reduce
-from ..kit.blocks import contiguous, viewed
-from ..kit.reduced import flops, reduced_block
+from ..kit.all_reduce import AllReduceSite, match_all_reduce
+from ..kit.blocks import make_contiguous, view
+from ..kit.reduced import flops, reduce_block
 from ..kit.rewrite import Rewrite, Taken
 from ..kit.ring import replace_collective
 from ..kit.site_kind import SiteKind
@@ -37,25 +37,16 @@ c10d = torch.ops._c10d_functional
 class MmAr(SiteKind[AllReduceSite]):
     name = "mm_ar"
     direction = Direction.REDUCE  # the steps are the reduce-scatter half's
-    nests = False
+    collective = c10d.all_reduce.default
 
-    def find(self, graph: Graph) -> list[AllReduceSite]:
-        return all_reduces(graph)
-
-    def rematch(self, site: AllReduceSite, taken: Taken) -> AllReduceSite | None:
-        return match_all_reduce(site.collective, taken)
-
-    def without(self, site: AllReduceSite, disabled: frozenset[str]) -> AllReduceSite:
-        return site  # one product: nothing to leave out but the whole site
+    def match(self, collective: Node, taken: Taken) -> AllReduceSite | None:
+        return match_all_reduce(collective, taken)
 
     def work(self, site: AllReduceSite, n: int) -> Work:
         bytes_per_block = site.product_bytes() / n
         return Work(
             self.direction, n, flops(site) / n, bytes_per_block, len(site.terms), then_gather=True
         )
-
-    def start(self, site: AllReduceSite, taken: Taken) -> tuple[AllReduceSite, Node]:
-        return site, site.collective
 
     def lower(
         self, rw: Rewrite, site: AllReduceSite, group: Group, schedule: Schedule, slices: int
@@ -74,10 +65,10 @@ def _lower(rw: Rewrite, site: AllReduceSite, group: Group, schedule: Schedule, s
     """The reduce-scatter half on the ring; then one all-gather of this rank's reduced
     rows, the all-reduce's second half as it was."""
     em = rw.emit
-    block, last = reduced_block(rw, site, group, schedule, slices)
-    block = contiguous(em, block, last)
+    block, last = reduce_block(rw, site, group, schedule, slices)
+    block = make_contiguous(em, block, last)
     gather = c10d.all_gather_into_tensor.default
     gathering = em(gather, (block, group.size, group.name), step=last, lane="comm")
     gathered = em(c10d.wait_tensor.default, (gathering,), step=last, lane="comm")
-    result = viewed(em, gathered, val(site.wait).shape, last)
+    result = view(em, gathered, val(site.wait).shape, last)
     replace_collective(rw, [site.collective], [site.wait], result)

@@ -24,7 +24,7 @@ import operator
 from typing import Any, ClassVar
 
 import torch
-from torch.fx import Graph, Node
+from torch.fx import Node
 
 from ...cost.simulator import Work
 from ...runtime.groups import Group
@@ -34,7 +34,7 @@ from ..fx.collectives import the_wait
 from ..fx.declines import Declined, decline
 from ..fx.graph import node_arg, normalized_dim, op_name, ordered_getitems, val, view_sources
 from ..fx.matmuls import ANY_MATMUL, Matmul, comes_from_matmul, is_matmul
-from ..kit.blocks import viewed
+from ..kit.blocks import view
 from ..kit.reduced import (
     REDUCE_OPS,
     LaidOut,
@@ -43,7 +43,7 @@ from ..kit.reduced import (
     check_terms,
     find_product,
     flops,
-    reduced_block,
+    reduce_block,
     through_casts,
 )
 from ..kit.rewrite import Rewrite, Taken
@@ -67,25 +67,13 @@ class MmRsSite(ReducedProductSite):
 class MmRs(SiteKind[MmRsSite]):
     name = "mm_rs"
     direction = Direction.REDUCE
-    nests = False
+    collective = c10d.reduce_scatter_tensor.default
 
-    def find(self, graph: Graph) -> list[MmRsSite]:
-        nodes = graph.find_nodes(op="call_function", target=c10d.reduce_scatter_tensor.default)
-        # (not the slicing schedule's own chunk collectives)
-        found = (_match(n, Taken()) for n in nodes if "commfuse" not in n.meta)
-        return [site for site in found if site is not None]
-
-    def rematch(self, site: MmRsSite, taken: Taken) -> MmRsSite | None:
-        return _match(site.collective, taken)
-
-    def without(self, site: MmRsSite, disabled: frozenset[str]) -> MmRsSite:
-        return site  # one product: nothing to leave out but the whole site
+    def match(self, collective: Node, taken: Taken) -> MmRsSite | None:
+        return _match(collective, taken)
 
     def work(self, site: MmRsSite, n: int) -> Work:
         return Work(self.direction, n, flops(site) / n, site.product_bytes() / n, len(site.terms))
-
-    def start(self, site: MmRsSite, taken: Taken) -> tuple[MmRsSite, Node]:
-        return site, site.collective
 
     def lower(
         self, rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, slices: int
@@ -152,7 +140,7 @@ def _check(
     g: int,
     product: Node,
     terms: list[Matmul],
-    window: tuple[int, int] | None,
+    window: tuple[str, int] | None,
     laid: LaidOut | None,
 ) -> dict[str, Any]:
     """The site's product shape and block layout, or the first reason it cannot be
@@ -212,6 +200,6 @@ def _scattered(inp: Node, n: int) -> tuple[Node, int, list[Node]]:
 
 def _lower(rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, slices: int) -> None:
     """This rank's reduced block, as the reduce-scatter returns it."""
-    block, last = reduced_block(rw, site, group, schedule, slices)
-    result = viewed(rw.emit, block, val(site.wait).shape, last)
+    block, last = reduce_block(rw, site, group, schedule, slices)
+    result = view(rw.emit, block, val(site.wait).shape, last)
     replace_collective(rw, [site.collective], [site.wait], result)

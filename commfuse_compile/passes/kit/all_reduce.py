@@ -94,7 +94,7 @@ def _check(
     n: int,
     product: Node,
     terms: list[Matmul],
-    window: tuple[int, int] | None,
+    window: tuple[str, int] | None,
     laid: bool = False,
 ) -> dict[str, Any]:
     """The product's shape, or the first reason the site cannot be rewritten (in the

@@ -34,7 +34,7 @@ Rows = Callable[[Node], Node]
 Span = tuple[dims.Size, dims.Size]
 
 
-def matmul(
+def multiply(
     em: Emitter,
     mm: Matmul,
     a: Node,
@@ -55,8 +55,8 @@ def matmul(
     if cols is not None:
         span = (cols[0] * cols[1], (cols[0] + 1) * cols[1])
     if span is not None:
-        bias = bias and column_span(em, bias, span, step)
-        scale_b = scale_b and column_span(em, scale_b, span, step)
+        bias = bias and slice_column_span(em, bias, span, step)
+        scale_b = scale_b and slice_column_span(em, scale_b, span, step)
     if rows is not None and scale_a is not None and varies_by_row(scale_a):
         scale_a = _per_row(em, rows(scale_a), step)
     given = {} if offs is None else {"offs": offs}
@@ -67,7 +67,7 @@ def matmul(
 def _per_row(em: Emitter, scale: Node, step: int) -> Node:
     """A block's per-row scale, [rows, 1], with strides (1, 1): the CPU kernel checks the
     size-1 dim's stride too, and Inductor lays a view of a copy out with stride 0 there."""
-    scale = contiguous(em, scale, step)
+    scale = make_contiguous(em, scale, step)
     sizes = [em.size(size, step) for size in val(scale).shape]
     return em(aten.as_strided.default, (scale, sizes, [1, 1]), step=step, lane="compute")
 
@@ -103,21 +103,21 @@ def slice_span(em: Emitter, node: Node, dim: int, span: Span, step: int, lane: s
     return em(aten.slice.Tensor, (node, dim, *bounds), step=step, lane=lane)
 
 
-def packed(em: Emitter, data: Node, scale: Node, step: int) -> Node:
+def pack(em: Emitter, data: Node, scale: Node, step: int) -> Node:
     """One message of ``data`` (one-byte elements: float8) and its ``scale`` (float32):
     their bytes, the data's first (its kernels' pointer stays aligned; the scale's stays
-    aligned while the data's bytes are a multiple of 16, ``unpacked``)."""
+    aligned while the data's bytes are a multiple of 16, ``unpack``)."""
     parts = []
     for node in (data, scale):
-        node = contiguous(em, node, step)
+        node = make_contiguous(em, node, step)
         if val(node).dtype != torch.uint8:
             node = em(aten.view.dtype, (node, torch.uint8), step=step, lane="comm")
         parts.append(em(aten.view.default, (node, [-1]), step=step, lane="comm"))
     return em(aten.cat.default, (parts, 0), step=step, lane="comm")
 
 
-def unpacked(em: Emitter, message: Node, data: Node, scale: Node, step: int) -> tuple[Node, Node]:
-    """A ``packed`` message, as tensors like ``data`` and ``scale``: the data a view of
+def unpack(em: Emitter, message: Node, data: Node, scale: Node, step: int) -> tuple[Node, Node]:
+    """A message ``pack`` made, as tensors like ``data`` and ``scale``: the data a view of
     it, the scale (a few bytes) copied into its own buffer."""
     nbytes = math.prod(val(data).shape)
     end = val(message).shape[0]
@@ -130,18 +130,18 @@ def unpacked(em: Emitter, message: Node, data: Node, scale: Node, step: int) -> 
         dtype = val(node).dtype
         if dtype != torch.uint8:
             part = em(aten.view.dtype, (part, dtype), step=step, lane="compute")
-        out.append(viewed(em, part, val(node).shape, step))
+        out.append(view(em, part, val(node).shape, step))
     copy = em(aten.clone.default, (out[1],), step=step, lane="compute")
     return out[0], copy
 
 
-def row_block(em: Emitter, span: Span, step: int, dim: int = 0) -> Rows:
+def slice_row_block(em: Emitter, span: Span, step: int, dim: int = 0) -> Rows:
     """Cuts the rows ``span`` of a 2-D tensor (a block of A's rows, and so of its
     per-row scale), or along ``dim`` (M of a batched A)."""
     return functools.partial(slice_span, em, dim=dim, span=span, step=step, lane="compute")
 
 
-def contiguous(em: Emitter, node: Node, step: int) -> Node:
+def make_contiguous(em: Emitter, node: Node, step: int) -> Node:
     value = val(node)
     symbolic = dims.is_symbolic([*value.shape, *value.stride()])
     if is_contiguous_or_false(value) if symbolic else value.is_contiguous():
@@ -155,17 +155,17 @@ def contiguous(em: Emitter, node: Node, step: int) -> Node:
     )
 
 
-def transposed(em: Emitter, node: Node, step: int) -> Node:
+def transpose(em: Emitter, node: Node, step: int) -> Node:
     # permute, not t: the graphs Inductor compiles have t decomposed
     return em(aten.permute.default, (node, [1, 0]), step=step, lane="compute")
 
 
-def column_block(em: Emitter, node: Node, b: int, width: dims.Size, step: int) -> Node:
+def slice_column_block(em: Emitter, node: Node, b: int, width: dims.Size, step: int) -> Node:
     """Columns [b*width, (b+1)*width) of ``node`` (kept whole if broadcast along them)."""
-    return column_span(em, node, (b * width, (b + 1) * width), step)
+    return slice_column_span(em, node, (b * width, (b + 1) * width), step)
 
 
-def column_span(em: Emitter, node: Node, span: Span, step: int) -> Node:
+def slice_column_span(em: Emitter, node: Node, span: Span, step: int) -> Node:
     """The columns ``span`` of ``node`` (kept whole if broadcast along them)."""
     if val(node).dim() == 0 or dims.equal(val(node).shape[-1], 1):
         return node
@@ -214,21 +214,23 @@ def finish_sum(em: Emitter, total: Node, like: Node, step: int) -> Node:
     return em(CONVERT, (total, val(like).dtype), step=step, lane="compute")
 
 
-def viewed(em: Emitter, node: Node, shape: Sequence[dims.Size], step: int) -> Node:
+def view(em: Emitter, node: Node, shape: Sequence[dims.Size], step: int) -> Node:
     """``node`` viewed as ``shape``, copied first where its strides forbid the view."""
     if dims.same_shape(val(node).shape, shape):
         return node
     with em.fake_mode:
         if not can_view(val(node), shape):
-            node = contiguous(em, node, step)
+            node = make_contiguous(em, node, step)
     return em(aten.view.default, (node, em.shape(shape, step)), step=step, lane="compute")
 
 
-def rows_of_block(em: Emitter, x: Node, dim: int, b: int, width: dims.Size, step: int) -> Node:
+def slice_rows_of_block(
+    em: Emitter, x: Node, dim: int, b: int, width: dims.Size, step: int
+) -> Node:
     """Block ``b`` along ``dim`` of ``x`` (shaped lead + [K]), as contiguous 2-D rows."""
-    rows = contiguous(em, slice_block(em, x, dim, b, width, step, "compute"), step)
+    rows = make_contiguous(em, slice_block(em, x, dim, b, width, step, "compute"), step)
     k = val(rows).shape[-1]
-    return viewed(em, rows, [val(rows).numel() // k, k], step)
+    return view(em, rows, [val(rows).numel() // k, k], step)
 
 
 def replay(
@@ -250,10 +252,10 @@ def replay(
             shape[dim] = split.width(shape[dim], b)
             with em.fake_mode:
                 if not can_view(val(block), shape):
-                    block = contiguous(em, block, step)
+                    block = make_contiguous(em, block, step)
             block = em(aten.view.default, (block, em.shape(shape, step)), step=step, lane=lane)
         elif node.target in (aten.clone.default, aten.alias.default):
-            block = contiguous(em, block, step)
+            block = make_contiguous(em, block, step)
         elif (dtype := cast_to(node)) is not None:
             block = em(CONVERT, (block, dtype), step=step, lane=lane)
         else:  # a permute or transpose, written as a permute

@@ -50,7 +50,7 @@ class Emitter:
         graph: Graph,
         before: Node,
         fake_mode: Any,
-        site_id: int = -1,
+        site_id: str = "",
         inherit: tuple[str, ...] = (),
     ) -> None:
         self.graph, self.before, self.fake_mode, self.site_id = graph, before, fake_mode, site_id

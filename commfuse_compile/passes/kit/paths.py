@@ -37,7 +37,7 @@ from ..fx.graph import (
     val,
 )
 from ..fx.matmuls import ANY_MATMUL, Layout, Matmul, is_matmul
-from .blocks import Span, column_span, matmul, row_block, slice_span
+from .blocks import Span, multiply, slice_column_span, slice_row_block, slice_span
 from .emit import Emitter
 from .ring import Products
 
@@ -151,12 +151,12 @@ def compute_block(
     cut = _cut(layout, use_role)
     if use_role == "rows":
         span = split.bounds(val(mm.a).shape[layout.a[0]], b)
-        rows = row_block(em, span, step, dim=layout.a[0])
+        rows = slice_row_block(em, span, step, dim=layout.a[0])
         offs = _offs(em, mm, cut, span, step)
-        products.put(i, b, matmul(em, mm, block, mm.b, step, rows=rows, offs=offs))
+        products.put(i, b, multiply(em, mm, block, mm.b, step, rows=rows, offs=offs))
     elif use_role == "columns":
         span = split.bounds(val(mm.b).shape[layout.b[1]], b)
-        products.put(i, b, matmul(em, mm, mm.a, block, step, span=span))
+        products.put(i, b, multiply(em, mm, mm.a, block, step, span=span))
     elif use_role == "contract_left":
         span = split.bounds(val(mm.b).shape[layout.b[0]], b)
         a = _slab(em, mm.a, layout.a[1], span, step)
@@ -174,10 +174,10 @@ def product_block(em: Emitter, mm: Matmul, columns: bool, span: Span, step: int)
     layout = mm.layout
     assert layout is not None
     if columns:
-        return matmul(em, mm, mm.a, column_span(em, mm.b, span, step), step, span=span)
-    rows = row_block(em, span, step, dim=layout.a[0])
+        return multiply(em, mm, mm.a, slice_column_span(em, mm.b, span, step), step, span=span)
+    rows = slice_row_block(em, span, step, dim=layout.a[0])
     offs = _offs(em, mm, layout.groups == "M", span, step)
-    return matmul(em, mm, rows(mm.a), mm.b, step, rows=rows, offs=offs)
+    return multiply(em, mm, rows(mm.a), mm.b, step, rows=rows, offs=offs)
 
 
 def _cut(layout: Layout, use_role: str) -> bool:
@@ -195,5 +195,5 @@ def _offs(em: Emitter, mm: Matmul, cut: bool, span: Span, step: int) -> Node | N
 
 def _slab(em: Emitter, node: Node, dim: int, span: Span, step: int) -> Node:
     if dim == val(node).dim() - 1:
-        return column_span(em, node, span, step)
+        return slice_column_span(em, node, span, step)
     return slice_span(em, node, dim, span, step, "compute")

@@ -39,17 +39,17 @@ from ..fx.matmuls import Matmul, bias_is_row_broadcast, has_zero_size_dim, scale
 from . import paths
 from .blocks import (
     chunk_width,
-    column_block,
-    contiguous,
-    matmul,
+    make_contiguous,
+    multiply,
     replay,
-    rows_of_block,
     slice_block,
-    viewed,
+    slice_column_block,
+    slice_rows_of_block,
+    view,
 )
 from .emit import Emitter
 from .rewrite import Rewrite
-from .ring import compute_then_send, sliced
+from .ring import compute_then_send, lower_sliced_steps
 from .site import Site
 
 aten = torch.ops.aten
@@ -257,7 +257,7 @@ def check_blocks(terms: list[Matmul], product_dim: int, code: str) -> bool:
 # lower
 
 
-def reduced_block(
+def reduce_block(
     rw: Rewrite, site: ReducedProductSite, group: Group, schedule: Schedule, slices: int
 ) -> tuple[Node, int]:
     """This rank's block of the product summed over the group (divided by n under
@@ -308,7 +308,7 @@ def _sliced(
     def collected(i: int, reduced: Node, s: int) -> None:
         own[i] = reduced
 
-    sliced(rw, schedule, Direction.REDUCE, k, issue, compute, collected)
+    lower_sliced_steps(rw, schedule, Direction.REDUCE, k, issue, compute, collected)
     last = len(rw.steps)
     if site.product_dim is not None:  # chunks laid out as the collective's blocks
         chunks, cat_dim = [own[i] for i in range(k)], dim
@@ -316,7 +316,7 @@ def _sliced(
         chunks, cat_dim = [own[i] for i in range(k)], 1
     else:
         shape = [*site.product_shape[:dim], width, *site.product_shape[dim + 1 :]]
-        chunks, cat_dim = [viewed(em, own[i], shape, last) for i in range(k)], dim
+        chunks, cat_dim = [view(em, own[i], shape, last) for i in range(k)], dim
     return em(aten.cat.default, (chunks, cat_dim), step=last, lane="compute"), last
 
 
@@ -346,7 +346,7 @@ def _reduce_part(
             what = f"the blocks on the way from {site.terms[0].node.name}"
             raise decline("lower.slices", k=count // site.group_size, provably="", what=what,
                           size=val(site.terms[0].node).shape[site.product_dim])  # fmt: skip
-        part = contiguous(em, replay(em, part, path, split, b, step, "compute"), step)
+        part = make_contiguous(em, replay(em, part, path, split, b, step, "compute"), step)
     dtype = val(site.anchor).dtype
     if val(part).dtype != dtype:
         part = em(CONVERT, (part, dtype), step=step, lane="compute")
@@ -358,8 +358,8 @@ def _reduce_block(
 ) -> Node:
     """This rank's partial of block ``b`` of the product ``mm``."""
     if site.columns:
-        w = column_block(em, mm.b, b, width, step)
-        return matmul(em, mm, mm.a, w, step, cols=(b, width))
+        w = slice_column_block(em, mm.b, b, width, step)
+        return multiply(em, mm, mm.a, w, step, cols=(b, width))
     rows = functools.partial(_block_rows, em, site, b, width, step)
     if len(site.product_shape) == 2 and is_transpose_2d(mm.a):
         # rows of t(Z) are columns of Z: slice Z and transpose the block, no copy
@@ -367,7 +367,7 @@ def _reduce_block(
         a = em(aten.permute.default, (cols, [1, 0]), step=step, lane="compute")
     else:
         a = rows(mm.a)
-    return matmul(em, mm, a, mm.b, step, rows=rows)
+    return multiply(em, mm, a, mm.b, step, rows=rows)
 
 
 def _laid_out_block(
@@ -386,4 +386,4 @@ def _block_rows(
     """Block ``b``'s rows of ``x``, laid out like the product's rows ([M, c]: A, or a
     per-row scale of A), as contiguous 2-D rows."""
     lead = [*site.product_shape[:-1], val(x).shape[1]]
-    return rows_of_block(em, viewed(em, x, lead, step), site.scatter_dim, b, width, step)
+    return slice_rows_of_block(em, view(em, x, lead, step), site.scatter_dim, b, width, step)

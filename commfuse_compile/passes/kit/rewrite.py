@@ -81,13 +81,13 @@ class Taken:
     (``kinds/ag_mm``). The pipeline adds each rewrite once it is committed."""
 
     def __init__(self) -> None:
-        self._windows: dict[Node, tuple[int, int]] = {}
+        self._windows: dict[Node, tuple[str, int]] = {}
 
     def add(self, rw: Rewrite) -> None:
         for node in rw.created:
             self._windows[node] = (rw.site_id, node.meta["commfuse"]["step"])
 
-    def window(self, node: Node) -> tuple[int, int] | None:
+    def window(self, node: Node) -> tuple[str, int] | None:
         """(site id, step) of the rewrite window that emitted ``node``; None: the graph's."""
         return self._windows.get(node)
 
@@ -107,7 +107,7 @@ class Rewrite:
     ``emit`` before ``before``; ``timed``: its P2P ops record their spans."""
 
     def __init__(
-        self, site: Site, site_id: int, tag: int, emit: Emitter, timed: bool = False
+        self, site: Site, site_id: str, tag: int, emit: Emitter, timed: bool = False
     ) -> None:
         self.site, self.site_id, self.tag, self.emit, self.timed = site, site_id, tag, emit, timed
         self.steps: list[Step] = []

@@ -9,7 +9,7 @@ Three drivers, one per shape of schedule:
   the next step on.
 * ``compute_then_send``: each step computes its blocks, waits the transfers started in
   the step before, adds the partial sums received to its blocks, then sends them on.
-* ``sliced``: k collectives on chunks, chunk i's collective under chunk i-1's matmuls.
+* ``lower_sliced_steps``: k collectives on chunks, chunk i's collective under chunk i-1's matmuls.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..fx import dims
 from ..fx.collectives import P2P, saved_unwaited
 from ..fx.graph import LAYOUT_OPS, val
 from ..fx.matmuls import Matmul, is_matmul
-from .blocks import accumulate, finish_sum, viewed
+from .blocks import accumulate, finish_sum, view
 from .rewrite import Rewrite
 
 aten = torch.ops.aten
@@ -54,7 +54,7 @@ def start_transfers(
     ``recv_like``, or each like its own: blocks of uneven sizes)."""
     if not sends and not recvs:
         return NOTHING_PENDING
-    buffers = [one_buffer(rw, held[t.block], step) for t in sends]
+    buffers = [copy_to_one_buffer(rw, held[t.block], step) for t in sends]
     likes = [recv_like] * len(recvs) if isinstance(recv_like, Node) else list(recv_like)
     p2p = rw.emit(
         P2P,
@@ -77,7 +77,7 @@ def start_transfers(
     return p2p, list(zip(recvs, received, strict=True)), list(dict.fromkeys(buffers))
 
 
-def one_buffer(rw: Rewrite, node: Node, step: int) -> Node:
+def copy_to_one_buffer(rw: Rewrite, node: Node, step: int) -> Node:
     """``node`` as a buffer to send. Inductor computes a value that a copy, a cast or an
     element-wise op of one tensor makes (``clone`` into a block's layout) where each
     reader reads it, not once: the transfer and the wait of its buffer would get two
@@ -193,7 +193,7 @@ def _likes(
     return likes
 
 
-def sliced(
+def lower_sliced_steps(
     rw: Rewrite,
     schedule: Schedule,
     direction: Direction,
@@ -264,4 +264,4 @@ class Products:
             pieces = [self.blocks[i][b] for b in range(count)]
             dim = self.rows_dims.get(i, mm.lead + rows_dim) if role == "rows" else -1
             full = em(aten.cat.default, (pieces, dim), step=step, lane="compute")
-            self.rw.replaces(mm.node, viewed(em, full, list(val(mm.node).shape), step))
+            self.rw.replaces(mm.node, view(em, full, list(val(mm.node).shape), step))

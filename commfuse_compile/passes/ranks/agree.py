@@ -33,7 +33,7 @@ from torch.fx import Graph
 from ...options import Options
 from ...report import SiteRecord, log
 from ...runtime import exchange, groups
-from ..fx.declines import Declined, decline
+from ..fx.declines import Declined, decline, failed
 from . import sequence
 
 _known: dict[str, tuple[int, Declined | None]] = {}  # transfers agreed on -> (digest, verdict)
@@ -58,7 +58,7 @@ def graph_ops(graph: Graph) -> list[str]:
 
 def agree(
     records: list[SiteRecord],
-    planned: dict[int, tuple[groups.Group, dict[str, Any]]],
+    planned: dict[str, tuple[groups.Group, dict[str, Any]]],
     graph: Graph,
     identity: tuple[int, list[str]],
     options: Options,
@@ -79,7 +79,7 @@ def agree(
         if events is None:
             events = sequence.from_graph(graph, groups.ranks_of)
     except Exception as err:  # noqa: BLE001 - a fault of the reading: decline, never break
-        log.warning("commfuse: cannot read this graph's transfers: %s", err)
+        failed(err, options.strict, "this graph's transfers are not compared across the ranks")
         events = None
     member_of = {g.name: g.ranks for g, _ in planned.values()}
     member_of |= {e.group: e.ranks for e in events or () if e.ranks}
@@ -124,7 +124,7 @@ def agree(
     return why
 
 
-def _inputs(planned: dict[int, tuple[groups.Group, dict[str, Any]]]) -> dict[str, list[Any]]:
+def _inputs(planned: dict[str, tuple[groups.Group, dict[str, Any]]]) -> dict[str, list[Any]]:
     """What the sites' decisions depended on besides the graph, merged over the sites."""
     merged: dict[str, list[Any]] = {}
     for _, site_inputs in planned.values():

@@ -65,7 +65,7 @@ class View:
 class Flight:
     """One transfer's use of memory, from its start to the wait of its work."""
 
-    what: str  # e.g. "receive 0 of site 2 step 1 (ag_mm)"
+    what: str  # e.g. "receive 0 of site 0.2 step 1 (ag_mm)"
     view: View
     waited_on: int  # the storage whose wait_tensor completes it
     line: int

@@ -41,7 +41,7 @@ class Event:
 
     action: str  # START or WAIT
     transfer: int
-    label: str  # "site 3 step 1 (ag_mm)", or a collective's op name
+    label: str  # "site 0.3 step 1 (ag_mm)", or a collective's op name
     group: str = ""  # the process group's name
     tag: int | None = None  # P2P only
     sends: tuple[int, ...] = ()  # P2P: global ranks sent to
@@ -71,21 +71,19 @@ def digest(events: Iterable[Event]) -> list[str]:
     return [e.label for e in events if e.action == START]
 
 
-_SITE = re.compile(r"\bsite (\d+)")
+_SITE = re.compile(r"\bsite \d+\.(\d+)")
 
 
 def renumbered(labels: Sequence[str]) -> list[str]:
-    """``labels`` with their site ids counted from the graph's first: a process numbers
-    sites over every graph it compiled, so ranks that compiled different graphs before
-    (or a rank that recompiled one) give one graph's sites other ids."""
-    ids = [int(i) for label in labels for i in _SITE.findall(label)]
-    first = min(ids, default=0)
-    return [_SITE.sub(lambda m: f"site +{int(m.group(1)) - first}", label) for label in labels]
+    """``labels`` without their graph's number in the site ids (``report.site_id``): the
+    sites of one graph are numbered alike on every rank, the graph by how many this
+    process compiled before (a rank that recompiled one numbers it otherwise)."""
+    return [_SITE.sub(r"site *.\1", label) for label in labels]
 
 
 def first_divergence(digests: Mapping[int, Sequence[str]]) -> tuple[int, int, int] | None:
     """``(position, rank, other rank)`` of the first start where two ranks differ, or None
-    (each rank's site ids counted from the graph's first)."""
+    (site ids without their graph's number: ``renumbered``)."""
     ranks = sorted(digests)
     first = renumbered(digests[ranks[0]])
     for rank in ranks[1:]:

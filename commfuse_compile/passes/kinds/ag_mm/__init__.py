@@ -38,7 +38,7 @@ class AgMm(SiteKind[AgMmSite]):
     name = "ag_mm"
     roles = ("rows", "contract", "columns", "contract_left", "contract_k")
     direction = Direction.GATHER
-    nests = True
+    nests = True  # ``collective``: none, it finds a shard's gathers together
 
     def find(self, graph: Graph) -> list[AgMmSite]:
         found = (match(*item) for item in gathers_by_shard(graph).items())

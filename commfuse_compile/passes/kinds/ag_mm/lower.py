@@ -19,20 +19,20 @@ from ...fx.graph import CONVERT, same_data, val
 from ...kit import paths
 from ...kit.blocks import (
     chunk_width,
-    column_block,
-    contiguous,
-    matmul,
-    packed,
+    make_contiguous,
+    multiply,
+    pack,
     replay,
-    rows_of_block,
     slice_block,
-    transposed,
-    unpacked,
-    viewed,
+    slice_column_block,
+    slice_rows_of_block,
+    transpose,
+    unpack,
+    view,
 )
 from ...kit.emit import Emitter
 from ...kit.rewrite import Rewrite
-from ...kit.ring import Products, collect_then_compute, replace_collective, sliced
+from ...kit.ring import Products, collect_then_compute, lower_sliced_steps, replace_collective
 from .site import AgMmSite, GatherUse
 
 aten = torch.ops.aten
@@ -105,17 +105,17 @@ class _GatherBlocks:
             rows = functools.partial(self._rows_of, use, index, width, s)
             if scale is not None and site.beside and mm.node in site.beside.readers:
                 rows = functools.partial(_as_rows, em, scale, shape2d[0], s)
-            part = matmul(em, mm, g2d, mm.b, s, rows=rows)
-            self.products.put(i, index, viewed(em, part, [*lead, val(part).shape[1]], s))
+            part = multiply(em, mm, g2d, mm.b, s, rows=rows)
+            self.products.put(i, index, view(em, part, [*lead, val(part).shape[1]], s))
         elif use.role == "columns":
-            g_t = transposed(em, g2d, s)
-            self.products.put(i, index, matmul(em, mm, mm.a, g_t, s, cols=(index, shape2d[0])))
+            g_t = transpose(em, g2d, s)
+            self.products.put(i, index, multiply(em, mm, mm.a, g_t, s, cols=(index, shape2d[0])))
         elif use.role == "contract":
             if i not in self.others:
                 k = val(mm.b).shape[1]
-                self.others[i] = viewed(em, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
-            x_b = rows_of_block(em, self.others[i], site.gather_dim, index, width, s)
-            self.products.add(i, transposed(em, g2d, s), x_b, s)
+                self.others[i] = view(em, mm.b, [*site.gathered_shape[: use.row_dims], k], s)
+            x_b = slice_rows_of_block(em, self.others[i], site.gather_dim, index, width, s)
+            self.products.add(i, transpose(em, g2d, s), x_b, s)
         elif use.role == "contract_k":
             w_b = slice_block(em, mm.b, 0, index, shape2d[1], s, "compute")
             self.products.add(i, g2d, w_b, s)
@@ -143,7 +143,7 @@ class _GatherBlocks:
         viewed 2-D (a per-row scale of A: the rows the piece holds, in its order)."""
         em, site = self.em, self.site
         lead = [*site.gathered_shape[: use.row_dims], val(x).shape[-1]]
-        return rows_of_block(em, viewed(em, x, lead, s), site.gather_dim, index, width, s)
+        return slice_rows_of_block(em, view(em, x, lead, s), site.gather_dim, index, width, s)
 
     def _columns_meeting(
         self, i: int, use: GatherUse, index: int, width: dims.Size, rows: dims.Size, s: int
@@ -154,12 +154,12 @@ class _GatherBlocks:
         dims, sliced on the gathered dim and copied into 2-D."""
         em, site, y = self.em, self.site, use.mm.a
         if dims.equal(math.prod(site.gathered_shape[: site.gather_dim]), 1):
-            return column_block(em, y, index, rows, s)
+            return slice_column_block(em, y, index, rows, s)
         m = val(y).shape[0]
         if i not in self.others:
-            self.others[i] = viewed(em, y, [m, *site.gathered_shape[: use.row_dims]], s)
+            self.others[i] = view(em, y, [m, *site.gathered_shape[: use.row_dims]], s)
         part = slice_block(em, self.others[i], 1 + site.gather_dim, index, width, s, "compute")
-        return viewed(em, contiguous(em, part, s), [m, rows], s)
+        return view(em, make_contiguous(em, part, s), [m, rows], s)
 
     def finish(self, count: int, step: int) -> None:
         """Assemble the ``count`` pieces' products into each matmul's replacement."""
@@ -168,7 +168,7 @@ class _GatherBlocks:
 
 def _as_rows(em: Emitter, scale: Node, rows: dims.Size, s: int, _: Node) -> Node:
     """A piece's per-row scales (that came beside it), as its [rows, 1] scale_a."""
-    return viewed(em, scale, [rows, 1], s)
+    return view(em, scale, [rows, 1], s)
 
 
 def lower_ring(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule) -> None:
@@ -179,7 +179,7 @@ def lower_ring(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule) ->
     local = _local_shard(em, site)
     scale = site.beside.shard if site.beside else None
     pieces: dict[int, tuple[Node, Node | None]] = {group.rank: (local, scale)}
-    held: dict[int, Node] = {group.rank: packed(em, local, scale, 0) if scale else local}
+    held: dict[int, Node] = {group.rank: pack(em, local, scale, 0) if scale else local}
     products = _GatherBlocks(rw, site)
 
     def compute(b: int, message: Node, s: int) -> None:
@@ -208,7 +208,7 @@ def lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, 
 
     def issue(i: int, s: int) -> Node:
         chunks[i] = chunk, scale = _chunk(em, site, i, width, s)
-        message = packed(em, chunk, scale, s) if scale else chunk
+        message = pack(em, chunk, scale, s) if scale else chunk
         gather = c10d.all_gather_into_tensor.default
         return em(gather, (message, n, group.name), step=s, lane="comm")
 
@@ -223,7 +223,7 @@ def lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, 
             part = slice_block(em, gathered, 0, b, length, s, "comm")
             pieces[b, i] = _piece(em, part, chunk, scale, s)
 
-    sliced(rw, schedule, Direction.GATHER, k, issue, compute, collected)
+    lower_sliced_steps(rw, schedule, Direction.GATHER, k, issue, compute, collected)
     last = len(rw.steps)
     products.finish(n * k, last)
     if site.outlives():
@@ -238,7 +238,7 @@ def _piece(
     em: Emitter, message: Node, data: Node, scale: Node | None, s: int
 ) -> tuple[Node, Node | None]:
     """A received (or gathered) block: the data and its rows' scales, if packed with it."""
-    return unpacked(em, message, data, scale, s) if scale is not None else (message, None)
+    return unpack(em, message, data, scale, s) if scale is not None else (message, None)
 
 
 def _chunk(
@@ -247,14 +247,14 @@ def _chunk(
     """This rank's chunk ``i`` along the gathered dim, and its rows' scales if they come
     beside it (then the chunk's bytes must keep them aligned: a multiple of 16)."""
     dim = site.gather_dim
-    chunk = contiguous(em, slice_block(em, site.shard, dim, i, width, s, "comm"), s)
+    chunk = make_contiguous(em, slice_block(em, site.shard, dim, i, width, s, "comm"), s)
     if site.beside is None:
         return chunk, None
     size = math.prod(val(chunk).shape)
     if not dims.divisible(size, 16):
         raise decline("lower.scale_beside", node=site.shard.name, size=size)
     scale = slice_block(em, site.beside.shard, dim, i, width, s, "comm")
-    return chunk, contiguous(em, scale, s)
+    return chunk, make_contiguous(em, scale, s)
 
 
 def _local_shard(em: Emitter, site: AgMmSite) -> Node:
@@ -268,7 +268,7 @@ def _local_shard(em: Emitter, site: AgMmSite) -> Node:
     shard = val(node)
     if shard.dim() == 2 or is_contiguous_or_false(shard):
         return node
-    return contiguous(em, node, 0)
+    return make_contiguous(em, node, 0)
 
 
 def _rebuild_gathered(rw: Rewrite, site: AgMmSite, shards: list[Node], step: int) -> None:

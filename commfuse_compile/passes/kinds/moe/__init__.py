@@ -29,7 +29,7 @@ program's ``index_put`` would leave rows unwritten otherwise.
 
 from __future__ import annotations
 
-from torch.fx import Graph, Node
+from torch.fx import Node
 
 from ....cost.simulator import Work
 from ....runtime.groups import Group
@@ -39,7 +39,7 @@ from ...fx.collectives import ALL_TO_ALL
 from ...fx.graph import node_arg, numel, val
 from ...kit.rewrite import Rewrite, Taken
 from ...kit.site_kind import Peers, SiteKind
-from .find import match
+from .find import match as match_dispatch
 from .lower import lower, peers
 from .site import MoeSite
 
@@ -49,17 +49,10 @@ __all__ = ["KIND", "MoeSite", "peers"]
 class Moe(SiteKind[MoeSite]):
     name = "moe"
     direction = Direction.ROUND_TRIP
-    nests = False
+    collective = ALL_TO_ALL
 
-    def find(self, graph: Graph) -> list[MoeSite]:
-        found = map(match, graph.find_nodes(op="call_function", target=ALL_TO_ALL))
-        return [site for site in found if site is not None]
-
-    def rematch(self, site: MoeSite, taken: Taken) -> MoeSite | None:
-        return match(site.dispatch)
-
-    def without(self, site: MoeSite, disabled: frozenset[str]) -> MoeSite:
-        return site  # one fused computation: nothing to leave out but the whole site
+    def match(self, collective: Node, taken: Taken) -> MoeSite | None:
+        return match_dispatch(collective)
 
     def work(self, site: MoeSite, n: int) -> Work:
         """The grouped matmuls' FLOPs, the dispatched and the returned bytes: the round

@@ -74,7 +74,7 @@ def split_planned(gm: GraphModule, options: Options, before_change: Change) -> b
     auto = options.schedule == "auto"
     unsplit = copy.deepcopy(gm.graph) if auto else None
     whole = {site.collective: plan.site_times(site, options) for site in sites} if auto else {}
-    if not split_all_reduces(gm.graph, sites, planned.__getitem__, before_change):
+    if not split_all_reduces(gm.graph, sites, planned.__getitem__, before_change, options.strict):
         return False
     why = _split_faster(gm.graph, whole, options) if unsplit is not None else None
     if unsplit is not None and why is not None:
@@ -91,6 +91,7 @@ def split_all_reduces(
     sites: Sequence[AllReduceSite],
     group_of: Callable[[Any], Group | Declined],
     before_change: Change,
+    strict: bool,
 ) -> bool:
     """Split the all-reduces of ``sites`` whose collective ``group_of`` admits (their
     group, or why the site is left as it is), those of one group and token count
@@ -98,7 +99,8 @@ def split_all_reduces(
     vocabulary-parallel embedding's lookup) is split too: its reduce-scatter hides
     nothing, the gather after the norm does. All-reduced values added together are
     reduce-scattered as one (``merge_reduces``). Every all-reduce left whole is marked
-    with why (``META``: ``not_split``)."""
+    with why (``META``: ``not_split``). ``strict``: a failure to build a split raises
+    (``declines.failed``)."""
     # by group and token count (a symbolic count by its expression: a SymInt is unhashable)
     together: dict[tuple[str, object], tuple[dims.Size, list[tuple[AllReduceSite, Group]]]] = {}
     for site in sites:
@@ -126,7 +128,7 @@ def split_all_reduces(
         if waits != set(region.sources):  # the sums of all-reduced values, one each
             merged = {s.wait: s for s in all_reduces(graph) if s.wait in waits}
             region = region_after(graph, tokens, merged)  # type: ignore[arg-type]
-        changed |= emit_split(graph, region, members[0][1])
+        changed |= emit_split(graph, region, members[0][1], strict)
     return changed
 
 

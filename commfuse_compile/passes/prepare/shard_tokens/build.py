@@ -8,7 +8,6 @@ the user's policy says: the shard, not the whole value, is what the backward rea
 from __future__ import annotations
 
 import operator
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from ....runtime.groups import Group
 from ...fx import dims
+from ...fx.declines import failed
 from ...fx.graph import normalized_dim, val
 from ...kit.all_reduce import AllReduceSite
 from ...kit.emit import JOINT_MARKS, Emitter
@@ -41,10 +41,10 @@ PINNED = {"is_forward": "must_be_in_forward", "is_backward": "must_be_in_backwar
 META = "commfuse_split"
 
 
-def emit_split(graph: Graph, region: Region, group: Group) -> bool:
+def emit_split(graph: Graph, region: Region, group: Group, strict: bool) -> bool:
     """The split, then the readers switched to it and the replaced nodes erased. A
     failure while the new nodes are built takes them back (the graph as it was, the
-    all-reduces left to ``mm_ar``) and warns."""
+    all-reduces left to ``mm_ar``) and warns (``declines.failed``: ``strict`` raises)."""
     first_wait = next(iter(region.sources))
     em = Emitter(graph, first_wait, detect_fake_mode([val(first_wait)]), inherit=JOINT_MARKS)
     kept = _recomputed(region)
@@ -52,12 +52,7 @@ def emit_split(graph: Graph, region: Region, group: Group) -> bool:
         scatters, replacements = _built(em, region, group, kept)
     except Exception as err:  # noqa: BLE001 - never break the user's compile
         em.discard()
-        first = (str(err).splitlines() or [""])[0][:300]
-        warnings.warn(
-            f"commfuse: all-reduces left whole (token-wise split failed: "
-            f"{type(err).__name__}: {first})",
-            stacklevel=5,
-        )
+        failed(err, strict, "all-reduces left whole (the token-wise split failed)")
         return False
     note = {
         "from": "all_reduce",
