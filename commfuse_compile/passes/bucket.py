@@ -294,8 +294,8 @@ def _merge(
     for view in (view for m in members for view in m.views):  # now after the wait
         first_read.prepend(view)
     next(n for n in new_nodes if n.target in OPS).meta[META] = number
-    for member in members:
-        member.record.bucket = number
+    for member in members:  # (a collective that could not join the bucket before it)
+        member.record.bucket, member.record.bucket_code, member.record.bucket_reason = number, "", ""
     return BucketRecord(
         graph=graph_role,
         graph_index=graph_index,
