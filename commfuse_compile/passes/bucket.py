@@ -62,22 +62,18 @@ META = "commfuse_bucket"  # node.meta key of a merged collective: its bucket's n
 
 @dataclasses.dataclass
 class _Member:
-    """One collective that could go into a bucket: its wait, its site's record, its input's
+    """One collective that could go into a bucket: its wait, its site's record, what the
+    collectives of one bucket share (op, reduce op, group, dtype, device), its input's
     bytes, the views of its value (free: they move with the wait) and the first node that
     reads it otherwise."""
 
     collective: Node
     wait: Node
     record: SiteRecord
+    key: tuple[Any, ...]
     nbytes: int
     views: list[Node]
     first_read: Node
-
-    @property
-    def key(self) -> tuple[Any, ...]:
-        """What the collectives of one bucket share: op, reduce op, group, dtype, device."""
-        value = val(self.collective)
-        return (self.collective.target, *self.collective.args[1:], value.dtype, value.device)
 
 
 @dataclasses.dataclass
@@ -144,26 +140,29 @@ def _members(gm: GraphModule, records: Sequence[SiteRecord]) -> list[_Member]:
 
 def _member(node: Node, record: SiteRecord) -> _Member:
     """``node`` as a bucket's member; declined where torch's merge cannot take it."""
-    (wait, *others) = node.users
-    if others or wait.target is not WAIT_TENSOR:
+    users = list(node.users)
+    if len(users) != 1 or users[0].target is not WAIT_TENSOR:
         raise decline("bucket.unfit", node=node.name, why="is not read by its wait alone")
-    if not wait.users:
+    views, readers = _views_and_readers(users[0])
+    if not readers:
         raise decline("bucket.unfit", node=node.name, why="is never read")
     if len(ranks_of(str(node.args[-1]))) < 2:
         raise decline("bucket.unfit", node=node.name, why="runs on no group of 2+ ranks known here")
-    value = val(node.args[0])  # type: ignore[arg-type]
+    value, out = val(node.args[0]), val(node)  # type: ignore[arg-type]
     if dims.is_symbolic(value.shape):
         shape = dims.as_json(value.shape)
         raise decline("bucket.unfit", node=node.name, why=f"has a symbolic shape {shape}")
-    views, readers = _views_and_readers(wait)
+    key = (node.target, *node.args[1:], out.dtype, out.device)
     nbytes = value.numel() * value.element_size()
-    return _Member(node, wait, record, nbytes, views, min(readers, key=position))
+    return _Member(node, users[0], record, key, nbytes, views, min(readers, key=position))
 
 
 def _views_and_readers(wait: Node) -> tuple[list[Node], list[Node]]:
     """The views of ``wait``'s value (views of views too), in graph order, and the nodes
     that read the value or a view of it otherwise."""
-    views, readers, frontier = [], [], list(wait.users)
+    views: list[Node] = []
+    readers: list[Node] = []
+    frontier = list(wait.users)
     while frontier:
         node = frontier.pop()
         if node.target in VIEWS and node.args[0] in (wait, *views):
@@ -189,16 +188,16 @@ def _by_key(members: list[_Member]) -> dict[tuple[Any, ...], list[_Member]]:
 def _buckets(group: list[_Member], timing: _Timing, options: Options) -> list[_Bucket]:
     """``group``'s buckets of two or more, in graph order: each collective joins the
     bucket before it where it may and the cost model says it pays (``_joins``)."""
+    profile = plan.profile_of(group[0].collective, options)
     buckets: list[list[_Member]] = [[group[0]]]
     for member in group[1:]:
-        why = _joins(buckets[-1], member, timing, options)
+        why = _joins(buckets[-1], member, timing, profile)
         if why is None:
             buckets[-1].append(member)
             continue
         for alone in (*(buckets[-1] if len(buckets[-1]) == 1 else ()), member):
             _not_bucketed(alone, why)
         buckets.append([member])
-    profile = plan.profile_of(group[0].collective, options)
     return [
         _Bucket(
             bucket,
@@ -212,7 +211,7 @@ def _buckets(group: list[_Member], timing: _Timing, options: Options) -> list[_B
 
 
 def _joins(
-    bucket: list[_Member], member: _Member, timing: _Timing, options: Options
+    bucket: list[_Member], member: _Member, timing: _Timing, profile: Profile
 ) -> Declined | None:
     """None if ``member`` may join ``bucket``, else why not: a value of the bucket is read
     before ``member`` starts, or merged is not predicted faster by ``plan``'s margin."""
@@ -220,7 +219,6 @@ def _joins(
     if early is not None:
         reader, later = early.first_read.name, member.collective.name
         return decline("bucket.read_early", node=early.collective.name, reader=reader, later=later)
-    profile = plan.profile_of(member.collective, options)
     apart = timing.exposed_s(bucket, profile) + timing.exposed_s([member], profile)
     merged = timing.exposed_s([*bucket, member], profile)
     if plan.auto_choice({"collective": apart, "bucket": merged}) == "bucket":
@@ -252,7 +250,8 @@ class _Timing:
             end, copy_s = bucket[0].wait, 0.0
         else:
             end = min((m.first_read for m in bucket), key=self.order.__getitem__)
-            copy_s = profile.add_s(sum(m.nbytes for m in bucket)) / 3  # one read, one write
+            # the copy into its buffer: one read and one write (an add's two of three)
+            copy_s = profile.add_s(sum(m.nbytes for m in bucket)) * 2 / 3
         nbytes = sum(m.nbytes for m in bucket)
         took = collective_seconds(start, nbytes, profile) + copy_s
         flops = self.flops[self.order[end]] - self.flops[self.order[start]]
@@ -294,8 +293,9 @@ def _merge(
     for view in (view for m in members for view in m.views):  # now after the wait
         first_read.prepend(view)
     next(n for n in new_nodes if n.target in OPS).meta[META] = number
-    for member in members:  # (a collective that could not join the bucket before it)
-        member.record.bucket, member.record.bucket_code, member.record.bucket_reason = number, "", ""
+    for member in members:  # (one that could not join the bucket before it has a reason)
+        record = member.record
+        record.bucket, record.bucket_code, record.bucket_reason = number, "", ""
     return BucketRecord(
         graph=graph_role,
         graph_index=graph_index,
