@@ -1,8 +1,8 @@
 """The collectives the sites leave in place, merged where it pays (``passes/bucket.py``):
 which go into a bucket and which do not, and why (graph level, torch's fake process
-group, rank 1 of 4); the numbers on gloo ranks: a reduce-scatter bucket's per-rank blocks
-(3 ranks), and plain TP's norm-gradient all-reduces (4 ranks, Inductor) giving the
-gradients of the unbucketed compile.
+group, rank 1 of 4); the numbers on 3 gloo ranks: a reduce-scatter bucket's per-rank
+blocks, and plain TP's norm-gradient all-reduces giving the gradients of the unbucketed
+compile.
 """
 
 from __future__ import annotations
