@@ -153,11 +153,7 @@ _REASONS = (
     # the collectives the sites leave in place, merged per group (passes/bucket.py): why
     # one goes into no bucket (in its site's record, ``bucket_code``)
     Reason("bucket.disabled", "disabled", "bucket is disabled"),
-    Reason(
-        "bucket.alone",
-        "unsupported",
-        "no other {op} of group {group} ({reduce_op}, {dtype}) stays in the graph",
-    ),
+    Reason("bucket.alone", "unsupported", "no other {op} on group {group} ({reduce_op}, {dtype})"),
     Reason("bucket.unfit", "unsupported", "{node} {why}"),
     Reason(
         "bucket.read_early",
