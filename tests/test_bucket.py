@@ -163,6 +163,25 @@ def test_reduce_scatters_interleaved_by_rank(world):
     assert report.REPORT.buckets[-1].op == "reduce_scatter"
 
 
+def test_sharded_data_parallel_norm_reduce_scatters_as_one(world):
+    """Sharded data parallelism (``tools/training``'s "fsdp" front, 2 blocks): the 5
+    reduce-scatters of the norms' weight gradients no matmul computes go as one."""
+    from commfuse_compile.tools.training.fronts import TrainConfig, build
+
+    torch._dynamo.reset()
+    report.reset()
+    setup = build(TrainConfig(front="fsdp", blocks=2, batch=4), 1, 4)
+    options = {"schedule": "ring", "inner": "eager"}
+    torch.compile(setup.loss_module, backend="commfuse", options=options)(
+        *setup.inputs(0)
+    ).backward()
+    (bucket,) = report.REPORT.buckets
+    assert (bucket.graph, bucket.op, len(bucket.collectives)) == ("backward", "reduce_scatter", 5)
+    merged = [r for r in report.REPORT.sites if r.bucket == 0]
+    assert {(r.kind, r.decline_code) for r in merged} == {("mm_rs", "rs.no_matmul")}
+    assert bucket.predicted_us["bucketed"] < bucket.predicted_us["apart"]
+
+
 def test_disabled_and_off(world):
     gm = fx(norm_gradients, *SHAPES)
     records = rewrite_graph(gm, "backward", Options(inner="eager", disable=frozenset({"bucket"})))
