@@ -182,6 +182,28 @@ def test_sharded_data_parallel_norm_reduce_scatters_as_one(world):
     assert bucket.predicted_us["bucketed"] < bucket.predicted_us["apart"]
 
 
+def test_compiler_failure_undoes_the_bucket(world):
+    """A bucket alone changes the graph: if the inner compiler rejects it, the graph as
+    it came is compiled and the report says the collectives went into no bucket."""
+    from commfuse_compile.passes import rewrite_and_compile
+
+    report.reset()
+    gm = fx(norm_gradients, *SHAPES)
+    before, compiled = gm.code, []
+
+    def compile_fn(g: GraphModule) -> str:
+        if calls(g, torch.ops.aten.cat.default):
+            raise RuntimeError("compiler says no")
+        compiled.append(g.code)
+        return "compiled"
+
+    with pytest.warns(UserWarning, match="inner compiler failed on the rewritten graph"):
+        assert rewrite_and_compile(gm, "backward", RING, compile_fn) == "compiled"
+    assert compiled == [before] and len(calls(gm, c10d.all_reduce.default)) == 3
+    assert {(r.bucket, r.bucket_code) for r in report.REPORT.sites} == {(-1, "compiler.failed")}
+    assert report.REPORT.buckets == []
+
+
 def test_disabled_and_off(world):
     gm = fx(norm_gradients, *SHAPES)
     records = rewrite_graph(gm, "backward", Options(inner="eager", disable=frozenset({"bucket"})))
