@@ -79,6 +79,19 @@ class SiteRecord:
     steps: int = 0  # overlap windows of the rewrite
     p2p_ops: int = 0
     exposed_steps: list[str] = dataclasses.field(default_factory=list)  # see program.py
+    # its collective merged with others of its group into one (``passes/bucket.py``): the
+    # bucket's number in this graph (``BucketRecord.bucket``), -1 if none; else why not
+    bucket: int = -1
+    bucket_code: str = ""  # a ``bucket.*`` code of passes.declines.REASONS
+    bucket_reason: str = ""
+
+    def bucketed(self, number: int) -> None:
+        """Its collective went into bucket ``number`` (``passes/bucket.py``)."""
+        self.bucket, self.bucket_code, self.bucket_reason = number, "", ""
+
+    def not_bucketed(self, code: str, reason: str) -> None:
+        """Its collective is in no bucket (any it was in was undone): why."""
+        self.bucket, self.bucket_code, self.bucket_reason = -1, code, reason
 
     def predicted(
         self,
@@ -132,11 +145,38 @@ class SiteRecord:
         return out
 
 
+@dataclasses.dataclass
+class BucketRecord:
+    """Collectives the sites left in place, merged into one (``passes/bucket.py``): which,
+    their bytes, and the cost model's exposed communication apart and merged."""
+
+    graph: str
+    graph_index: int
+    bucket: int  # its number in this graph
+    op: str  # "all_reduce" | "reduce_scatter"
+    group: str
+    reduce_op: str
+    dtype: str
+    collectives: list[str]  # the collectives merged, in graph order
+    sites: list[str]  # their sites' ids
+    bytes: list[int]  # each collective's input bytes
+    # exposed communication predicted apart (each collective's time not hidden by the
+    # matmuls before its wait) and merged (one collective and the copy into its buffer)
+    predicted_us: dict[str, float]
+    saving_us: float
+    profile: str
+    nodes: list[str] = dataclasses.field(default_factory=list)  # the merged collective's
+
+    def as_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "total_bytes": sum(self.bytes)}
+
+
 class Report:
     """All sites of every graph this process compiled; written to disk as each graph is done."""
 
     def __init__(self) -> None:
         self.sites: list[SiteRecord] = []
+        self.buckets: list[BucketRecord] = []
         self.graphs = 0
         self.options: dict[str, Any] = {}  # the last compile's options and their origins
         self._at_exit: set[str] = set()
@@ -148,18 +188,26 @@ class Report:
         return self.graphs - 1
 
     def finish_graph(
-        self, records: list[SiteRecord], graph: str, debug_dir: str | None, measure: bool
+        self,
+        records: list[SiteRecord],
+        graph: str,
+        debug_dir: str | None,
+        measure: bool,
+        buckets: list[BucketRecord] | None = None,
     ) -> None:
         """A graph's decisions are final: recorded, written (again at exit if its runs
         are measured) and logged. The one place the pass writes the report."""
         self.sites += records
+        self.buckets += buckets or []
         if debug_dir:
             self.write(debug_dir)
             if measure:
                 self.write_at_exit(debug_dir)
-        self.log_graph(records, graph)
+        self.log_graph(records, graph, buckets or [])
 
-    def log_graph(self, records: list[SiteRecord], graph: str) -> None:
+    def log_graph(
+        self, records: list[SiteRecord], graph: str, buckets: list[BucketRecord] | None = None
+    ) -> None:
         """A graph's final decisions: every site at DEBUG (``TORCH_LOGS="+commfuse"``),
         one summary line at INFO, from rank 0 only unless DEBUG is on. Nothing warns
         here: faults warn where they happen."""
@@ -170,15 +218,28 @@ class Report:
                 log.debug("%s rewritten (%s): %s", line, record.schedule, record.reason)
             else:
                 log.debug("%s declined: %s", line, record.reason)
+        for bucket in buckets or []:
+            log.debug(
+                "commfuse: %s graph: bucket %d, one %s of %s (%d bytes): %.1f us exposed "
+                "predicted apart, %.1f us merged",
+                graph,
+                bucket.bucket,
+                bucket.op,
+                ", ".join(bucket.collectives),
+                sum(bucket.bytes),
+                bucket.predicted_us["apart"],
+                bucket.predicted_us["bucketed"],
+            )
         from .runtime.groups import this_rank
 
         if records and (this_rank() == 0 or log.isEnabledFor(logging.DEBUG)):
-            log.info("commfuse: %s", summary_line(records, graph))
+            log.info("commfuse: %s", summary_line(records, graph, buckets or []))
 
     def as_json(self) -> dict[str, Any]:
         return {
             "options": self.options,
             "sites": [_with_measurements(s.as_json()) for s in self.sites],
+            "buckets": [b.as_json() for b in self.buckets],
         }
 
     def write(self, debug_dir: str, rank: int | None = None) -> None:
@@ -216,8 +277,11 @@ def _with_measurements(record: dict[str, Any]) -> dict[str, Any]:
     return record | {"measured_us": round(median * 1e6, 1), "measured_calls": len(spans)}
 
 
-def summary_line(records: list[SiteRecord], graph: str) -> str:
-    """``forward: 5 sites, 3 rewritten (ring); declined: 2 not profitable``."""
+def summary_line(
+    records: list[SiteRecord], graph: str, buckets: list[BucketRecord] | None = None
+) -> str:
+    """``backward: 12 sites, 3 rewritten (ring); declined: 9 unsupported pattern; 9
+    collectives in 1 bucket``."""
     rewritten = [r for r in records if r.decision == "rewritten"]
     schedules = sorted({r.schedule for r in rewritten})
     line = f"{graph}: {len(records)} sites, {len(rewritten)} rewritten"
@@ -229,6 +293,9 @@ def summary_line(records: list[SiteRecord], graph: str) -> str:
             declined[category] = declined.get(category, 0) + 1
     if declined:
         line += "; declined: " + ", ".join(f"{n} {what}" for what, n in declined.items())
+    if buckets:
+        merged = sum(len(b.collectives) for b in buckets)
+        line += f"; {merged} collectives in {len(buckets)} bucket{'s' * (len(buckets) > 1)}"
     return line
 
 
@@ -272,5 +339,6 @@ def dump_code(
 def reset() -> None:
     """Forget every recorded site (tests; a fresh process starts empty)."""
     REPORT.sites.clear()
+    REPORT.buckets.clear()
     REPORT.graphs = 0
     REPORT.options = {}

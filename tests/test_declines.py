@@ -16,7 +16,7 @@ PACKAGE = Path(commfuse_compile.__file__).parent
 # the docs page that holds the generated table, between its "declines" markers
 DECLINES_PAGE = PACKAGE.parent / "docs" / "rewrites.md"
 RAISED = re.compile(r"""decline\(\s*["']([a-z_]+\.[a-z_]+)["']""")
-PREFIXES = "rs|ar|ag|a2a|moe|site|plan|lower|size|compiler|internal|split"
+PREFIXES = "rs|ar|ag|a2a|moe|site|plan|lower|size|compiler|internal|split|bucket"
 CHOSEN = re.compile(rf"""["']((?:{PREFIXES})\.[a-z_]+)["']""")
 
 

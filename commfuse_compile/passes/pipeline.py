@@ -19,10 +19,10 @@ from typing import Any, TypeVar
 from torch.fx import Graph, GraphModule
 
 from ..options import Options
-from ..report import REPORT, SiteRecord, dump_code, site_id
+from ..report import REPORT, BucketRecord, SiteRecord, dump_code, site_id
 from ..runtime import groups
 from ..schedules import by_name
-from . import match, plan, verify
+from . import bucket, match, plan, verify
 from .fx.declines import Declined, decline, failed
 from .kit.rewrite import Rewrite, Taken, graph_digest, tag_of, transfers_digest
 from .kit.site import Site
@@ -43,7 +43,7 @@ def rewrite_graph(gm: GraphModule, graph_role: str, options: Options) -> list[Si
     result = _rewrite(gm, graph_role, options)
     try:
         why = _agree(result, gm, options, result.graph_events)
-        if why is not None and _rewritten(result):
+        if why is not None and _changed(result):
             _fall_back(result, why)  # the restored graph recompiles
     finally:
         _finish(result, options)
@@ -94,13 +94,13 @@ def _compile_and_check(
         if _rewritten(result) and program_of is not None:
             checked = _check_program(program_of(compiled), options, result)
     except Exception as err:
-        if not _rewritten(result):
+        if not _changed(result):
             raise
         outcome = "compiling the original graph"
         _fall_back(result, failed(err, options.strict, outcome, "compiler.failed"))
         compiled = compile_fn(gm)
     why = _agree(result, gm, options, checked.sequence if checked is not None else None)
-    if why is not None and _rewritten(result):
+    if why is not None and _changed(result):
         _fall_back(result, why)
         compiled = compile_fn(gm)
     return compiled
@@ -121,6 +121,12 @@ class _Result:
     # the rewritten graph's transfers in node order, read before ``order.keep_order`` wraps
     # them in control_deps (the order it pins); None: read from the graph as it is
     graph_events: list[sequence.Event] | None = None
+    buckets: list[BucketRecord] = dataclasses.field(default_factory=list)  # ``bucket``'s
+
+
+def _changed(result: _Result) -> bool:
+    """Does the graph run other than it came: a site rewritten, or collectives merged?"""
+    return bool(result.buckets or _rewritten(result))
 
 
 def _rewritten(result: _Result) -> list[SiteRecord]:
@@ -135,6 +141,10 @@ def _fall_back(result: _Result, why: Declined) -> None:
     result.original.restore()
     for record in _rewritten(result):
         record.declined(why)
+    for record in result.records:
+        if record.bucket >= 0:
+            record.not_bucketed(why.code, why.reason)
+    result.buckets = []
 
 
 def _agree(
@@ -147,7 +157,9 @@ def _agree(
 
 def _finish(result: _Result, options: Options) -> None:
     """The graph's decisions are final: into the report."""
-    REPORT.finish_graph(result.records, result.graph_role, options.debug_dir, options.measure)
+    REPORT.finish_graph(
+        result.records, result.graph_role, options.debug_dir, options.measure, result.buckets
+    )
 
 
 class _Original:
@@ -165,6 +177,7 @@ class _Original:
     def restore(self) -> None:
         if self.graph is not None:
             self.gm.graph = self.graph  # recompiles
+            self.graph = None  # the graph as it came is the live one: a change copies it again
 
 
 def _check_program(code: str | None, options: Options, result: _Result) -> program.Result:
@@ -203,16 +216,20 @@ def _rewrite(gm: GraphModule, graph_role: str, options: Options) -> _Result:
         rewrites = _rewrite_sites(gm, options, result, tags)
         if (canonical or split or sharded) and not rewrites:
             result.original.restore()
+        result.buckets = bucket.merge_collectives(
+            gm, result.records, options, graph_role, graph_index, keep, result.groups
+        )
         if rewrites and options.inner == "inductor":
             result.graph_events = sequence.from_graph(gm.graph, groups.ranks_of)
             order.keep_order(gm.graph, (s for rw in rewrites for s in rw.steps))
-        if rewrites and options.inner != "inductor":  # Inductor lints and recompiles
+        if (rewrites or result.buckets) and options.inner != "inductor":  # Inductor does
             gm.graph.lint()
             gm.recompile()
     except Exception as err:  # noqa: BLE001 - never break the user's compile
         why = failed(err, options.strict, "graph left as it was")
         result.original.restore()
         result.groups.clear()
+        result.buckets = []
         result.records = _declined_records(gm, graph_index, graph_role, why, options)
     dump_code(options.debug_dir, graph_index, graph_role, "after", lambda: _code(gm))
     return result

@@ -158,6 +158,23 @@ _REASONS = (
         "split.unwaited", "unsupported", "the all-reduce is saved for the backward before its wait"
     ),
     Reason("split.ranks", "compiler", "the ranks' joint graphs or splits differ: {detail}"),
+    # the collectives the sites leave in place, merged per group (passes/bucket.py): why
+    # one goes into no bucket (in its site's record, ``bucket_code``)
+    Reason("bucket.disabled", "disabled", "bucket is disabled"),
+    Reason("bucket.alone", "unsupported", "no other {op} on group {group} ({reduce_op}, {dtype})"),
+    Reason("bucket.unfit", "unsupported", "{node} {why}"),
+    Reason(
+        "bucket.read_early",
+        "unsupported",
+        "{node}'s value is read by {reader} before {later} starts: merged, that reader "
+        "would wait for the later collective",
+    ),
+    Reason(
+        "bucket.not_profitable",
+        "not_profitable",
+        "merged with {others}: {merged_us:.1f} us of exposed communication predicted, "
+        "{apart_us:.1f} us apart (a bucket must gain {gain:.0%})",
+    ),
     Reason(
         "ar.not_matmul",
         "unsupported",

@@ -17,8 +17,9 @@ KINDS: dict[str, SiteKind[Any]] = {
     for kind in (moe.KIND, ag_mm.KIND, mm_rs.KIND, a2a_mm.KIND, mm_a2a.KIND, mm_ar.KIND)
 }
 EVERY_ROLE = tuple(dict.fromkeys(role for kind in KINDS.values() for role in kind.roles))
-# What ``disable`` can switch off, for bisecting: site kinds, matmul roles, schedules.
-DISABLEABLE = (*KINDS, *EVERY_ROLE, *NAMES)
+# What ``disable`` can switch off, for bisecting: site kinds, matmul roles, schedules, and
+# the merging of the collectives the sites leave in place (``passes/bucket.py``).
+DISABLEABLE = (*KINDS, *EVERY_ROLE, *NAMES, "bucket")
 
 
 def of(site: Site) -> SiteKind[Any]:
