@@ -7,6 +7,8 @@ compile.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -197,8 +199,9 @@ def test_compiler_failure_undoes_the_bucket(world):
         compiled.append(g.code)
         return "compiled"
 
+    lenient = dataclasses.replace(RING, strict=False)  # the fall-back, not the error
     with pytest.warns(UserWarning, match="inner compiler failed on the rewritten graph"):
-        assert rewrite_and_compile(gm, "backward", RING, compile_fn) == "compiled"
+        assert rewrite_and_compile(gm, "backward", lenient, compile_fn) == "compiled"
     assert compiled == [before] and len(calls(gm, c10d.all_reduce.default)) == 3
     assert {(r.bucket, r.bucket_code) for r in report.REPORT.sites} == {(-1, "compiler.failed")}
     assert report.REPORT.buckets == []
