@@ -60,14 +60,19 @@ def test_demo_runs_checks_and_reports(tmp_path):
             proc.stdout,
         )
         # the limit's terms measured alone: each program computing with its transfers
-        # local copies, the baseline's collectives with nothing computed
+        # local copies, and its transfers with nothing computed
         assert re.search(
             r"compute alone \(every transfer a local copy\): commfuse [\d.]+ ms, "
             r"schedule='off' [\d.]+ ms",
             proc.stdout,
         )
         assert re.search(
-            r"overlap limit max\(compute, communication [\d.]+ ms alone\): commfuse at "
+            r"communication alone \(each program's transfers, nothing computed\): commfuse "
+            r"[\d.]+ ms, schedule='off' [\d.]+ ms",
+            proc.stdout,
+        )
+        assert re.search(
+            r"overlap limit max\(compute, communication\), each program's own: commfuse at "
             r"[\d.]+x its [\d.]+ ms, schedule='off' at [\d.]+x its [\d.]+ ms",
             proc.stdout,
         )
