@@ -64,7 +64,7 @@ from ..kit import paths
 from ..kit.blocks import make_contiguous, replay, slice_span
 from ..kit.rewrite import Rewrite, Taken
 from ..kit.ring import Products, collect_then_compute, replace_collective
-from ..kit.site_kind import SiteKind
+from ..kit.site_kind import AtCollective
 from ..kit.uses import Use, UsesSite, check_read_only, without_read_twice
 
 aten = torch.ops.aten
@@ -121,7 +121,7 @@ class A2aMmSite(UsesSite):
         }
 
 
-class A2aMm(SiteKind[A2aMmSite]):
+class A2aMm(AtCollective[A2aMmSite]):
     name = "a2a_mm"
     roles = ("rows", "contract", "columns", "contract_left")
     direction = Direction.EXCHANGE_IN

@@ -62,7 +62,7 @@ from ..kit.emit import Emitter
 from ..kit.rewrite import Rewrite, Taken
 from ..kit.ring import compute_then_send, replace_collective
 from ..kit.site import Site
-from ..kit.site_kind import SiteKind
+from ..kit.site_kind import AtCollective
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -104,7 +104,7 @@ class MmA2aSite(Site):
         }
 
 
-class MmA2a(SiteKind[MmA2aSite]):
+class MmA2a(AtCollective[MmA2aSite]):
     name = "mm_a2a"
     direction = Direction.EXCHANGE_OUT
     collective = ALL_TO_ALL

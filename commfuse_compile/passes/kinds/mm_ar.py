@@ -29,12 +29,12 @@ from ..kit.blocks import make_contiguous, view
 from ..kit.reduced import flops, reduce_block
 from ..kit.rewrite import Rewrite, Taken
 from ..kit.ring import replace_collective
-from ..kit.site_kind import SiteKind
+from ..kit.site_kind import AtCollective
 
 c10d = torch.ops._c10d_functional
 
 
-class MmAr(SiteKind[AllReduceSite]):
+class MmAr(AtCollective[AllReduceSite]):
     name = "mm_ar"
     direction = Direction.REDUCE  # the steps are the reduce-scatter half's
     collective = c10d.all_reduce.default

@@ -48,7 +48,7 @@ from ..kit.reduced import (
 )
 from ..kit.rewrite import Rewrite, Taken
 from ..kit.ring import replace_collective
-from ..kit.site_kind import SiteKind
+from ..kit.site_kind import AtCollective
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -64,7 +64,7 @@ class MmRsSite(ReducedProductSite):
         return {**super().describe(), "scatter_dim": self.scatter_dim}
 
 
-class MmRs(SiteKind[MmRsSite]):
+class MmRs(AtCollective[MmRsSite]):
     name = "mm_rs"
     direction = Direction.REDUCE
     collective = c10d.reduce_scatter_tensor.default

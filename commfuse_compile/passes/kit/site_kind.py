@@ -38,24 +38,15 @@ class SiteKind(abc.ABC, Generic[S]):
     # can run inside one window of a site that shares its matmul and is rewritten first
     # (``match.find_sites`` orders such sites so)
     nests: bool = False
-    collective: Any = None  # the op its sites start at (``find``); None: ``find`` is its own
 
-    def match(self, collective: Node, taken: Taken) -> S | None:
-        """The site at ``collective`` (a node of ``self.collective``), matched or declined;
-        None where it is no site of this kind."""
-        raise NotImplementedError(f"{self.name} finds its sites itself")
-
+    @abc.abstractmethod
     def find(self, graph: Graph) -> list[S]:
-        """Every site of this kind in the graph, matched or declined (nothing rewritten);
-        not at the collectives a rewrite emitted (the slicing schedule's chunks)."""
-        nodes = graph.find_nodes(op="call_function", target=self.collective)
-        found = (self.match(node, Taken()) for node in nodes if "commfuse" not in node.meta)
-        return [site for site in found if site is not None]
+        """Every site of this kind in the graph, matched or declined (nothing rewritten)."""
 
+    @abc.abstractmethod
     def rematch(self, site: S, taken: Taken) -> S | None:
         """``site`` matched again where it stands after other sites were rewritten (what
         they emitted: ``taken``)."""
-        return self.match(site.anchor, taken)
 
     def without(self, site: S, disabled: frozenset[str]) -> S:
         """``site`` less the parts the ``disable`` option names (declines if none is left);
@@ -95,3 +86,24 @@ class SiteKind(abc.ABC, Generic[S]):
         an uneven all-to-all differ in their rows: 1); None: not checked (a kind whose
         blocks have the graph's own sizes)."""
         return 0
+
+
+class AtCollective(SiteKind[S]):
+    """A kind whose every site starts at one node of ``collective``: it writes only
+    ``match``, the site there, and finds and rematches through it."""
+
+    collective: Any  # the op its sites start at
+
+    @abc.abstractmethod
+    def match(self, collective: Node, taken: Taken) -> S | None:
+        """The site at ``collective`` (a node of ``self.collective``), matched or declined;
+        None where it is no site of this kind."""
+
+    def find(self, graph: Graph) -> list[S]:
+        """Not at the collectives a rewrite emitted (the slicing schedule's chunks)."""
+        nodes = graph.find_nodes(op="call_function", target=self.collective)
+        found = (self.match(node, Taken()) for node in nodes if "commfuse" not in node.meta)
+        return [site for site in found if site is not None]
+
+    def rematch(self, site: S, taken: Taken) -> S | None:
+        return self.match(site.anchor, taken)

@@ -128,6 +128,10 @@ LOCAL: dict[Any, Callable[..., Any]] = {
 }
 
 
+class UnknownCollective(ValueError):
+    """A program has a collective ``LOCAL`` has no local copy of."""
+
+
 def localize(gm: GraphModule) -> None:
     """Every collective and P2P batch of ``gm`` replaced by its local copy (``LOCAL``);
     a collective without one is an error (its time would count as compute)."""
@@ -137,7 +141,10 @@ def localize(gm: GraphModule) -> None:
         if node.target in LOCAL:
             node.target = LOCAL[node.target]
         elif "c10d" in str(node.target):
-            raise NotImplementedError(f"no local copy of {node.target} ({node.name})")
+            raise UnknownCollective(
+                f"compute alone: no local copy of {node.target} ({node.name}); its time "
+                "would count as compute, so this program's limit is not measured"
+            )
     gm.recompile()
 
 

@@ -38,7 +38,7 @@ from ...fx import dims
 from ...fx.collectives import ALL_TO_ALL
 from ...fx.graph import node_arg, numel, val
 from ...kit.rewrite import Rewrite, Taken
-from ...kit.site_kind import Peers, SiteKind
+from ...kit.site_kind import AtCollective, Peers
 from .find import match as match_dispatch
 from .lower import lower, peers
 from .site import MoeSite
@@ -46,7 +46,7 @@ from .site import MoeSite
 __all__ = ["KIND", "MoeSite", "peers"]
 
 
-class Moe(SiteKind[MoeSite]):
+class Moe(AtCollective[MoeSite]):
     name = "moe"
     direction = Direction.ROUND_TRIP
     collective = ALL_TO_ALL
