@@ -12,8 +12,10 @@ profile without it (a single node, or a file written before levels) is one level
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -37,18 +39,33 @@ CURVE_BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block, 
 
 @dataclasses.dataclass(frozen=True)
 class Curve:
-    """A collective's time as measured on a group of one size: ``latency_s`` plus
-    ``seconds_per_byte`` times the bytes of one rank's block (the all-gather's shard, the
-    reduce-scatter's output, the all-to-all's block for one peer: even splits; the
-    all-reduce's tensor over the group size), fitted on ``points`` (block bytes,
-    seconds)."""
+    """A collective's time as measured on a group of one size, by the bytes of one
+    rank's block (the all-gather's shard, the reduce-scatter's output, the all-to-all's
+    block for one peer: even splits; the all-reduce's tensor over the group size):
+    ``points`` (block bytes, seconds) as measured, and the line ``latency_s`` +
+    ``seconds_per_byte`` x bytes fitted on them."""
 
     latency_s: float
     seconds_per_byte: float
     points: tuple[tuple[float, float], ...] = ()
 
     def seconds(self, block_bytes: float) -> float:
-        return self.latency_s + self.seconds_per_byte * block_bytes
+        """Through the measured points, where there are two or more: between two, on the
+        line joining them; past the largest, on from it at the fitted per-byte cost;
+        below the smallest, its first segment's line (never below zero). One line
+        through all of them prices one end only: gloo's 4 KiB calls take about 0.5 ms,
+        which a line fitted on its 1-4 MiB ones puts at zero, and ``auto`` then split a
+        decode step's all-reduce into four calls. A larger block never takes less time
+        than a smaller one measured. Without points (the built-in constants): the line."""
+        if len(self.points) < 2:
+            return self.latency_s + self.seconds_per_byte * block_bytes
+        xs = [x for x, _ in sorted(self.points)]
+        ys = list(itertools.accumulate((y for _, y in sorted(self.points)), max))
+        if block_bytes >= xs[-1]:
+            return ys[-1] + self.seconds_per_byte * (block_bytes - xs[-1])
+        i = max(1, bisect.bisect_right(xs, block_bytes))
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        return max(ys[i - 1] + slope * (block_bytes - xs[i - 1]), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)

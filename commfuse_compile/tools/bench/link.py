@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +59,7 @@ class LinkProfiles:
             link_bytes_per_s=1 / per_byte(1 / ref.link_bytes_per_s, 1 / free.link_bytes_per_s),
             collectives={
                 kind: {
-                    n: Curve(
-                        c.latency_s,
-                        per_byte(c.seconds_per_byte, free.curve(kind, n).seconds_per_byte),
-                    )
+                    n: _scaled(c, free.curve(kind, n), per_byte)
                     for n, c in curves.items()
                     if free.curve(kind, n) is not None
                 }
@@ -75,6 +73,18 @@ class LinkProfiles:
         path.parent.mkdir(parents=True, exist_ok=True)
         save(self.at(rate), path)
         return str(path)
+
+
+def _scaled(reference: Curve, free: Curve, per_byte: Callable[[float, float], float]) -> Curve:
+    """``reference``'s curve at another rate: each measured point (the unthrottled one's
+    time at the same block size plus the throttled part, scaled) and the fitted per-byte
+    cost, by ``per_byte``; the fitted fixed cost stays."""
+    points = tuple(
+        (x, per_byte(reference_s, free_s))
+        for (x, reference_s), (_, free_s) in zip(reference.points, free.points, strict=True)
+    )
+    spb = per_byte(reference.seconds_per_byte, free.seconds_per_byte)
+    return Curve(reference.latency_s, spb, points)
 
 
 def choose_rate(
