@@ -28,6 +28,10 @@ class Timeline:
     def on_rank(self, rank: int) -> list[Event]:
         return [e for e in self.events if e.rank == rank]
 
+    def comm_calls(self, rank: int = 0) -> int:
+        """The communication calls ``rank`` issues: a collective or a P2P batch each."""
+        return sum(e.lane == "comm" for e in self.on_rank(rank))
+
     def exposed_comm_s(self, rank: int = 0) -> float:
         """Time on ``rank`` that is not spent computing."""
         busy = sum(e.end_s - e.start_s for e in self.on_rank(rank) if e.lane == "compute")

@@ -46,7 +46,7 @@ from ...cost.simulator import (
     predict,
     simulate,
 )
-from ...passes.plan import auto_choice
+from ...passes.plan import auto_schedule
 from ...schedules import Direction
 from ..trace import Process, Span, chrome_trace
 
@@ -197,11 +197,10 @@ class LayerResult:
         return sum(timelines[schedule].end_s for _, timelines in self.sites)
 
     def auto_s(self) -> float:
-        """Per site, what ``schedule="auto"`` picks on this profile (``plan.auto_choice``)."""
+        """Per site, what ``schedule="auto"`` picks on this profile (``plan.auto_schedule``)."""
         total = 0.0
         for _, timelines in self.sites:
-            times = {k: t.end_s for k, t in timelines.items()}
-            total += times[auto_choice(times)]
+            total += timelines[auto_schedule(timelines)].end_s
         return total
 
 
@@ -269,9 +268,7 @@ def simulate_plain_tp(
     return PlainTpResult(
         n,
         all_reduce_s=free + sum(t["collective"].end_s for t in whole) + tokens_whole,
-        whole_auto_s=free
-        + sum(t[auto_choice({k: x.end_s for k, x in t.items()})].end_s for t in whole)
-        + tokens_whole,
+        whole_auto_s=free + sum(t[auto_schedule(t)].end_s for t in whole) + tokens_whole,
         token_wise_whole_s=tokens_whole,
         token_wise_shard_s=len(reduces) * token_wise_s(model, model.tokens / n, profile),
         split=split,
