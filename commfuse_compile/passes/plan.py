@@ -93,8 +93,8 @@ def auto_choice(times: Mapping[str, float], calls: Mapping[str, int] | None = No
     schedules within ``MIN_GAIN`` of the fastest, the one that issues the fewest
     communication calls (``calls``, by schedule; then the faster), if it ``pays``
     against the collective. A call's fixed costs are what the model prices worst: on a
-    decode step, slicing's gather, predicted 0.2 % faster than the ring, made the step 6.1 ms against
-    the ring's 5.2."""
+    decode step, slicing's gather, predicted 0.2 % faster than the ring, made the step
+    6.1 ms against the ring's 5.2."""
     fastest = min(times.values())
     near = [k for k in times if not pays(fastest, times[k])]
     best = min(near, key=lambda k: ((calls or {}).get(k, 0), times[k]))
