@@ -1,9 +1,13 @@
-"""What the pass decided, per site: the report.json of a debug dump and the log.
+"""What the pass decided, per site and per bucket: the report.json of a debug dump and
+the log.
 
 Every collective of a graph the pass sees ends up in one ``SiteRecord`` (a site of a
-kind, or a declined site of its own: ``passes/kinds/unclaimed.py``), kept in ``REPORT``
-when its graph's decisions are final (``Report.finish_graph``). Declines go through
-``passes.fx.declines.decline`` only (an unexpected error through
+kind, or a declined site of its own: ``passes/kinds/unclaimed.py``), whose id is
+``site_id``'s "graph.site". The pipeline creates the record as the site is found; the
+stages write to it only through its methods. Collectives the sites left in place and
+``passes/bucket.py`` merged into one are a ``BucketRecord`` each. A graph's records and
+buckets go into ``REPORT`` when its decisions are final (``Report.finish_graph``).
+Declines go through ``passes.fx.declines.decline`` only (an unexpected error through
 ``declines.failed``), so that every reason reaches the report and the log the same way.
 """
 
@@ -40,21 +44,28 @@ DECLINE_CATEGORIES = {
 
 
 def site_id(graph_index: int, ordinal: int) -> str:
-    """A site's id, ``"graph.site"``: its graph's number and its place in the graph's
-    sites as matched (``match.find_sites``), the same on every rank that compiled the
-    graph (the ranks agree on its digest) and unique in the process (P2P labels and
-    ``measured_us`` timings are keyed by it)."""
+    """A site's id, ``"graph.site"`` (``"0.3"``): its graph's number in this process
+    (``Report.new_graph``) and its place among the graph's sites in the order
+    ``match.find_sites`` gives them. The place is the same on every rank (the ranks agree
+    on the graph's digest), the graph's number where the ranks compiled the same graphs
+    in the same order. Unique in the process: P2P labels and ``measured_us`` timings are
+    keyed by it."""
     return f"{graph_index}.{ordinal}"
 
 
 @dataclasses.dataclass
 class SiteRecord:
-    """What the pass decided on one site. The pipeline creates it as the site is found;
-    each later stage adds to it through a method (``predicted``, ``rewritten``,
-    ``declined``, ``exposed``), so that every field has one writer."""
+    """What the pass decided on one site. The pipeline creates it as the site is found
+    (``pipeline._record``); the stages add to it only through its methods: ``predicted``
+    (plan), ``rewritten``, ``declined`` and ``exposed`` (the pipeline), ``bucketed`` and
+    ``not_bucketed`` (the bucket stage; the pipeline's fall-back)."""
 
-    kind: str  # a site kind's name (``passes.kinds.KINDS``), or "collective"
-    graph: str  # "forward" | "backward" | "inference" | "export" | "joint"
+    # a site kind's name (``passes.kinds.KINDS``); an unclaimed collective's: the kind
+    # its op would have, or "collective" for an op no kind rewrites
+    kind: str
+    # "forward" | "backward" | "inference" | "export"; "joint" only in the records the
+    # ranks agree on the joint graph's split with (``passes/joint.py``), never reported
+    graph: str
     decision: str = "declined"  # "rewritten" | "declined"
     schedule: str = "off"
     reason: str = ""
@@ -78,11 +89,13 @@ class SiteRecord:
     ring: list[int] = dataclasses.field(default_factory=list)
     steps: int = 0  # overlap windows of the rewrite
     p2p_ops: int = 0
-    exposed_steps: list[str] = dataclasses.field(default_factory=list)  # see program.py
+    # the steps whose transfer the compiled program waited with no matmul in flight
+    # (``passes/ranks/program.py``)
+    exposed_steps: list[str] = dataclasses.field(default_factory=list)
     # its collective merged with others of its group into one (``passes/bucket.py``): the
     # bucket's number in this graph (``BucketRecord.bucket``), -1 if none; else why not
     bucket: int = -1
-    bucket_code: str = ""  # a ``bucket.*`` code of passes.declines.REASONS
+    bucket_code: str = ""  # a ``bucket.*`` code of passes.fx.declines.REASONS
     bucket_reason: str = ""
 
     def bucketed(self, number: int) -> None:
@@ -102,8 +115,8 @@ class SiteRecord:
         level: str,
         ring: list[int],
     ) -> None:
-        """What the cost model said (plan), the collective's timeline, the level of the
-        group's links and its ring."""
+        """What the cost model said (``plan.predict_site``), the collective's timeline,
+        the level of the group's links and its ring."""
         self.predicted_us, self.profile, self.collective_model = (
             predicted_us,
             profile,
@@ -122,14 +135,15 @@ class SiteRecord:
         p2p_ops: int,
     ) -> None:
         """The site is rewritten as ``schedule`` (``match``: as lowered, some matmuls may
-        be left out), with the nodes it created and its steps."""
+        be left out), with the schedule's timeline, the nodes it created and its steps."""
         self.decision, self.schedule, self.reason = "rewritten", schedule, why
         self.match, self.timeline = match, timeline
         self.nodes, self.steps, self.p2p_ops = nodes, steps, p2p_ops
 
     def declined(self, why: Any) -> SiteRecord:
         """Record the decline ``why`` (a ``passes.fx.declines.Declined``): also of a
-        rewritten site whose graph falls back, which then runs its collective."""
+        rewritten site whose graph falls back, which then runs its collective (its
+        ``timeline``, ``nodes``, ``steps`` and ``p2p_ops`` stay the rewrite's)."""
         self.decision, self.schedule, self.exposed_steps = "declined", "off", []
         self.reason, self.decline_code, self.decline_category = why.reason, why.code, why.category
         self.traceback = why.traceback
@@ -172,7 +186,8 @@ class BucketRecord:
 
 
 class Report:
-    """All sites of every graph this process compiled; written to disk as each graph is done."""
+    """All sites and buckets of every graph this process compiled; written to disk as
+    each graph is done."""
 
     def __init__(self) -> None:
         self.sites: list[SiteRecord] = []
@@ -195,8 +210,9 @@ class Report:
         measure: bool,
         buckets: list[BucketRecord] | None = None,
     ) -> None:
-        """A graph's decisions are final: recorded, written (again at exit if its runs
-        are measured) and logged. The one place the pass writes the report."""
+        """A graph's decisions (its sites' records and its buckets) are final: recorded,
+        written (again at exit if its runs are measured) and logged. The one place the
+        pass writes the report."""
         self.sites += records
         self.buckets += buckets or []
         if debug_dir:
@@ -208,9 +224,9 @@ class Report:
     def log_graph(
         self, records: list[SiteRecord], graph: str, buckets: list[BucketRecord] | None = None
     ) -> None:
-        """A graph's final decisions: every site at DEBUG (``TORCH_LOGS="+commfuse"``),
-        one summary line at INFO, from rank 0 only unless DEBUG is on. Nothing warns
-        here: faults warn where they happen."""
+        """A graph's final decisions: every site and bucket at DEBUG
+        (``TORCH_LOGS="+commfuse"``), one summary line at INFO, from rank 0 only unless
+        DEBUG is on. Nothing warns here: faults warn where they happen."""
         for record in records:
             names = ", ".join(record.match.get("collectives", ()))
             line = f"commfuse: {record.kind} site {record.site} ({names}) in {graph} graph"
@@ -265,9 +281,9 @@ REPORT = Report()
 
 def _with_measurements(record: dict[str, Any]) -> dict[str, Any]:
     """``measured_us``: the median, over the calls so far, of the site's span from its
-    first P2P op's start to its last wait's end (the ``measure`` option). It leaves out
-    the matmul before the first transfer (reduce-scatter) or after the last wait
-    (all-gather) that ``predicted_us`` includes: one block's matmul."""
+    first P2P op's start to its last wait's end (the ``measure`` option; ``TIMINGS`` by
+    site id). It leaves out the matmul before the first transfer (reduce-scatter) or
+    after the last wait (all-gather) that ``predicted_us`` includes: one block's matmul."""
     from .runtime.p2p import TIMINGS
 
     spans = TIMINGS.get(record["site"])
@@ -337,7 +353,8 @@ def dump_code(
 
 
 def reset() -> None:
-    """Forget every recorded site (tests; a fresh process starts empty)."""
+    """Forget every recorded site and bucket, and the graphs' numbering (tests; a fresh
+    process starts empty)."""
     REPORT.sites.clear()
     REPORT.buckets.clear()
     REPORT.graphs = 0

@@ -146,7 +146,7 @@ def test_split_that_fails_leaves_the_all_reduce_to_its_site(fake_world, monkeypa
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(build, "_moved", broken)
+    monkeypatch.setattr(build, "_move_to_shard", broken)
     gm = traced(residual_norm_qk, SHAPES)
     with pytest.warns(UserWarning, match="all-reduces left whole .*RuntimeError: boom"):
         records = rewrite_graph(gm, "forward", dataclasses.replace(RING, strict=False))

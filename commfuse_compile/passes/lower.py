@@ -62,7 +62,7 @@ def _keep_size_readers(rw: Rewrite, nodes: Sequence[Node]) -> None:
             value = node.meta["val"]
             if not isinstance(value, torch.SymInt):
                 raise decline("size.not_symint", node=node.name)
-            new = rw.emit.size(value, step=0, before=node)
+            new = rw.emit.compute_size(value, step=0, before=node)
             if not isinstance(new, Node):
                 raise decline("size.constant", node=node.name)
             rw.replaces(node, new)

@@ -211,7 +211,7 @@ def _lower(rw: Rewrite, site: MmA2aSite, group: Group, schedule: Schedule) -> No
     check_own_block(site.all_to_all, site.sent.width(rows, r), received.width(out_rows, r))
 
     def compute(b: int, s: int) -> Node:
-        return _input_block(rw.emit, site, b, s)
+        return _compute_input_block(rw.emit, site, b, s)
 
     widths = (lambda j: received.width(out_rows, j)) if site.uneven else None
     blocks = compute_then_send(rw, group, schedule, Direction.EXCHANGE_OUT, compute, widths)
@@ -220,11 +220,11 @@ def _lower(rw: Rewrite, site: MmA2aSite, group: Group, schedule: Schedule) -> No
     replace_collective(rw, [site.all_to_all], [site.wait], out)
 
 
-def _input_block(em: Emitter, site: MmA2aSite, j: int, step: int) -> Node:
+def _compute_input_block(em: Emitter, site: MmA2aSite, j: int, step: int) -> Node:
     """Block j of the all-to-all's input: that block of the product, laid out as the
     collective reads it, in its own contiguous buffer (it is sent as it is)."""
     mm, split = site.product, site.sent
     assert mm is not None and split is not None
     span = split.bounds(val(mm.node).shape[mm.lead + site.product_dim], j)
-    part = paths.product_block(em, mm, site.product_dim == 1, span, step)
+    part = paths.compute_product_block(em, mm, site.product_dim == 1, span, step)
     return make_contiguous(em, replay(em, part, site.chain, split, j, step, "compute"), step)

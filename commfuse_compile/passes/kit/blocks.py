@@ -48,7 +48,7 @@ def multiply(
     """One block of ``mm``'s product, by ``mm``'s own op: ``a``, the block's rows of A (cut
     by ``rows``, or all of them), times ``b``, its columns of B (block ``cols`` = (index,
     width), or the columns ``span``; or all); a grouped matmul's ``offs``, the block's
-    (``paths.offs_of_block``). What goes with an operand follows it: the bias and B's
+    (``paths.clip_offs_to_span``). What goes with an operand follows it: the bias and B's
     per-column scale take the block's columns, A's per-row scale its rows; a per-tensor
     scale and a row-broadcast bias are shared by every block."""
     bias, scale_a, scale_b = mm.bias, mm.scale_a, mm.scale_b
@@ -58,17 +58,17 @@ def multiply(
         bias = bias and slice_column_span(em, bias, span, step)
         scale_b = scale_b and slice_column_span(em, scale_b, span, step)
     if rows is not None and scale_a is not None and varies_by_row(scale_a):
-        scale_a = _per_row(em, rows(scale_a), step)
+        scale_a = _make_per_row_scale(em, rows(scale_a), step)
     given = {} if offs is None else {"offs": offs}
     args, kwargs = mm.args(a, b, bias=bias, scale_a=scale_a, scale_b=scale_b, **given)
     return _emit_matmul(em, mm, args, kwargs, step)
 
 
-def _per_row(em: Emitter, scale: Node, step: int) -> Node:
+def _make_per_row_scale(em: Emitter, scale: Node, step: int) -> Node:
     """A block's per-row scale, [rows, 1], with strides (1, 1): the CPU kernel checks the
     size-1 dim's stride too, and Inductor lays a view of a copy out with stride 0 there."""
     scale = make_contiguous(em, scale, step)
-    sizes = [em.size(size, step) for size in val(scale).shape]
+    sizes = [em.compute_size(size, step) for size in val(scale).shape]
     return em(aten.as_strided.default, (scale, sizes, [1, 1]), step=step, lane="compute")
 
 
@@ -99,7 +99,7 @@ def slice_block(
 
 
 def slice_span(em: Emitter, node: Node, dim: int, span: Span, step: int, lane: str) -> Node:
-    bounds = tuple(em.size(bound, step) for bound in span)
+    bounds = tuple(em.compute_size(bound, step) for bound in span)
     return em(aten.slice.Tensor, (node, dim, *bounds), step=step, lane=lane)
 
 
@@ -124,7 +124,7 @@ def unpack(em: Emitter, message: Node, data: Node, scale: Node, step: int) -> tu
     out = []
     for node, bounds in ((data, (0, nbytes)), (scale, (nbytes, end))):
         part = em(
-            aten.slice.Tensor, (message, 0, *(em.size(b, step) for b in bounds)), step=step,
+            aten.slice.Tensor, (message, 0, *(em.compute_size(b, step) for b in bounds)), step=step,
             lane="compute",
         )  # fmt: skip
         dtype = val(node).dtype
@@ -221,7 +221,7 @@ def view(em: Emitter, node: Node, shape: Sequence[dims.Size], step: int) -> Node
     with em.fake_mode:
         if not can_view(val(node), shape):
             node = make_contiguous(em, node, step)
-    return em(aten.view.default, (node, em.shape(shape, step)), step=step, lane="compute")
+    return em(aten.view.default, (node, em.compute_shape(shape, step)), step=step, lane="compute")
 
 
 def slice_rows_of_block(
@@ -253,7 +253,9 @@ def replay(
             with em.fake_mode:
                 if not can_view(val(block), shape):
                     block = make_contiguous(em, block, step)
-            block = em(aten.view.default, (block, em.shape(shape, step)), step=step, lane=lane)
+            block = em(
+                aten.view.default, (block, em.compute_shape(shape, step)), step=step, lane=lane
+            )
         elif node.target in (aten.clone.default, aten.alias.default):
             block = make_contiguous(em, block, step)
         elif (dtype := cast_to(node)) is not None:

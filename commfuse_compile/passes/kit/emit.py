@@ -62,7 +62,7 @@ class Emitter:
         self._views: dict[tuple[Any, ...], Node] = {}
         self._matmuls: dict[int, list[Node]] = {}  # by step, in the order emitted
 
-    def node(
+    def add_node(
         self,
         target: Callable[..., Any],
         args: tuple[Any, ...],
@@ -91,7 +91,7 @@ class Emitter:
         key = (target, _hashable(args), _hashable(kwargs)) if target in VIEW_OPS else None
         if key is not None and before is None and key in self._views:
             return self._views[key]
-        node = self.node(target, args, kwargs, before)
+        node = self.add_node(target, args, kwargs, before)
         node.meta["commfuse"] = {"site": self.site_id, "step": step, "lane": lane}
         if target in MATMUL_OPS or target is aten._grouped_mm.default:
             self._matmuls.setdefault(step, []).append(node)
@@ -118,28 +118,28 @@ class Emitter:
         self.created.clear()
         self._matmuls.clear()
 
-    def size(self, size: dims.Size, step: int, before: Node | None = None) -> int | Node:
+    def compute_size(self, size: dims.Size, step: int, before: Node | None = None) -> int | Node:
         """``size`` as an FX argument: the int, or a node computing the symbolic size."""
         if not isinstance(size, torch.SymInt) or size.node.maybe_as_int() is not None:
             return int(size)
-        return self._expr(size.node.expr, step, before or self.before)
+        return self._compute_expr(size.node.expr, step, before or self.before)
 
-    def shape(self, shape: Sequence[dims.Size], step: int) -> list[int | Node]:
+    def compute_shape(self, shape: Sequence[dims.Size], step: int) -> list[int | Node]:
         """A view's shape argument: -1 stands for the one symbolic size, if only one is."""
         sizes = dims.sizes(shape)
         if [isinstance(s, torch.SymInt) for s in sizes].count(True) == 1:
             return [s if isinstance(s, int) else -1 for s in sizes]
-        return [self.size(s, step) for s in sizes]
+        return [self.compute_size(s, step) for s in sizes]
 
-    def _expr(self, expr: sympy.Expr, step: int, before: Node) -> int | Node:
+    def _compute_expr(self, expr: sympy.Expr, step: int, before: Node) -> int | Node:
         if expr.is_Integer:
             return int(expr)
         key = (expr, before)
         if key not in self._size_nodes:
-            self._size_nodes[key] = self._expr_node(expr, step, before)
+            self._size_nodes[key] = self._build_expr(expr, step, before)
         return self._size_nodes[key]
 
-    def _expr_node(self, expr: sympy.Expr, step: int, before: Node) -> int | Node:
+    def _build_expr(self, expr: sympy.Expr, step: int, before: Node) -> int | Node:
         """Nodes computing ``expr`` from the graph's inputs, built by torch's own sympy
         interpreter on FX proxies, then recorded like emitted nodes."""
         tracer = GraphAppendingTracer(self.graph)

@@ -14,7 +14,7 @@ of a [M, K] x [G, K, N] one, and under blocks of A's rows or B's columns of a
 [M, K] x [K, N] -> [G, M, N] one. Its blocks along the dim ``offs`` cuts are groups of
 their own: row q of A (or of the contraction) is in group g when
 ``offs[g-1] <= q < offs[g]``, so the rows [start, start + width) of a block are in its
-groups by ``clamp(offs - start, 0, width)`` (``offs_of_block``), the same rows by the
+groups by ``clamp(offs - start, 0, width)`` (``clip_offs_to_span``), the same rows by the
 same weights: for 0 <= q' < width, ``clamp(o - start, 0, width) <= q'`` exactly when
 ``o <= start + q'``. Rows past ``offs[-1]`` are in no group in the block as in the whole.
 """
@@ -120,14 +120,14 @@ def role(mm: Matmul, operand: Node, dim: int, path: Path) -> str | None:
     return None
 
 
-def offs_of_block(em: Emitter, offs: Node, span: Span, step: int) -> Node:
+def clip_offs_to_span(em: Emitter, offs: Node, span: Span, step: int) -> Node:
     """The group ends of the rows ``span`` (see the module's docstring), in the offsets'
     dtype (Inductor's lowering would promote them to int64)."""
     start, end = span
-    shifted = em(aten.sub.Tensor, (offs, em.size(start, step)), step=step, lane="compute")
+    shifted = em(aten.sub.Tensor, (offs, em.compute_size(start, step)), step=step, lane="compute")
     # (clamp as the graphs Inductor compiles spell it)
     low = em(aten.clamp_min.default, (shifted, 0), step=step, lane="compute")
-    width = em.size(end - start, step)
+    width = em.compute_size(end - start, step)
     clamped = em(aten.clamp_max.default, (low, width), step=step, lane="compute")
     return em(CONVERT, (clamped, val(offs).dtype), step=step, lane="compute")
 
@@ -152,22 +152,22 @@ def compute_block(
     if use_role == "rows":
         span = split.bounds(val(mm.a).shape[layout.a[0]], b)
         rows = slice_row_block(em, span, step, dim=layout.a[0])
-        offs = _offs(em, mm, cut, span, step)
+        offs = _clip_offs_if_cut(em, mm, cut, span, step)
         products.put(i, b, multiply(em, mm, block, mm.b, step, rows=rows, offs=offs))
     elif use_role == "columns":
         span = split.bounds(val(mm.b).shape[layout.b[1]], b)
         products.put(i, b, multiply(em, mm, mm.a, block, step, span=span))
     elif use_role == "contract_left":
         span = split.bounds(val(mm.b).shape[layout.b[0]], b)
-        a = _slab(em, mm.a, layout.a[1], span, step)
-        products.add(i, a, block, step, offs=_offs(em, mm, cut, span, step))
+        a = _slice_slab(em, mm.a, layout.a[1], span, step)
+        products.add(i, a, block, step, offs=_clip_offs_if_cut(em, mm, cut, span, step))
     else:  # contract, contract_k: blocks of A's contraction
         span = split.bounds(val(mm.a).shape[layout.a[1]], b)
         w = slice_span(em, mm.b, layout.b[0], span, step, "compute")
-        products.add(i, block, w, step, offs=_offs(em, mm, cut, span, step))
+        products.add(i, block, w, step, offs=_clip_offs_if_cut(em, mm, cut, span, step))
 
 
-def product_block(em: Emitter, mm: Matmul, columns: bool, span: Span, step: int) -> Node:
+def compute_product_block(em: Emitter, mm: Matmul, columns: bool, span: Span, step: int) -> Node:
     """The rows ``span`` (with ``columns``: the columns) of every batch entry or group of
     ``mm``'s product, by its own op: a grouped matmul's rows with their own offsets (the
     blocks a product computes for a reduce-scatter or an all-to-all)."""
@@ -176,7 +176,7 @@ def product_block(em: Emitter, mm: Matmul, columns: bool, span: Span, step: int)
     if columns:
         return multiply(em, mm, mm.a, slice_column_span(em, mm.b, span, step), step, span=span)
     rows = slice_row_block(em, span, step, dim=layout.a[0])
-    offs = _offs(em, mm, layout.groups == "M", span, step)
+    offs = _clip_offs_if_cut(em, mm, layout.groups == "M", span, step)
     return multiply(em, mm, rows(mm.a), mm.b, step, rows=rows, offs=offs)
 
 
@@ -186,14 +186,14 @@ def _cut(layout: Layout, use_role: str) -> bool:
     return (layout.groups == "M" and use_role == "rows") or (layout.groups == "K" and contract)
 
 
-def _offs(em: Emitter, mm: Matmul, cut: bool, span: Span, step: int) -> Node | None:
+def _clip_offs_if_cut(em: Emitter, mm: Matmul, cut: bool, span: Span, step: int) -> Node | None:
     """A grouped matmul's offsets for the block: its own where the block cuts the groups."""
     if mm.offs is None or not cut:
         return mm.offs
-    return offs_of_block(em, mm.offs, span, step)
+    return clip_offs_to_span(em, mm.offs, span, step)
 
 
-def _slab(em: Emitter, node: Node, dim: int, span: Span, step: int) -> Node:
+def _slice_slab(em: Emitter, node: Node, dim: int, span: Span, step: int) -> Node:
     if dim == val(node).dim() - 1:
         return slice_column_span(em, node, span, step)
     return slice_span(em, node, dim, span, step, "compute")

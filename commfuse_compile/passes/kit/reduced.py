@@ -263,9 +263,9 @@ def reduce_block(
     """This rank's block of the product summed over the group (divided by n under
     "avg"), and the step after the schedule's last, where what reads it goes."""
     if schedule.sliced:
-        block, last = _sliced(rw, site, group, schedule, slices)
+        block, last = _lower_sliced(rw, site, group, schedule, slices)
     else:
-        block, last = _ring(rw, site, group, schedule), group.size
+        block, last = _lower_ring(rw, site, group, schedule), group.size
     if site.reduce_op == "avg":
         # the chunks are reduced with "sum": gloo has no "avg", and one division of the
         # whole block is what the collective computes
@@ -273,7 +273,7 @@ def reduce_block(
     return block, last
 
 
-def _ring(rw: Rewrite, site: ReducedProductSite, group: Group, schedule: Schedule) -> Node:
+def _lower_ring(rw: Rewrite, site: ReducedProductSite, group: Group, schedule: Schedule) -> Node:
     """Each step computes one block's partial, adds the partial sums received for it and
     sends it on; this rank's own block comes last and is its result."""
     width = site.product_shape[site.scatter_dim] // group.size
@@ -286,7 +286,7 @@ def _ring(rw: Rewrite, site: ReducedProductSite, group: Group, schedule: Schedul
     return held[group.rank]
 
 
-def _sliced(
+def _lower_sliced(
     rw: Rewrite, site: ReducedProductSite, group: Group, schedule: Schedule, k: int
 ) -> tuple[Node, int]:
     """Chunk i of every block is computed, stacked and reduce-scattered while chunk i+1
@@ -332,7 +332,7 @@ def _reduce_part(
         if site.product_dim is None:
             term_part = _reduce_block(em, site, term, b, width, step)
         else:
-            term_part = _laid_out_block(em, site, term, b, count, step)
+            term_part = _slice_laid_out_block(em, site, term, b, count, step)
         part = (
             term_part
             if part is None
@@ -360,7 +360,7 @@ def _reduce_block(
     if site.columns:
         w = slice_column_block(em, mm.b, b, width, step)
         return multiply(em, mm, mm.a, w, step, cols=(b, width))
-    rows = functools.partial(_block_rows, em, site, b, width, step)
+    rows = functools.partial(_slice_block_rows, em, site, b, width, step)
     if len(site.product_shape) == 2 and is_transpose_2d(mm.a):
         # rows of t(Z) are columns of Z: slice Z and transpose the block, no copy
         cols = slice_block(em, mm.a.args[0], 1, b, width, step, "compute")  # type: ignore[arg-type]
@@ -370,17 +370,17 @@ def _reduce_block(
     return multiply(em, mm, a, mm.b, step, rows=rows)
 
 
-def _laid_out_block(
+def _slice_laid_out_block(
     em: Emitter, site: ReducedProductSite, mm: Matmul, b: int, count: int, step: int
 ) -> Node:
     """Block ``b`` of ``count`` along ``site.product_dim`` of the product ``mm`` (rows or
     columns of every batch entry or group; a grouped matmul's rows with their offsets)."""
     assert site.product_dim is not None
     span = dims.Split(count).bounds(val(mm.node).shape[site.product_dim], b)
-    return paths.product_block(em, mm, site.columns, span, step)
+    return paths.compute_product_block(em, mm, site.columns, span, step)
 
 
-def _block_rows(
+def _slice_block_rows(
     em: Emitter, site: ReducedProductSite, b: int, width: dims.Size, step: int, x: Node
 ) -> Node:
     """Block ``b``'s rows of ``x``, laid out like the product's rows ([M, c]: A, or a

@@ -90,7 +90,7 @@ def copy_to_one_buffer(rw: Rewrite, node: Node, step: int) -> Node:
         base = base.args[0]  # type: ignore[assignment]
     if base.op == "placeholder" or is_matmul(base) or base.target is operator.getitem:
         return node
-    strides = [rw.emit.size(stride, step) for stride in val(node).stride()]
+    strides = [rw.emit.compute_size(stride, step) for stride in val(node).stride()]
     return rw.emit(FORCE_STRIDES, (node, strides), step=step, lane="comm")
 
 
@@ -124,7 +124,7 @@ def collect_then_compute(
     r, n, member = group.position, group.size, group.member
     for s, step in enumerate(schedule.steps(direction, r, n, 0)):
         buffers = {t.block: send(Transfer(member(t.block), t.peer), s) for t in step.sends}
-        recv_like = _likes(rw, held[group.rank], step.recvs, direction, group, rows, s)
+        recv_like = _allocate_likes(rw, held[group.rank], step.recvs, direction, group, rows, s)
         pending = start_transfers(rw, group, s, step.sends, step.recvs, buffers, recv_like)
         for b in step.compute:
             compute(member(b), held[member(b)], s)
@@ -164,14 +164,16 @@ def compute_then_send(
             sums[t.block] = rw.emit(
                 aten.add.Tensor, (sums[t.block], partial), step=s, lane="compute"
             )
-        recv_like = _likes(rw, next(iter(parts.values())), step.recvs, direction, group, rows, s)
+        recv_like = _allocate_likes(
+            rw, next(iter(parts.values())), step.recvs, direction, group, rows, s
+        )
         pending = start_transfers(rw, group, s, step.sends, step.recvs, sums, recv_like)
     assert pending is NOTHING_PENDING, "a schedule's last step sends nothing"
     held = {direction.source(Transfer(b, p), r, n): node for (b, p), node in received.items()}
     return {member(p): node for p, node in {**held, r: sums[r]}.items()}
 
 
-def _likes(
+def _allocate_likes(
     rw: Rewrite,
     example: Node,
     recvs: Sequence[Transfer],
@@ -188,7 +190,7 @@ def _likes(
     likes = []
     for t in recvs:
         block = group.member(direction.source(t, group.position, group.size))
-        shape = [rw.emit.size(size, step) for size in (rows(block), *rest)]
+        shape = [rw.emit.compute_size(size, step) for size in (rows(block), *rest)]
         likes.append(rw.emit(aten.new_empty.default, (example, shape), step=step, lane="comm"))
     return likes
 

@@ -101,7 +101,7 @@ Change = Callable[[], None]
 
 def canonicalize(graph: Graph, before_change: Change) -> bool:
     """Replace every call of a custom op known to compute a collective by that functional
-    collective (``_as_functional``); then every value-preserving copy of a collective's
+    collective (``_make_functional``); then every value-preserving copy of a collective's
     result, and every ``cat`` that reassembles one from its slices, by the value itself
     (a copy into a buffer that lives on: in its readers but the output); then each
     buffer a ``beta=0`` matmul is given and ignores by a new tensor
@@ -111,7 +111,7 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
     Two passes: a copy left unread is dropped in the first, with the views of the buffer
     it wrote into, so that the second rewrites reads, not the slices a later copy writes
     through (``copy(slice(buffer), gathered_2)``)."""
-    changed = _as_functional(graph, before_change)
+    changed = _make_functional(graph, before_change)
     for node in list(graph.nodes):
         value = _copied_value(node) if node.target in COPIES else _reassembled(node)
         if value is None:
@@ -134,12 +134,12 @@ def canonicalize(graph: Graph, before_change: Change) -> bool:
             value, part = read_back
             if part is not None:  # a part of the region written: that part of the value
                 before_change()
-                value = _part(graph, node, value, part)
+                value = _slice_part(graph, node, value, part)
             changed |= _read_as(graph, node, value, before_change)
     return changed
 
 
-def _as_functional(graph: Graph, before_change: Change) -> bool:
+def _make_functional(graph: Graph, before_change: Change) -> bool:
     """Replace each call of a known collective custom op that fits what it is said to
     compute by ``wait_tensor(collective(...))`` (one that does not stays, and is
     recorded: ``kinds/unclaimed.py``). Did anything change?"""
@@ -152,8 +152,8 @@ def _as_functional(graph: Graph, before_change: Change) -> bool:
         before_change()
         em = Emitter(graph, node, detect_fake_mode([val(node)]))
         op, args = call
-        args = tuple([em.size(s, 0) for s in a] if isinstance(a, list) else a for a in args)
-        waited = em.node(WAIT_TENSOR, (em.node(op, args),))
+        args = tuple([em.compute_size(s, 0) for s in a] if isinstance(a, list) else a for a in args)
+        waited = em.add_node(WAIT_TENSOR, (em.add_node(op, args),))
         node.replace_all_uses_with(waited)
         graph.erase_node(node)
         changed = True
@@ -187,7 +187,7 @@ def _give_fresh_input(graph: Graph, matmul: Node) -> None:
     if all(isinstance(d, int) for d in layout):
         target, args = aten.empty_strided.default, (list(value.shape), list(value.stride()))
         kwargs = {"dtype": value.dtype, "device": value.device}
-    fresh = Emitter(graph, matmul, detect_fake_mode([value])).node(target, args, kwargs)
+    fresh = Emitter(graph, matmul, detect_fake_mode([value])).add_node(target, args, kwargs)
     matmul.replace_input_with(region_read, fresh)
     _drop_unread(graph, region_read)
 
@@ -256,10 +256,10 @@ def _read_back(node: Node) -> tuple[Node, Region | None] | None:
     return None
 
 
-def _part(graph: Graph, read: Node, src: Node, part: Region) -> Node:
+def _slice_part(graph: Graph, read: Node, src: Node, part: Region) -> Node:
     """A slice of ``src`` (of its ``part``), for ``read``, which reads that part of it."""
     args = (src, part.dim, part.start, part.end, part.step)
-    return Emitter(graph, read, detect_fake_mode([val(src)])).node(aten.slice.Tensor, args)
+    return Emitter(graph, read, detect_fake_mode([val(src)])).add_node(aten.slice.Tensor, args)
 
 
 def _unviewed(node: object) -> Node | None:

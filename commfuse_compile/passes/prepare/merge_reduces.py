@@ -81,10 +81,12 @@ def _merge(graph: Graph, add: Node, first: Node, second: Node) -> Node:
     all-reduce started; its wait (returned) where the add was."""
     later = max(first, second, key=lambda n: n._sort_key)
     em = Emitter(graph, later, detect_fake_mode([val(add)]), inherit=JOINT_MARKS)
-    shape = em.shape(val(add).shape, 0)
-    a, b = (em.node(aten.reshape.default, (r.args[0], shape)) for r in (first, second))
-    reducing = em.node(c10d.all_reduce.default, (em.node(aten.add.Tensor, (a, b)), *later.args[1:]))
-    waited = em.node(c10d.wait_tensor.default, (reducing,), before=add)
+    shape = em.compute_shape(val(add).shape, 0)
+    a, b = (em.add_node(aten.reshape.default, (r.args[0], shape)) for r in (first, second))
+    reducing = em.add_node(
+        c10d.all_reduce.default, (em.add_node(aten.add.Tensor, (a, b)), *later.args[1:])
+    )
+    waited = em.add_node(c10d.wait_tensor.default, (reducing,), before=add)
     add.replace_all_uses_with(waited)
     graph.erase_node(add)
     for reduce in (first, second):

@@ -158,9 +158,9 @@ def _split_concatenation(graph: Graph, cat: Node, before_change: Change) -> bool
                 pieces.append(emit(aten.mm.default, (part, w)))
             elif form == "contract_right":  # Y @ t(P2d): Y's columns of the part
                 y = emit(aten.slice.Tensor, (mm.a, 1, start, start + size))
-                pieces.append(emit(aten.mm.default, (y, emit.transposed(part))))
+                pieces.append(emit(aten.mm.default, (y, emit.transpose(part))))
             elif form == "rows":  # t(P2d) @ X
-                pieces.append(emit(aten.mm.default, (emit.transposed(part), mm.b)))
+                pieces.append(emit(aten.mm.default, (emit.transpose(part), mm.b)))
             else:  # "columns": Y @ P2d
                 pieces.append(emit(aten.mm.default, (mm.a, part)))
         if form.startswith("contract"):
@@ -246,7 +246,7 @@ class _Emitter:
     def __call__(
         self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
     ) -> Node:
-        return self.emit.node(target, args, kwargs)
+        return self.emit.add_node(target, args, kwargs)
 
     def view(self, node: Node, shape: list[int]) -> Node:
         """``node`` viewed as ``shape``, copied first where its strides forbid it."""
@@ -255,7 +255,7 @@ class _Emitter:
                 node = self(aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
         return self(aten.view.default, (node, shape))
 
-    def transposed(self, node: Node) -> Node:
+    def transpose(self, node: Node) -> Node:
         return self(aten.permute.default, (node, [1, 0]))
 
     def refresh(self, readers: Sequence[Node]) -> None:

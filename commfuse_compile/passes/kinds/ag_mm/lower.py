@@ -69,7 +69,7 @@ class _GatherBlocks:
         views: dict[tuple[object, ...], Node] = {}  # one 2-D view of the piece per shape
         for i, use in enumerate(site.uses):
             if use.laid_out:
-                self._laid_out(i, use, piece, index, count, s)
+                self._compute_laid_out(i, use, piece, index, count, s)
                 continue
             shape2d = (math.prod(shape[: use.row_dims]), math.prod(shape[use.row_dims :]))
             # the operand's dtype: the piece cast (``use.cast``), or float8 data that
@@ -82,7 +82,7 @@ class _GatherBlocks:
                     convert = CONVERT if use.cast is not None else aten.view.dtype
                     data = em(convert, (piece, dtype), step=s, lane="compute")
                 views[key] = em(
-                    aten.view.default, (data, em.shape(shape2d, s)), step=s, lane="compute"
+                    aten.view.default, (data, em.compute_shape(shape2d, s)), step=s, lane="compute"
                 )
             self._compute(i, use, views[key], scale, index, shape, s)
 
@@ -102,9 +102,9 @@ class _GatherBlocks:
         width, lead = shape[site.gather_dim], shape[: use.row_dims]
         shape2d = (math.prod(lead), math.prod(shape[use.row_dims :]))
         if use.role == "rows":
-            rows = functools.partial(self._rows_of, use, index, width, s)
+            rows = functools.partial(self._slice_rows_of, use, index, width, s)
             if scale is not None and site.beside and mm.node in site.beside.readers:
-                rows = functools.partial(_as_rows, em, scale, shape2d[0], s)
+                rows = functools.partial(_view_as_rows, em, scale, shape2d[0], s)
             part = multiply(em, mm, g2d, mm.b, s, rows=rows)
             self.products.put(i, index, view(em, part, [*lead, val(part).shape[1]], s))
         elif use.role == "columns":
@@ -120,10 +120,10 @@ class _GatherBlocks:
             w_b = slice_block(em, mm.b, 0, index, shape2d[1], s, "compute")
             self.products.add(i, g2d, w_b, s)
         else:  # contract_left
-            y_b = self._columns_meeting(i, use, index, width, shape2d[0], s)
+            y_b = self._slice_columns_meeting(i, use, index, width, shape2d[0], s)
             self.products.add(i, y_b, g2d, s)
 
-    def _laid_out(
+    def _compute_laid_out(
         self, i: int, use: GatherUse, piece: Node, index: int, count: int, s: int
     ) -> None:
         """What a batched or grouped use computes from the piece, laid out as its operand
@@ -138,14 +138,14 @@ class _GatherBlocks:
         block = replay(self.em, piece, path, split, index, s, "compute")
         paths.compute_block(self.em, self.products, i, use.mm, use.role, block, index, split, s)
 
-    def _rows_of(self, use: GatherUse, index: int, width: dims.Size, s: int, x: Node) -> Node:
+    def _slice_rows_of(self, use: GatherUse, index: int, width: dims.Size, s: int, x: Node) -> Node:
         """Piece ``index``'s rows of ``x``, laid out like the rows of the gathered tensor
         viewed 2-D (a per-row scale of A: the rows the piece holds, in its order)."""
         em, site = self.em, self.site
         lead = [*site.gathered_shape[: use.row_dims], val(x).shape[-1]]
         return slice_rows_of_block(em, view(em, x, lead, s), site.gather_dim, index, width, s)
 
-    def _columns_meeting(
+    def _slice_columns_meeting(
         self, i: int, use: GatherUse, index: int, width: dims.Size, rows: dims.Size, s: int
     ) -> Node:
         """The columns of Y (in ``Y @ G2d``) that meet block ``index`` of G2d's rows: a
@@ -166,7 +166,7 @@ class _GatherBlocks:
         self.products.finish(count, step, self.site.gather_dim)
 
 
-def _as_rows(em: Emitter, scale: Node, rows: dims.Size, s: int, _: Node) -> Node:
+def _view_as_rows(em: Emitter, scale: Node, rows: dims.Size, s: int, _: Node) -> Node:
     """A piece's per-row scales (that came beside it), as its [rows, 1] scale_a."""
     return view(em, scale, [rows, 1], s)
 
@@ -176,7 +176,7 @@ def lower_ring(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule) ->
     each block's matmuls read it as it arrives (this rank's own block first, unpacked)."""
     em, n = rw.emit, group.size
     shard_shape = dims.sizes(val(site.shard).shape)
-    local = _local_shard(em, site)
+    local = _prepare_local_shard(em, site)
     scale = site.beside.shard if site.beside else None
     pieces: dict[int, tuple[Node, Node | None]] = {group.rank: (local, scale)}
     held: dict[int, Node] = {group.rank: pack(em, local, scale, 0) if scale else local}
@@ -184,7 +184,7 @@ def lower_ring(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule) ->
 
     def compute(b: int, message: Node, s: int) -> None:
         if b not in pieces:
-            pieces[b] = _piece(em, message, local, scale, s)
+            pieces[b] = _unpack_piece(em, message, local, scale, s)
         products.add(*pieces[b], b, shard_shape, s, n)
 
     collect_then_compute(
@@ -207,7 +207,7 @@ def lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, 
     products = _GatherBlocks(rw, site)
 
     def issue(i: int, s: int) -> Node:
-        chunks[i] = chunk, scale = _chunk(em, site, i, width, s)
+        chunks[i] = chunk, scale = _slice_chunk(em, site, i, width, s)
         message = pack(em, chunk, scale, s) if scale else chunk
         gather = c10d.all_gather_into_tensor.default
         return em(gather, (message, n, group.name), step=s, lane="comm")
@@ -221,7 +221,7 @@ def lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, 
         length = val(gathered).shape[0] // n
         for b in range(n):
             part = slice_block(em, gathered, 0, b, length, s, "comm")
-            pieces[b, i] = _piece(em, part, chunk, scale, s)
+            pieces[b, i] = _unpack_piece(em, part, chunk, scale, s)
 
     lower_sliced_steps(rw, schedule, Direction.GATHER, k, issue, compute, collected)
     last = len(rw.steps)
@@ -234,14 +234,14 @@ def lower_sliced(rw: Rewrite, site: AgMmSite, group: Group, schedule: Schedule, 
         _rebuild_gathered(rw, site, shards, last)
 
 
-def _piece(
+def _unpack_piece(
     em: Emitter, message: Node, data: Node, scale: Node | None, s: int
 ) -> tuple[Node, Node | None]:
     """A received (or gathered) block: the data and its rows' scales, if packed with it."""
     return unpack(em, message, data, scale, s) if scale is not None else (message, None)
 
 
-def _chunk(
+def _slice_chunk(
     em: Emitter, site: AgMmSite, i: int, width: dims.Size, s: int
 ) -> tuple[Node, Node | None]:
     """This rank's chunk ``i`` along the gathered dim, and its rows' scales if they come
@@ -257,7 +257,7 @@ def _chunk(
     return chunk, make_contiguous(em, scale, s)
 
 
-def _local_shard(em: Emitter, site: AgMmSite) -> Node:
+def _prepare_local_shard(em: Emitter, site: AgMmSite) -> Node:
     """The shard as the ring sends it and every block is viewed (2-D rows): the data it
     holds (float8 data viewed as bytes for the collective travels as itself: P2P moves
     any dtype, and a view is no buffer of its own), copied once if it is neither

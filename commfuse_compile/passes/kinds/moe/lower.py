@@ -33,7 +33,7 @@ def lower(rw: Rewrite, site: MoeSite, group: Group) -> None:
     arrived: dict[int, Node] = {}  # dispatched tokens, by source rank
     results: dict[int, Node] = {}  # the experts' output, by source rank
     returned: dict[int, Node] = {}  # this rank's tokens as the experts left them, by rank
-    own = blocks.own_halves()
+    own = blocks.cut_own_halves()
     halves: list[Node] = []  # the experts' output for this rank's own tokens
     for s, step in enumerate(round_trip.steps(n)):
         sends, buffers = list[Transfer](), dict[int, Node]()
@@ -42,23 +42,25 @@ def lower(rw: Rewrite, site: MoeSite, group: Group) -> None:
             t = step.dispatch
             buffers[0] = blocks.sent((r + t) % n)
             sends.append(Transfer(0, t))
-            recvs.append((Transfer(0, -t), blocks.like_received((r - t) % n), arrived, (r - t) % n))
+            recvs.append(
+                (Transfer(0, -t), blocks.allocate_received((r - t) % n), arrived, (r - t) % n)
+            )
         if step.combine is not None:
             t = step.combine
             buffers[1] = results[(r - t) % n]
             sends.append(Transfer(1, -t))
-            like = blocks.like_returned((r + t) % n, halves[0])
+            like = blocks.allocate_returned((r + t) % n, halves[0])
             recvs.append((Transfer(1, t), like, returned, (r + t) % n))
         likes = [like for _, like, _, _ in recvs]
         pending = start_transfers(rw, group, s, sends, [t for t, *_ in recvs], buffers, likes)
         if step.half is not None:
-            halves.append(blocks.experts(*own[step.half], s))
+            halves.append(blocks.run_experts(*own[step.half], s))
         else:
             source = (r - step.compute) % n
-            results[source] = blocks.experts(*blocks.received(arrived[source], source), s)
+            results[source] = blocks.run_experts(*blocks.received(arrived[source], source), s)
         if s == n:  # under the last result's way back, after the last rows
-            blocks.appended(s)
-            blocks.wholes(s)
+            blocks.run_appended(s)
+            blocks.assemble_wholes(s)
         waits, received = wait_transfers(rw, s, pending)
         for (_, _, into, key), node in zip(recvs, received, strict=True):
             into[key] = node
@@ -70,7 +72,7 @@ def lower(rw: Rewrite, site: MoeSite, group: Group) -> None:
 
 
 def peers(group: Group) -> list[tuple[list[int], list[int]]]:
-    """(send peers, receive peers) of each P2P batch ``_lower`` emits, in order."""
+    """(send peers, receive peers) of each P2P batch ``lower`` emits, in order."""
     batches = []
     for step in round_trip.steps(group.size):
         sends, recvs = [], []
@@ -115,7 +117,7 @@ class _Blocks:
             self.received_rows = self._sum(self.out_splits)
             self.source_rows = self._add(self.received_rows, site.pad.rows)
         index_dtype = val(perm).dtype
-        positions = self._iota(rows, index_dtype, step)
+        positions = self._emit_iota(rows, index_dtype, step)
         empty = em(aten.new_empty.default, (perm, [self.source_rows]), step=step, lane="compute")
         # the slot of each row perm reads, and so (for a received row) its expert
         self.inverse = em(
@@ -132,7 +134,7 @@ class _Blocks:
             aten.bucketize.Tensor, (self.inverse, offs), {"right": True}, step=step, lane="compute"
         )
         self.groups = val(site.offs).shape[0]
-        self.group_ids = self._iota(self.groups, index_dtype, step)
+        self.group_ids = self._emit_iota(self.groups, index_dtype, step)
         self.expert_of = self._split(expert, self.out_splits, step)
         # where each received row stands in the permuted order: read only to put the
         # values saved back together or to take a paired tensor's rows (not in inference)
@@ -157,7 +159,7 @@ class _Blocks:
             return b
         return self.rw.emit(operator.add, (a, b), step=0, lane="compute")
 
-    def _iota(self, length: Any, dtype: torch.dtype, step: int) -> Node:
+    def _emit_iota(self, length: Any, dtype: torch.dtype, step: int) -> Node:
         """0 .. length - 1 (``arange`` as the graphs Inductor compiles spell it)."""
         assert self.site.perm is not None
         kwargs = {"start": 0, "step": 1, "dtype": dtype, "device": val(self.site.perm).device}
@@ -174,12 +176,12 @@ class _Blocks:
         ]
 
     def received(self, block: Node, source: int) -> tuple[Node, Node, Node | None, Any]:
-        """What ``experts`` takes for the block from ``source``: its tokens, the expert
+        """What ``run_experts`` takes for the block from ``source``: its tokens, the expert
         and the place in the permuted order of each of its rows, and its row count."""
         place_of = self.place_of[source] if self.placed else None
         return block, self.expert_of[source], place_of, self.out_splits[source]
 
-    def own_halves(self) -> list[tuple[Node, Node, Node | None, Any]]:
+    def cut_own_halves(self) -> list[tuple[Node, Node, Node | None, Any]]:
         """``received``'s for the two halves of this rank's own tokens. Their count is
         both what it sends itself and what it receives from itself, two sizes the graph
         names apart (equal when it runs): each tensor is cut by its own."""
@@ -203,32 +205,32 @@ class _Blocks:
         """This rank's tokens for ``peer``'s experts."""
         return self.tokens_for[peer]
 
-    def like_received(self, source: int) -> Node:
+    def allocate_received(self, source: int) -> Node:
         em = self.rw.emit
         shape = [self.out_splits[source], *self.width]
         return em(aten.new_empty.default, (self.tokens, shape), step=0, lane="comm")
 
-    def like_returned(self, peer: int, result: Node) -> Node:
+    def allocate_returned(self, peer: int, result: Node) -> Node:
         """A buffer for this rank's tokens as ``peer``'s experts return them, like
         ``result`` (the experts' output for a block here)."""
         em = self.rw.emit
         shape = [self.in_splits[peer], *val(result).shape[1:]]
         return em(aten.new_empty.default, (result, shape), step=0, lane="comm")
 
-    def experts(
+    def run_experts(
         self, block: Node, expert_of: Node, place_of: Node | None, rows: Any, step: int
     ) -> Node:
         """The experts' output for a block (``received``'s), in its rows' order: the
         rows sorted by expert, the experts' ops with the block's offsets (the tensors
         paired with the experts' rows, at the rows' places), unsorted."""
-        env, order = self._run(block, expert_of, place_of, step)
+        env, order = self._run_sorted(block, expert_of, place_of, step)
         out = env[self.value]
         em = self.rw.emit
         shape = [rows, *val(out).shape[1:]]
         empty = em(aten.new_empty.default, (out, shape), step=step, lane="compute")
         return em(aten.index_put.default, (empty, [order], out), step=step, lane="compute")
 
-    def _run(
+    def _run_sorted(
         self, block: Node, expert_of: Node, place_of: Node | None, step: int, whole: bool = False
     ) -> tuple[dict[Node, Any], Node]:
         """The experts' ops on a block's rows sorted by expert (and the order they were
@@ -272,7 +274,7 @@ class _Blocks:
                 pieces.append(env[node])
         return env, order
 
-    def appended(self, step: int) -> None:
+    def run_appended(self, step: int) -> None:
         """The slots that read a row appended after the received ones (``padding``),
         through the experts as one more block: their values go only into the expert
         values read whole (in the program they are put back into rows it drops)."""
@@ -297,17 +299,17 @@ class _Blocks:
         # the slots of the received rows first (one each), then the others
         slots = emit(aten.slice.Tensor, emit(operator.getitem, order, 1), 0, self.received_rows)
         which = emit(aten.sub.Tensor, emit(aten.index.Tensor, wrapped, [slots]), self.received_rows)
-        block = emit(aten.index.Tensor, self._appended_rows(step), [which])
+        block = emit(aten.index.Tensor, self._make_appended_rows(step), [which])
         expert_of = emit(aten.bucketize.Tensor, slots, self.offs, right=True)
-        self._run(block, expert_of, slots, step, whole=True)
+        self._run_sorted(block, expert_of, slots, step, whole=True)
 
-    def _appended_rows(self, step: int) -> Node:
+    def _make_appended_rows(self, step: int) -> Node:
         """The rows appended after the received ones."""
         pad = self.site.pad
         assert pad is not None
         em = self.rw.emit
         if pad.extra is None:  # a gradient laid into zeros
-            shape = [pad.rows, *(em.size(d, step) for d in self.width)]
+            shape = [pad.rows, *(em.compute_size(d, step) for d in self.width)]
             dtype = val(pad.node).dtype
             return em(
                 aten.new_zeros.default, (self.tokens, shape), {"dtype": dtype},
@@ -318,7 +320,7 @@ class _Blocks:
         bounds = (self.received_rows, self.source_rows)  # of the buffer laid under the rows
         return em(aten.slice.Tensor, (pad.extra, 0, *bounds), step=step, lane="compute")
 
-    def wholes(self, step: int) -> None:
+    def assemble_wholes(self, step: int) -> None:
         """After the last block: the expert values read whole, each row at its place in
         the permuted order, and the weight gradients (sums over every row per group)
         from them, by the program's own grouped matmuls: the same numbers."""
@@ -328,7 +330,7 @@ class _Blocks:
             places = em(aten.cat.default, (self.places, 0), step=step, lane="compute")
             for node, pieces in self.saved.items():
                 rows = em(aten.cat.default, (pieces, 0), step=step, lane="compute")
-                shape = [self.rows, *(em.size(d, step) for d in val(node).shape[1:])]
+                shape = [self.rows, *(em.compute_size(d, step) for d in val(node).shape[1:])]
                 empty = em(aten.new_empty.default, (rows, shape), step=step, lane="compute")
                 whole[node] = em(
                     aten.index_put.default, (empty, [places], rows), step=step, lane="compute"
@@ -350,13 +352,13 @@ class _Blocks:
         for node in site.replaced():
             for user in node.users:
                 if user.target is aten.sym_size.int:
-                    self.rw.replaces(user, self._size(user, out, step))
+                    self.rw.replaces(user, self._recompute_size(user, out, step))
                 elif user.target in ALLOCATE_NEW and node in (site.dispatch, site.dispatch_wait):
                     args = (self.tokens, *user.args[1:])
                     new = self.rw.emit(user.target, args, user.kwargs, step=0, lane="compute")  # type: ignore[arg-type]
                     self.rw.replaces(user, new)
 
-    def _size(self, reader: Node, out: Node, step: int) -> Node:
+    def _recompute_size(self, reader: Node, out: Node, step: int) -> Node:
         """A row count of a replaced tensor: the tokens returned (``out``'s), or the
         slots (perm's), the rows received, or those with the appended ones."""
         source, value = reader.args[0], reader.meta.get("val")

@@ -49,7 +49,7 @@ def emit_split(graph: Graph, region: Region, group: Group, strict: bool) -> bool
     em = Emitter(graph, first_wait, detect_fake_mode([val(first_wait)]), inherit=JOINT_MARKS)
     kept = _recomputed(region)
     try:
-        scatters, replacements = _built(em, region, group, kept)
+        scatters, replacements = _build(em, region, group, kept)
     except Exception as err:  # noqa: BLE001 - never break the user's compile
         em.discard()
         failed(err, strict, "all-reduces left whole (the token-wise split failed)")
@@ -157,7 +157,7 @@ def _roots(region: Region, kept: set[Node]) -> list[Node]:
     return list(dict.fromkeys(region.root(v) for v in _gathered_values(region, kept)))
 
 
-def _built(
+def _build(
     em: Emitter, region: Region, group: Group, kept: set[Node]
 ) -> tuple[list[Node], dict[tuple[Node | None, Node], Node]]:
     """The new nodes: the reduce-scatters, and per (reader or None for every reader,
@@ -167,24 +167,26 @@ def _built(
     rows = _Rows(em, region.tokens, group)
     scatters = []
     for wait, site in region.sources.items():
-        scatter, shard[wait] = _reduce_scattered(em, site, wait, region, group)
+        scatter, shard[wait] = _reduce_scatter(em, site, wait, region, group)
         scatters.append(scatter)
     for node, how in sorted(region.moved.items(), key=lambda item: item[0]._sort_key):
-        shard[node] = _moved(em, node, how, shard, region, rows)
+        shard[node] = _move_to_shard(em, node, how, shard, region, rows)
     replacements: dict[tuple[Node | None, Node], Node] = {}
     for node, how in region.replaced.items():
         summed = how == "token sum"
-        new = _token_sum(em, node, shard, group) if summed else _full_sized(em, node, shard)
+        new = (
+            _sum_tokens(em, node, shard, group) if summed else _allocate_full_sized(em, node, shard)
+        )
         replacements[None, node] = new
     by_root: dict[Node, dict[Node, list[Node]]] = {}
     for value, readers in _gathered_values(region, kept).items():
         by_root.setdefault(region.root(value), {})[value] = readers
     for root, values in by_root.items():
         readers = [r for rs in values.values() for r in rs]
-        full = _gathered(em, shard[root], root, group, readers, region)
+        full = _gather(em, shard[root], root, group, readers, region)
         for value, its_readers in values.items():
             before = min(its_readers, key=_order)
-            value_full = _reshaped(em, full, val(value).shape, before, like=value)
+            value_full = _reshape(em, full, val(value).shape, before, like=value)
             replacements.update(((reader, value), value_full) for reader in its_readers)
     return scatters, replacements
 
@@ -199,16 +201,16 @@ class _Rows:
     def __init__(self, em: Emitter, tokens: dims.Size, group: Group) -> None:
         self.em, self.tokens, self.n, self.rank = em, tokens, group.size, group.rank
 
-    def of(self, value: Node, lead: int, before: Node) -> Node:
+    def slice_own(self, value: Node, lead: int, before: Node) -> Node:
         shape = val(value).shape
-        rows = _reshaped(self.em, value, [self.tokens, *shape[lead:]], before)
+        rows = _reshape(self.em, value, [self.tokens, *shape[lead:]], before)
         width = self.tokens // self.n
-        start = self.em.size(width * self.rank, 0, before)
-        end = self.em.size(width * (self.rank + 1), 0, before)
-        return self.em.node(aten.slice.Tensor, (rows, 0, start, end), before=before)
+        start = self.em.compute_size(width * self.rank, 0, before)
+        end = self.em.compute_size(width * (self.rank + 1), 0, before)
+        return self.em.add_node(aten.slice.Tensor, (rows, 0, start, end), before=before)
 
 
-def _reduce_scattered(
+def _reduce_scatter(
     em: Emitter, site: AllReduceSite, wait: Node, region: Region, group: Group
 ) -> tuple[Node, Node]:
     """The all-reduce's operand reduce-scattered on its rows, shaped as the shard of the
@@ -216,24 +218,24 @@ def _reduce_scattered(
     operand_node: Node = site.collective.args[0]  # type: ignore[assignment]
     before = site.collective
     width = val(operand_node).numel() // region.tokens
-    flat = _reshaped(em, operand_node, [region.tokens, width], before)
-    scatter = em.node(
+    flat = _reshape(em, operand_node, [region.tokens, width], before)
+    scatter = em.add_node(
         c10d.reduce_scatter_tensor.default,
         (flat, site.reduce_op, group.size, site.group_name),
         before=before,
     )
-    waited = em.node(c10d.wait_tensor.default, (scatter,), before=before)
+    waited = em.add_node(c10d.wait_tensor.default, (scatter,), before=before)
     lead = region.lead(wait)
     assert lead is not None  # noqa: S101 - a wait of the tokens' product
     shape = _shard_shape(val(wait).shape, lead, region, group.size)
-    return scatter, _reshaped(em, waited, shape, wait)
+    return scatter, _reshape(em, waited, shape, wait)
 
 
 def _shard_shape(shape: Sequence[dims.Size], lead: int, region: Region, n: int) -> list[dims.Size]:
     return [region.tokens // n, *shape[lead:]]
 
 
-def _moved(
+def _move_to_shard(
     em: Emitter,
     node: Node,
     how: str,
@@ -243,14 +245,14 @@ def _moved(
 ) -> Node:
     """``node`` run on the shard, before the original (which stays until it is unread)."""
     if how == "getitem":
-        return em.node(operator.getitem, (shard[node.args[0]], node.args[1]), before=node)  # type: ignore[index]
+        return em.add_node(operator.getitem, (shard[node.args[0]], node.args[1]), before=node)  # type: ignore[index]
     lead = region.lead(node) if isinstance(node.meta.get("val"), torch.Tensor) else None
 
     def arg(a: Any) -> Any:
         if isinstance(a, Node) and a in shard:
             return shard[a]
         if isinstance(a, Node) and isinstance(a.meta.get("val"), torch.Tensor) and lead:
-            return _replicated(em, a, node, lead, rows)
+            return _fit_replicated(em, a, node, lead, rows)
         return a
 
     if how in ("reshape", "expand"):
@@ -258,8 +260,8 @@ def _moved(
         source = shard[node.args[0]]  # type: ignore[index]
         shape = _shard_shape(val(node).shape, lead, region, rows.n)
         if how == "reshape":
-            return _reshaped(em, source, shape, node)
-        return em.node(aten.expand.default, (source, em.shape(shape, 0)), before=node)
+            return _reshape(em, source, shape, node)
+        return em.add_node(aten.expand.default, (source, em.compute_shape(shape, 0)), before=node)
     args, kwargs = tuple(arg(a) for a in node.args), {k: arg(v) for k, v in node.kwargs.items()}
     if how == "reduction":
         source_lead = region.lead(node.args[0])  # type: ignore[arg-type]
@@ -270,44 +272,44 @@ def _moved(
             args = (args[0], shifted, *args[2:])
         else:
             kwargs["dim"] = shifted
-    return em.node(node.target, args, kwargs, before=node)  # type: ignore[arg-type]
+    return em.add_node(node.target, args, kwargs, before=node)  # type: ignore[arg-type]
 
 
-def _replicated(em: Emitter, value: Node, reader: Node, lead: int, rows: _Rows) -> Node:
+def _fit_replicated(em: Emitter, value: Node, reader: Node, lead: int, rows: _Rows) -> Node:
     """A replicated operand of ``reader`` as the shard meets it."""
     out = val(reader).shape
     shape = val(value).shape
     how = operand(shape, out, lead)
     trailing = ([1] * (len(out) - len(shape)) + list(shape))[lead:]
     if how == "broadcast":
-        return _reshaped(em, value, trailing, reader) if len(shape) > len(trailing) else value
+        return _reshape(em, value, trailing, reader) if len(shape) > len(trailing) else value
     expanded = value
     if len(shape) < len(out):
-        expanded = _reshaped(em, value, [1] * (len(out) - len(shape)) + list(shape), reader)
-    return rows.of(expanded, lead, reader)
+        expanded = _reshape(em, value, [1] * (len(out) - len(shape)) + list(shape), reader)
+    return rows.slice_own(expanded, lead, reader)
 
 
-def _token_sum(em: Emitter, node: Node, shard: dict[Node, Node], group: Group) -> Node:
+def _sum_tokens(em: Emitter, node: Node, shard: dict[Node, Node], group: Group) -> Node:
     """A sum over the tokens: this rank's rows summed, then all-reduced."""
     source = shard[node.args[0]]  # type: ignore[index]
     dtype = node.kwargs.get("dtype")
-    partial = em.node(
+    partial = em.add_node(
         aten.sum.dim_IntList, (source, [0]), {"dtype": dtype} if dtype else None, before=node
     )
-    partial = _reshaped(em, partial, list(val(node).shape), node)
-    reducing = em.node(c10d.all_reduce.default, (partial, "sum", group.name), before=node)
+    partial = _reshape(em, partial, list(val(node).shape), node)
+    reducing = em.add_node(c10d.all_reduce.default, (partial, "sum", group.name), before=node)
     reducing.meta[META] = {"token_sum": node.name}
-    return em.node(c10d.wait_tensor.default, (reducing,), before=node)
+    return em.add_node(c10d.wait_tensor.default, (reducing,), before=node)
 
 
-def _full_sized(em: Emitter, node: Node, shard: dict[Node, Node]) -> Node:
+def _allocate_full_sized(em: Emitter, node: Node, shard: dict[Node, Node]) -> Node:
     """An allocation like the whole value, from its shard's dtype and device."""
     source = shard[node.args[0]]  # type: ignore[index]
-    shape = em.shape(val(node).shape, 0)
-    return em.node(FULL_SIZED[node.target], (source, shape), dict(node.kwargs), before=node)  # type: ignore[index]
+    shape = em.compute_shape(val(node).shape, 0)
+    return em.add_node(FULL_SIZED[node.target], (source, shape), dict(node.kwargs), before=node)  # type: ignore[index]
 
 
-def _gathered(
+def _gather(
     em: Emitter, shard: Node, value: Node, group: Group, readers: list[Node], region: Region
 ) -> Node:
     """``value`` rebuilt from every rank's shard: one all-gather of the token rows,
@@ -321,8 +323,8 @@ def _gathered(
         before = shard.next
     if not val(shard).is_contiguous():
         contiguous = {"memory_format": torch.contiguous_format}
-        shard = em.node(aten.clone.default, (shard,), contiguous, before=before, like=value)
-    gathering = em.node(
+        shard = em.add_node(aten.clone.default, (shard,), contiguous, before=before, like=value)
+    gathering = em.add_node(
         c10d.all_gather_into_tensor.default,
         (shard, group.size, group.name),
         before=before,
@@ -335,14 +337,16 @@ def _gathered(
         note["kept_whole_for"] = sorted({why.reason for why in whys if why is not None})
         note["kept_whole_bytes"] = nbytes(value)
     gathering.meta[META] = note
-    gathered = em.node(c10d.wait_tensor.default, (gathering,), before=before, like=value)
-    return _reshaped(em, gathered, list(val(value).shape), before, like=value)
+    gathered = em.add_node(c10d.wait_tensor.default, (gathering,), before=before, like=value)
+    return _reshape(em, gathered, list(val(value).shape), before, like=value)
 
 
-def _reshaped(
+def _reshape(
     em: Emitter, node: Node, shape: Iterable[dims.Size], before: Node, like: Node | None = None
 ) -> Node:
     shape = list(shape)
     if dims.same_shape(val(node).shape, shape):
         return node
-    return em.node(aten.reshape.default, (node, em.shape(shape, 0)), before=before, like=like)
+    return em.add_node(
+        aten.reshape.default, (node, em.compute_shape(shape, 0)), before=before, like=like
+    )
