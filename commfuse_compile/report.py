@@ -97,6 +97,9 @@ class SiteRecord:
     bucket: int = -1
     bucket_code: str = ""  # a ``bucket.*`` code of passes.fx.declines.REASONS
     bucket_reason: str = ""
+    # the collective's predicted timeline, put back when a rewrite falls back (not in
+    # report.json: ``timeline`` is it then)
+    _written_timeline: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
 
     def bucketed(self, number: int) -> None:
         """Its collective went into bucket ``number`` (``passes/bucket.py``)."""
@@ -123,6 +126,7 @@ class SiteRecord:
             collective_model,
         )
         self.timeline, self.level, self.ring = timeline, level, ring
+        self._written_timeline = timeline
 
     def rewritten(
         self,
@@ -142,9 +146,10 @@ class SiteRecord:
 
     def declined(self, why: Any) -> SiteRecord:
         """Record the decline ``why`` (a ``passes.fx.declines.Declined``): also of a
-        rewritten site whose graph falls back, which then runs its collective (its
-        ``timeline``, ``nodes``, ``steps`` and ``p2p_ops`` stay the rewrite's)."""
+        rewritten site whose graph falls back, which then runs its collective: its
+        timeline is the collective's again, and the rewrite's nodes and steps are gone."""
         self.decision, self.schedule, self.exposed_steps = "declined", "off", []
+        self.timeline, self.nodes, self.steps, self.p2p_ops = self._written_timeline, [], 0, 0
         self.reason, self.decline_code, self.decline_category = why.reason, why.code, why.category
         self.traceback = why.traceback
         return self
@@ -155,6 +160,7 @@ class SiteRecord:
 
     def as_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        del out["_written_timeline"]
         out.update(out.pop("match"))  # report.json: the site's description at top level
         return out
 

@@ -197,6 +197,9 @@ def test_a_fall_back_inside_inductor_compiles_the_graph_as_it_came(slot, fake_wo
     assert "commfuse.p2p" not in code and "all_reduce" in code
     (site,) = commfuse_compile.REPORT.sites
     assert (site.decision, site.decline_code) == ("declined", "compiler.rank_deadlock")
+    # the record tells what runs: the collective's predicted timeline, no rewrite's nodes
+    assert (site.nodes, site.steps, site.p2p_ops) == ([], 0, 0)
+    assert [e["name"] for e in site.timeline] == ["matmul", "reduce_scatter", "all_gather"]
 
 
 def hooked_mlp_step(rank: int, n: int, options: dict | None, debug_dir: str) -> dict:
