@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch.distributed as dist
 from torch._inductor import list_mode_options
 
 from .runtime.topology import Topology, TopologyError, parse
@@ -204,9 +205,16 @@ def _profile(got: _Given) -> str | None:
 
 def _topology(got: _Given) -> Topology | None:
     try:
-        return parse(got.value)
+        topology = parse(got.value)
     except TopologyError as err:
         raise CommfuseOptionError(f"commfuse: {got.where} {err}") from None
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if topology is not None and topology.nodes and world not in (None, len(topology.nodes)):
+        raise CommfuseOptionError(
+            f"commfuse: {got.where} names the node of {len(topology.nodes)} ranks, but the "
+            f"job has {world}: give the node of every rank, or the ranks per node"
+        )
+    return topology
 
 
 def _slices(got: _Given) -> int:

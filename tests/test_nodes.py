@@ -26,7 +26,7 @@ from commfuse_compile.cost import profiles
 from commfuse_compile.cost.profiles import BUILTIN, Level, ProfileError
 from commfuse_compile.options import CommfuseOptionError
 from commfuse_compile.passes import rewrite_graph
-from commfuse_compile.runtime.topology import ACROSS, INSIDE, Topology, from_launcher
+from commfuse_compile.runtime.topology import ACROSS, INSIDE, Topology, TopologyError, from_launcher
 
 c10d = torch.ops._c10d_functional
 P2P = torch.ops.commfuse.p2p.default
@@ -126,6 +126,15 @@ def mesh_groups():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     yield mesh["tp"].get_group().group_name, mesh["dp"].get_group().group_name
     dist.destroy_process_group()
+
+
+def test_a_node_list_must_name_every_rank(mesh_groups):
+    """A node list shorter than the job is a user error, not ranks put on node 0."""
+    assert Options(topology=[0, 0, 1, 1]).topology == Topology(nodes=(0, 0, 1, 1))
+    with pytest.raises(CommfuseOptionError, match="names the node of 3 ranks, but the job has 4"):
+        Options(topology=[0, 0, 1])
+    with pytest.raises(TopologyError, match="rank 3 is not in it"):
+        Topology(nodes=(0, 0, 1)).level([1, 3])
 
 
 def two_products(tp: str, dp: str):

@@ -27,7 +27,14 @@ class Topology:
     def node(self, rank: int) -> int:
         if self.ranks_per_node:
             return rank // self.ranks_per_node
-        return self.nodes[rank] if rank < len(self.nodes) else 0
+        if not self.nodes:
+            return 0
+        if rank >= len(self.nodes):
+            raise TopologyError(
+                f"the topology names the node of {len(self.nodes)} ranks ({self.describe()}); "
+                f"rank {rank} is not in it: give the node of every rank of the job"
+            )
+        return self.nodes[rank]
 
     def describe(self) -> str:
         if self.ranks_per_node:
