@@ -33,7 +33,7 @@ from commfuse_compile.cost.simulator import (
 from commfuse_compile.options import PROFILE_ENV
 from commfuse_compile.passes import match
 from commfuse_compile.passes.fx.declines import Declined
-from commfuse_compile.passes.plan import MIN_GAIN, plan, site_work
+from commfuse_compile.passes.plan import MIN_GAIN, auto_choice, plan, site_work
 from commfuse_compile.schedules import Direction
 from commfuse_compile.tools import calibrate as cal
 from commfuse_compile.tools.sim.layer import write_trace
@@ -632,3 +632,16 @@ def test_an_all_reduce_is_timed_as_one_call_where_the_profile_measured_it():
     assert collective_model(work, measured) == "all_reduce as measured on 2 ranks (gloo-loopback)"
     ring = simulate(work, "ring", measured)
     assert ring.end_s == simulate(work, "ring", p).end_s
+
+
+def test_auto_takes_the_fewest_calls_among_near_ties():
+    """Within MIN_GAIN of the fastest, the schedule with the fewest communication calls
+    (a call's fixed cost is what the model knows worst); beyond it, the fastest; and
+    nothing that does not pay against the collective."""
+    times = {"collective": 10.0, "ring": 5.0, "slicing": 4.9}
+    calls = {"collective": 1, "ring": 1, "slicing": 2}
+    assert auto_choice(times, calls) == "ring"
+    assert auto_choice(times) == "slicing"  # no calls known: the fastest
+    assert auto_choice({**times, "slicing": 4.0}, calls) == "slicing"  # 25 % faster
+    assert auto_choice({"collective": 5.1, "ring": 5.0}, calls) == "collective"
+    assert auto_choice({"collective": 0.0, "ring": 0.0}, calls) == "collective"

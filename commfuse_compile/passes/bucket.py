@@ -50,7 +50,7 @@ from .fx import dims
 from .fx.collectives import WAIT_TENSOR
 from .fx.declines import Declined, decline
 from .fx.graph import VIEWS, position, val
-from .fx.matmuls import Matmul
+from .fx.matmuls import flops_of
 
 c10d = torch.ops._c10d_functional
 ALL_REDUCE, REDUCE_SCATTER = c10d.all_reduce.default, c10d.reduce_scatter_tensor.default
@@ -240,7 +240,7 @@ class _Timing:
 
     def __init__(self, gm: GraphModule) -> None:
         self.order = {node: i for i, node in enumerate(gm.graph.nodes)}
-        self.flops = list(itertools.accumulate((_flops(n) for n in gm.graph.nodes), initial=0.0))
+        self.flops = list(itertools.accumulate((flops_of(n) for n in gm.graph.nodes), initial=0.0))
 
     def exposed_s(self, bucket: list[_Member], profile: Profile) -> float:
         """Of ``bucket`` as one collective: started where its last member stands, waited
@@ -268,15 +268,6 @@ def collective_seconds(collective: Node, nbytes: int, profile: Profile) -> float
     if collective.target is ALL_REDUCE:
         seconds += collective_s(Work(Direction.GATHER, n, 0.0, block), profile)
     return seconds
-
-
-def _flops(node: Node) -> float:
-    """A matmul node's FLOPs (0 for any other node)."""
-    matmul = Matmul.of(node, batched=True)
-    try:
-        return matmul.flops() if matmul is not None else 0.0
-    except Declined:  # no tensor metadata: counted as free
-        return 0.0
 
 
 def _merge(

@@ -13,6 +13,7 @@ import torch
 from torch.fx import Node
 
 from . import dims
+from .declines import Declined
 from .graph import (
     FLOAT8_DTYPES,
     PASS_THROUGH,
@@ -251,6 +252,15 @@ def sums_problem(mm: Matmul) -> str | None:
     if dtype in FLOAT8_DTYPES or mm.scale_result is not None:
         return f"a {dtype} product (or result scale) summed over blocks"
     return None
+
+
+def flops_of(node: Node) -> float:
+    """A matmul node's FLOPs (0 for any other node, or one without tensor metadata)."""
+    matmul = Matmul.of(node, batched=True)
+    try:
+        return matmul.flops() if matmul is not None else 0.0
+    except Declined:
+        return 0.0
 
 
 def is_matmul(node: Node, ops: frozenset[object] = MATMUL_OPS) -> bool:

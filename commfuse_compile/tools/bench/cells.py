@@ -168,18 +168,29 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
 
 
 def written_us(graph: torch.fx.GraphModule, profile: str | None) -> float | None:
-    """The cost model's time of ``graph``'s sites as written (each collective, then its
-    matmuls; a plain-TP all-reduce as one site, not split), as ``auto`` predicts them;
-    None where no site has a prediction."""
+    """The cost model's time of ``graph`` as written: its sites (each collective, then
+    its matmuls; a plain-TP all-reduce as one site, not split), as ``auto`` predicts
+    them, and the matmuls in no site (the plain-TP cell's second matmul, which its split
+    puts into a site: the rewritten rows' predictions have it); None where no site has a
+    prediction."""
     from ...options import Options
     from ...passes import match, plan
+    from ...passes.fx.matmuls import flops_of
 
     options = Options(schedule="auto", inner="eager", profile=profile)
-    times = [
-        plan.site_times(site, options) for site in match.find_sites(copy.deepcopy(graph).graph)
-    ]
+    sites = match.find_sites(copy.deepcopy(graph).graph)
+    times = [plan.site_times(site, options) for site in sites]
     written = [t.written_s for t in times if t is not None]
-    return sum(written) * 1e6 if written else None
+    if not written:
+        return None
+    in_sites = {node.name for site in sites for node in site.replaced()}
+    p = plan.profile_for(sites[0], options)
+    outside = [
+        p.matmul_s(flops)
+        for node in graph.graph.nodes
+        if node.name not in in_sites and (flops := flops_of(node)) > 0
+    ]
+    return (sum(written) + sum(outside)) * 1e6
 
 
 def program_key(gm: torch.fx.GraphModule) -> str:
