@@ -346,7 +346,7 @@ def run(
         results[extra.key] = _block_apart(extra, preset, world_size, topology, rows, out, progress)
     results["meta"]["machine_after"] = machine()
     results["noise"] = targets.run_noise(results["sites"])
-    results["model_error"] = targets.error_distribution(results["sites"])
+    results["model_error"] = targets.error_distribution(targets.predicted_cells(results))
     results["targets"] = targets.check_targets(results)
     write(results, out)
     progress.stage(f"done: {out / 'results.md'}")

@@ -36,7 +36,7 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         *_overlap_targets(cells, results["meta"]["world_size"]),
         _ring_ahead_target(cells),
         _auto_target(cells),
-        _model_target(cells),
+        _model_target(predicted_cells(results)),
         _limit_target(cells, [results[k] for k in BLOCK_KEYS if results.get(k)], noise),
         _block_target(results.get("block")),
         _plain_tp_target(results.get("block_plain_tp")),
@@ -47,6 +47,16 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
             target["reached"] = None
             target["note"] = "not judged: the link was not throttled"
     return targets
+
+
+def predicted_cells(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every cell whose rows the cost model predicts: the site cells and the served ones
+    (kind ``served``, each named by its phase and token count)."""
+    served = [
+        {**cell, "kind": "served", "size": f"{cell['phase']} {cell['tokens']} tokens"}
+        for cell in (results.get("served") or {}).get("cells", [])
+    ]
+    return [*results["sites"], *served]
 
 
 def run_noise(cells: list[dict[str, Any]]) -> dict[str, float]:
