@@ -292,6 +292,21 @@ def _add_bench(commands: _Commands) -> None:
         "on a 2 x 2 mesh), on 4 ranks of its own after the rest, with the pass and without",
     )
     bench.add_argument(
+        "--nodes",
+        type=_int_in(2, why=" (a job that spans nodes)"),
+        help="instead of the cells: a job of this many nodes, each a network namespace of "
+        "--ranks-per-node ranks behind its own throttled NIC, launched by one torchrun per "
+        "node (c10d rendezvous); its cells: the 2-D block (sharded DP across nodes, TP "
+        "inside a node), TP+SP across the nodes, an MoE layer expert parallel across them "
+        "(as root; about 6 minutes at 2 nodes)",
+    )
+    bench.add_argument(
+        "--ranks-per-node",
+        type=_int_in(2),
+        default=2,
+        help="with --nodes: gloo ranks per node",
+    )
+    bench.add_argument(
         "--kinds",
         type=_kinds,
         metavar="KIND[,KIND...]",
@@ -331,6 +346,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.parallelism == "up":
             return _sim_ulysses(parser, args)
         return _sim(args)
+
+    if args.command == "bench" and args.nodes is not None:
+        if args.network or args.block_2d or args.kinds or args.quick:
+            parser.error(
+                "argument --nodes: runs its own cells (no --quick, --network, "
+                "--block-2d or --kinds)"
+            )
+        from .bench.multinode import main as nodes_main
+
+        return nodes_main(args.out, args.nodes, args.ranks_per_node)
 
     if args.command == "bench":
         from .bench.run import main as bench_main

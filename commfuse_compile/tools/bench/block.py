@@ -43,6 +43,11 @@ class BlockBench:
     # rows (labelled ``COMPARED`` + the row's) timed on this block's link, each against
     # that layout's own baseline
     compare: BlockShape | None = None
+    # how the link rate is chosen: False, the throttled step minus the unthrottled one
+    # against the unthrottled step; True, the baseline's communication alone (throttled)
+    # against its compute alone (``alone``), the ratio its figure reports (steadier where
+    # the ranks share few cores: the unthrottled step's transfers cost CPU time too)
+    rate_from_alone: bool = False
 
 
 # ----------------------------------------------------------------------------------------
@@ -145,6 +150,14 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
             "found": len(found),
             "schedules": sorted({s["schedule"] for s in found if s["decision"] == "rewritten"}),
             "summary": [dataclasses.asdict(r) for r in summarize(found)],
+            # by the level of each site's group (a job of several nodes: "node", "nodes")
+            "levels": {
+                level: [
+                    sum(s["decision"] == "rewritten" for s in found if s["level"] == level),
+                    sum(s["level"] == level for s in found),
+                ]
+                for level in sorted({s["level"] for s in found if s["level"]})
+            },
         }
         _BLOCK.update(_alone(setup_of(), options, shape, label))
     return sites
@@ -223,21 +236,24 @@ def run_block(
     sites = ranks.run(block_compile, BlockJob(shape, (baseline,), None))[0]
     label = baseline.label
 
-    def step_s(rate: float | None) -> float:
+    def step_s(rate: float | None, of: str = label) -> float:
         network.set_rate(rate)
-        return figures.slowest(ranks.run(block_times, [label], 0, 1))[label][0]
+        return figures.slowest(ranks.run(block_times, [of], 0, 1))[of][0]
 
     rate = math.inf
-    compute_s = statistics.median(step_s(None) for _ in range(3))
+    compute_label, comm_label = alone_labels(label) if spec.rate_from_alone else (label, label)
     if network.topology != "none":
-        # The step's communication = throttled minus unthrottled step, alternated so that
-        # both see the same machine; then the rate that makes it the target.
+        # The step's communication = throttled minus unthrottled step (or its
+        # communication alone), alternated so that both see the same machine; then the
+        # rate that makes it the target.
         rate = REFERENCE_RATE
         for _ in range(MAX_RATE_TRIES):
             progress.stage(f"{spec.key}: communication at {rate / 1e6:.0f} Mbit/s")
-            pairs = [(step_s(None), step_s(rate)) for _ in range(3)]
+            pairs = [(step_s(None, compute_label), step_s(rate, comm_label)) for _ in range(3)]
             compute_s = statistics.median(free for free, _ in pairs)
-            comm_s = statistics.median(slow - free for free, slow in pairs)
+            comm_s = statistics.median(
+                slow if spec.rate_from_alone else slow - free for free, slow in pairs
+            )
             target = spec.ratio * compute_s
             if abs(comm_s / target - 1) <= 2 * RATE_TOLERANCE:
                 break

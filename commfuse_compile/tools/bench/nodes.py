@@ -140,6 +140,12 @@ class LaunchedRanks(Ranks):
             listener.listen(self.world_size)
             script = ["-m", __name__, "--socket", path, "--timeout", str(group_timeout_s)]
             env = {"OMP_NUM_THREADS": "1"}
+            self.commands = [  # each node's, for the record
+                " ".join(
+                    torchrun_command(network, node, network.world_size, ranks_per_node, script)
+                )
+                for node in range(network.world_size)
+            ]
             with contextlib.ExitStack() as logs:  # each child keeps its own descriptor
                 opened = [logs.enter_context(open(log, "w")) for log in self.logs]
                 self._procs = launch(network, ranks_per_node, script, env, opened.__getitem__)
