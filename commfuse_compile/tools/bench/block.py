@@ -44,9 +44,9 @@ class BlockBench:
     # that layout's own baseline
     compare: BlockShape | None = None
     # how the link rate is chosen: False, the throttled step minus the unthrottled one
-    # against the unthrottled step; True, the baseline's communication alone (throttled)
-    # against its compute alone (``alone``), the ratio its figure reports (steadier where
-    # the ranks share few cores: the unthrottled step's transfers cost CPU time too)
+    # against the unthrottled step; True, the baseline's communication alone (``alone``)
+    # throttled minus unthrottled against its compute alone: the link's own time, steadier
+    # where the ranks share few cores (their transfers' CPU time is no link time)
     rate_from_alone: bool = False
 
 
@@ -241,19 +241,26 @@ def run_block(
         return figures.slowest(ranks.run(block_times, [of], 0, 1))[of][0]
 
     rate = math.inf
-    compute_label, comm_label = alone_labels(label) if spec.rate_from_alone else (label, label)
+    compute_label, comm_label = alone_labels(label)
+
+    def compute_and_link_s(rate: float) -> tuple[float, float, float]:
+        """(compute, communication unthrottled, throttled) of the baseline."""
+        if spec.rate_from_alone:
+            return step_s(None, compute_label), step_s(None, comm_label), step_s(rate, comm_label)
+        free = step_s(None)
+        return free, free, step_s(rate)
+
+    tries = []
     if network.topology != "none":
-        # The step's communication = throttled minus unthrottled step (or its
-        # communication alone), alternated so that both see the same machine; then the
-        # rate that makes it the target.
+        # The link's time = throttled minus unthrottled, alternated so that both see the
+        # same machine; then the rate that makes it the target.
         rate = REFERENCE_RATE
         for _ in range(MAX_RATE_TRIES):
             progress.stage(f"{spec.key}: communication at {rate / 1e6:.0f} Mbit/s")
-            pairs = [(step_s(None, compute_label), step_s(rate, comm_label)) for _ in range(3)]
-            compute_s = statistics.median(free for free, _ in pairs)
-            comm_s = statistics.median(
-                slow if spec.rate_from_alone else slow - free for free, slow in pairs
-            )
+            measured = [compute_and_link_s(rate) for _ in range(3)]
+            compute_s = statistics.median(compute for compute, _, _ in measured)
+            comm_s = statistics.median(slow - free for _, free, slow in measured)
+            tries.append({"rate_bits_per_s": rate, "compute_s": compute_s, "link_s": comm_s})
             target = spec.ratio * compute_s
             if abs(comm_s / target - 1) <= 2 * RATE_TOLERANCE:
                 break
@@ -283,5 +290,6 @@ def run_block(
     block = figures.block_result(
         shape, rate, alone, times, sites, spec.ratio, ranks.world_size, os.cpu_count()
     )
+    block["rate_tries"] = tries  # how the rate was found
     progress.echo(figures.format_block(block))
     return block
