@@ -146,6 +146,13 @@ def _add_demo(commands: _Commands) -> None:
         "--steps", type=_int_in(1), default=5, help="timed training steps of each variant"
     )
     demo.add_argument(
+        "--nodes",
+        type=_int_in(2, why=" (a job that spans nodes)"),
+        help="the ranks over this many nodes, each a network namespace with its own "
+        "throttled NIC, launched by one torchrun per node (c10d rendezvous; as root); "
+        "--world-size a multiple of it",
+    )
+    demo.add_argument(
         "--debug-dir",
         type=_directory,
         help="write the pass's debug dump here (read it with `commfuse inspect DIR`)",
@@ -397,8 +404,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"argument --world-size: the block's {DemoConfig.heads} attention heads are "
                 f"split over the ranks: give a world size that divides {DemoConfig.heads}"
             )
+        if args.nodes is not None:
+            from .bench.netns import can_throttle
+
+            if args.world_size % args.nodes:
+                args.command_parser.error(
+                    f"argument --nodes: --world-size {args.world_size} is no multiple of "
+                    f"{args.nodes} (every node holds as many ranks)"
+                )
+            why_not = can_throttle()
+            if why_not is not None:
+                args.command_parser.error(f"argument --nodes: needs network namespaces: {why_not}")
         return run(
             DemoConfig(
+                nodes=args.nodes,
                 world_size=args.world_size,
                 schedule=args.schedule,
                 inner=args.inner,

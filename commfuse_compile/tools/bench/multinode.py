@@ -30,8 +30,8 @@ from .config import BlockShape, Progress
 from .figures import auto_against, format_targets, ms, site_counts
 from .link import calibrated
 from .markdown import block_table, loads, targets_section
-from .netns import ThrottledNetwork, can_throttle
-from .nodes import LaunchedRanks
+from .netns import can_throttle
+from .nodes import describe, launched_ranks
 from .run import machine, variants
 
 # the rows of a dense block: the baseline, each fixed schedule (slicing once), auto; of
@@ -83,14 +83,6 @@ CELLS = (
 )
 
 
-def describe(nodes: int, ranks_per_node: int) -> str:
-    return (
-        f"{nodes} nodes, each a network namespace of {ranks_per_node} ranks talking over "
-        "the node's own address (unthrottled); each node's NIC a veth link to a bridge, "
-        "a tbf on its sending side (full duplex, shared by the node's ranks)"
-    )
-
-
 def run(
     out: Path, nodes: int, ranks_per_node: int = 2, echo: Callable[[str], None] = print
 ) -> dict[str, Any]:
@@ -113,27 +105,23 @@ def run(
         "cells": [],
     }
     echo(f"network: {description}")
-    with ThrottledNetwork(nodes, "veth") as network:
-        progress.stage(
-            f"launching {nodes} torchruns (c10d rendezvous), {ranks_per_node} ranks each"
+    progress.stage(f"launching {nodes} torchruns (c10d rendezvous), {ranks_per_node} ranks each")
+    with launched_ranks(nodes, ranks_per_node, out / "logs") as (network, ranks, _):
+        results["meta"]["launch"] = ranks.commands
+        base = calibrated(
+            network, ranks, description, CALIBRATE_REPS, progress, per_node=ranks_per_node
         )
-        with LaunchedRanks(network, ranks_per_node, out / "logs") as ranks:
-            results["meta"]["launch"] = ranks.commands
-            base = calibrated(
-                network, ranks, description, CALIBRATE_REPS, progress, per_node=ranks_per_node
-            )
-            results["meta"]["profile"] = base.reference.as_json()
-            results["meta"]["profile_unthrottled"] = base.free.as_json()
+        results["meta"]["profile"] = base.reference.as_json()
+        results["meta"]["profile_unthrottled"] = base.free.as_json()
+        progress.advance()
+        for cell in CELLS:
+            spec = cell.bench(ranks_per_node)
+            block = run_block(spec, network, ranks, base, rows, out, progress)
+            block |= {"cell": cell.name, "key": cell.key, "link_ratio": link_ratio(block)}
+            results["cells"].append(block)
             progress.advance()
-            for cell in CELLS:
-                block = run_block(
-                    cell.bench(ranks_per_node), network, ranks, base, rows, out, progress
-                )
-                block |= {"cell": cell.name, "key": cell.key, "link_ratio": link_ratio(block)}
-                results["cells"].append(block)
-                progress.advance()
-                progress.echo(_against_line(block))
-            results["meta"]["qdisc"] = network.qdisc_stats()
+            progress.echo(_against_line(block))
+        results["meta"]["qdisc"] = network.qdisc_stats()
     results["meta"]["machine_after"] = machine()
     results["targets"] = targets.nodes_targets(results["cells"])
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
@@ -206,7 +194,7 @@ def markdown(results: dict[str, Any]) -> str:
         )
     lines += ["", *targets_section({"targets": results["targets"], "sites": []}), ""]
     for cell in results["cells"]:
-        lines += block_table(cell, f" on {nodes} nodes x {per_node} ranks ({cell['cell']})")
+        lines += block_table(cell, f" on {nodes} nodes x {per_node} ranks")
     return "\n".join(lines) + "\n"
 
 

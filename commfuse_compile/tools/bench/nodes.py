@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -191,6 +191,29 @@ class LaunchedRanks(Ranks):
 
     def _detail(self, rank: int) -> str:
         return self._tail(rank // self.ranks_per_node)
+
+
+def describe(nodes: int, ranks_per_node: int) -> str:
+    """The network of ``launched_ranks``, in words."""
+    return (
+        f"{nodes} nodes, each a network namespace of {ranks_per_node} ranks talking over "
+        "the node's own address (unthrottled); each node's NIC a veth link to a bridge, "
+        "a tbf on its sending side (full duplex, shared by the node's ranks); one torchrun "
+        "per node, c10d rendezvous"
+    )
+
+
+@contextlib.contextmanager
+def launched_ranks(
+    nodes: int, ranks_per_node: int, log_dir: Path
+) -> Iterator[tuple[ThrottledNetwork, LaunchedRanks, str]]:
+    """``nodes`` namespaces and their launched ranks (as ``netns.throttled_ranks``
+    gives a namespace per rank), both removed on exit."""
+    with (
+        ThrottledNetwork(nodes, "veth") as network,
+        LaunchedRanks(network, ranks_per_node, log_dir) as ranks,
+    ):
+        yield network, ranks, describe(nodes, ranks_per_node)
 
 
 def _rank(socket_path: str, timeout_s: float) -> None:
