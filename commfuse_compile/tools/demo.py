@@ -281,7 +281,7 @@ def run(cfg: DemoConfig) -> int:
     print(f"first compiled step (includes compile): {first['compile_s']:.1f} s")
     print(f"median step over {cfg.steps} (forward+backward, slowest rank):")
     print(
-        f"  unthrottled (a transfer costs no wall time: nothing to hide, only the "
+        f"  unthrottled loopback (a transfer costs no wall time: nothing to hide, only the "
         f"rewrite's cost shows): commfuse {free.commfuse_s * 1e3:.1f} ms, schedule='off' "
         f"{free.off_s * 1e3:.1f} ms"
     )
