@@ -352,7 +352,7 @@ def test_nodes_flags_refuse_what_they_cannot_run(capsys):
 
     with pytest.raises(SystemExit):
         main(["bench", "--nodes", "2", "--quick"])
-    assert "--nodes: runs its own cells" in capsys.readouterr().err
+    assert "--nodes: its own cells, no --quick" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["demo", "--nodes", "4", "--world-size", "2"])
     assert "--world-size 2 is no multiple of 4" in capsys.readouterr().err
@@ -386,3 +386,18 @@ def _where_am_i(rank: int, n: int):
 
 def _divide_by_zero(rank: int, n: int):
     return 1 / 0
+
+
+def test_block_rate_search_settles_where_the_link_hides_its_first_bytes():
+    from commfuse_compile.tools.bench.block import next_rate
+
+    def link_s(rate: float) -> float:  # 10 MB's time, less 80 ms the transfers cover
+        return max(0.0, 8e7 / rate - 0.08)
+
+    tries: list[dict[str, float]] = []
+    rate = 1e9
+    for _ in range(3):
+        tries.append({"rate_bits_per_s": rate, "link_s": link_s(rate)})
+        rate = next_rate(tries, 0.1)
+    assert [t["rate_bits_per_s"] for t in tries][:2] == [1e9, 1.25e8]  # 8x down at most
+    assert link_s(rate) == pytest.approx(0.1, rel=0.05)

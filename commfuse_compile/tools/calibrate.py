@@ -168,15 +168,15 @@ def link_points(rank: int, rings: Rings, reps: int) -> list[tuple[float, float]]
 
 
 def collective_curves(
-    rank: int, rings: Rings, reps: int
+    rank: int, rings: Rings, reps: int, smallest: int = 2
 ) -> tuple[dict[str, dict[int, list[tuple[float, float]]]], str]:
     """The backend's collectives (``COLLECTIVES``), timed by block size on the groups of
-    the first g ranks of every ring at once, for every g from 2 to the ring's size (the
-    others wait); and the group name of this rank's whole ring."""
+    the first g ranks of every ring at once, for every g from ``smallest`` to the ring's
+    size (the others wait); and the group name of this rank's whole ring."""
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
     mine = _mine(rank, rings)
     whole = dist.group.WORLD
-    for g in range(2, len(mine) + 1):
+    for g in range(smallest, len(mine) + 1):
         for ring in rings:  # every rank makes every group, in one order
             members = list(ring)[:g]
             made = whole if len(members) == dist.get_world_size() else dist.new_group(members)
@@ -340,7 +340,8 @@ def measure_levels(
     """On every rank of a job of ``per_node`` ranks per node, numbered node by node (its
     default group up): the link inside a node on each node's ranks, the NIC between nodes
     on the ranks of each local rank across them (every node's ranks sending at once, as a
-    data-parallel group's copies do); ``ranks_per_nic``: how many of a node's ranks share
+    data-parallel group's copies do), the collectives across nodes on those and on groups
+    of several ranks per node; ``ranks_per_nic``: how many of a node's ranks share
     one NIC (None: all of them). Rank 0 returns one profile with both levels."""
     if per_node < 2 or world_size % per_node:
         raise CalibrationError(
@@ -353,6 +354,13 @@ def measure_levels(
     if nodes > 1:
         link = link_points(rank, across, reps)
         curves, _ = collective_curves(rank, across, reps)
+        # groups of several ranks per node that span nodes (TP across nodes): the job's
+        # first g ranks, node by node, for every g beyond one node (where a size is
+        # measured both ways, one rank per node is kept)
+        spanning, _ = collective_curves(rank, one_ring(world_size), reps, per_node + 1)
+        for collective, by_size in spanning.items():
+            for g, points in by_size.items():
+                curves[collective].setdefault(g, points)
     dist.barrier()
     if rank != 0:
         return None

@@ -36,7 +36,7 @@ from .. import report
 from ..cost.profiles import BUILTIN
 from .bench.alone import local_backend, recording, replay
 from .bench.figures import slowest
-from .bench.netns import throttled_ranks
+from .bench.netns import can_throttle, throttled_ranks
 from .bench.nodes import launched_ranks
 from .sim.layer import ModelShape, simulate_layer
 from .training.models import Block, block_plan
@@ -237,6 +237,16 @@ def predicted_on_link(cfg: DemoConfig, rate_bits_per_s: float) -> tuple[float, f
     schedule = "ring" if cfg.schedule in ("auto", "off") else cfg.schedule
     layer = simulate_layer(block, n, profile, slices=2)
     return layer.total_s("collective"), layer.total_s(schedule)
+
+
+def nodes_refusal(world_size: int, nodes: int | None) -> str | None:
+    """Why ``world_size`` ranks cannot run on ``nodes`` nodes here (None: they can)."""
+    if nodes is None:
+        return None
+    if world_size % nodes:
+        return f"--world-size {world_size} is no multiple of {nodes} (as many ranks per node)"
+    why_not = can_throttle()
+    return None if why_not is None else f"needs network namespaces: {why_not}"
 
 
 def run(cfg: DemoConfig) -> int:

@@ -214,6 +214,24 @@ def block_times(rank: int, n: int, labels: list[str], warmup: int, reps: int) ->
 # In the parent
 
 
+def next_rate(tries: list[dict[str, float]], target_s: float) -> float:
+    """The next link rate to try after ``tries`` (each its rate and the link's time
+    measured at it), at most 8x from the last. The link's time is about affine in 1/rate
+    (the bytes' time at the rate, less what the unthrottled transfers' own time covers,
+    so it is ~0 at high rates): the secant through the last two tries in 1/rate, where it
+    rises; else the last rate scaled by its miss."""
+    rate, link_s = tries[-1]["rate_bits_per_s"], tries[-1]["link_s"]
+    wanted = rate * link_s / target_s
+    if len(tries) > 1:
+        before = tries[-2]
+        dx = 1 / rate - 1 / before["rate_bits_per_s"]
+        slope = (link_s - before["link_s"]) / dx if dx else 0.0
+        x = 1 / rate + (target_s - link_s) / slope if slope > 0 else 0.0
+        if x > 0:
+            wanted = 1 / x
+    return min(max(wanted, rate / 8), rate * 8)
+
+
 def run_block(
     spec: BlockBench,
     network: Any,
@@ -264,7 +282,7 @@ def run_block(
             target = spec.ratio * compute_s
             if abs(comm_s / target - 1) <= 2 * RATE_TOLERANCE:
                 break
-            rate *= min(max(comm_s / target, 1 / 8), 8)
+            rate = next_rate(tries, target)
         network.set_rate(rate)
     profile = base.file(rate, out / "profiles" / f"{spec.key}.json")
     progress.stage(f"{spec.key}: compiling {', '.join(v.label for v in others)}")
