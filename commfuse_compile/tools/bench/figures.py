@@ -251,6 +251,8 @@ def auto_against(block: dict[str, Any]) -> dict[str, Any]:
         "best_s": best["median_s"],
         "auto_s": auto["median_s"],
         "auto_ran": ",".join(auto["sites"]["schedules"]) or "off",
+        # every site declined: the baseline's program, whatever the two medians say
+        "auto_is_off": auto["sites"]["rewritten"] == 0,
         "auto_vs_best": auto["median_s"] / best["median_s"],
         "auto_vs_off": off["median_s"] / auto["median_s"],
     }
