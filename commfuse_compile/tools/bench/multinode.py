@@ -6,12 +6,14 @@ address, at memory speed); its NIC is a veth link to a bridge behind a token buc
 (``netns``'s ``veth`` topology, a "rank" per node). Each node's ranks are started by its
 own torchrun, joined by c10d rendezvous (``nodes.LaunchedRanks``): one job, not one
 process tree. On it, in one launch: ``commfuse calibrate``'s measurement by level (each
-node's ranks, then the NIC between nodes; at the reference rate and unthrottled, the
-NIC's per-byte costs interpolated to each cell's rate, ``link.LinkProfiles``), then each
-cell, a whole block's training step (``block.run_block``): the link rate chosen so that
-the baseline's communication is about its compute, then every row (the baseline, each
-fixed schedule, ``auto``) compiled and timed interleaved. The pass takes the topology
-from torchrun (``LOCAL_WORLD_SIZE``), so each site is priced by its group's level.
+node's ranks, then the NIC and the collectives between nodes; at the reference rate and
+unthrottled, the NIC's per-byte costs interpolated to each cell's rate,
+``link.LinkProfiles``), then each cell, a whole block's training step
+(``block.run_block``): the NIC rate chosen so that the baseline's time on the link (its
+communication alone, throttled minus unthrottled) is about its compute alone, then every
+row (the baseline, each fixed schedule, ``auto``) compiled and timed interleaved. The
+pass takes the topology from torchrun (``LOCAL_WORLD_SIZE``), so each site is priced by
+its group's level.
 """
 
 from __future__ import annotations
