@@ -301,7 +301,7 @@ def _add_bench(commands: _Commands) -> None:
         "--nodes",
         type=_int_in(2, why=" (a job that spans nodes)"),
         help="instead: the 2-D block, TP+SP and an MoE layer on a job of this many nodes of "
-        "--ranks-per-node ranks (as demo --nodes; about 5 minutes at 2 nodes)",
+        "--ranks-per-node ranks (as demo --nodes; about 6 minutes at 2 nodes)",
     )
     bench.add_argument("--ranks-per-node", type=_int_in(2), default=2, help="with --nodes")
     bench.add_argument(
