@@ -168,15 +168,15 @@ def link_points(rank: int, rings: Rings, reps: int) -> list[tuple[float, float]]
 
 
 def collective_curves(
-    rank: int, rings: Rings, reps: int
+    rank: int, rings: Rings, reps: int, smallest: int = 2
 ) -> tuple[dict[str, dict[int, list[tuple[float, float]]]], str]:
     """The backend's collectives (``COLLECTIVES``), timed by block size on the groups of
-    the first g ranks of every ring at once, for every g from 2 to the ring's size (the
-    others wait); and the group name of this rank's whole ring."""
+    the first g ranks of every ring at once, for every g from ``smallest`` to the ring's
+    size (the others wait); and the group name of this rank's whole ring."""
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
     mine = _mine(rank, rings)
     whole = dist.group.WORLD
-    for g in range(2, len(mine) + 1):
+    for g in range(smallest, len(mine) + 1):
         for ring in rings:  # every rank makes every group, in one order
             members = list(ring)[:g]
             made = whole if len(members) == dist.get_world_size() else dist.new_group(members)
@@ -318,44 +318,62 @@ class CalibrationError(RuntimeError):
 
 
 def run_launched(out: str, reps: int, ranks_per_nic: int | None = None) -> Profile | None:
-    """Calibrate on the ranks of a torchrun job of ``LOCAL_WORLD_SIZE`` ranks per node:
-    the link inside a node on each node's ranks, the NIC between nodes on the ranks of
-    each local rank across them (every node's ranks sending at once, as a data-parallel
-    group's copies do); ``ranks_per_nic``: how many of a node's ranks share one NIC
-    (None: all of them). Rank 0 writes one profile with both levels and returns it."""
+    """Calibrate on the ranks of a torchrun job of ``LOCAL_WORLD_SIZE`` ranks per node
+    (``measure_levels``); rank 0 writes the profile to ``out`` and returns it."""
     dist.init_process_group("gloo")
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         per_node = topology.from_launcher().ranks_per_node or world_size
-        if per_node < 2 or world_size % per_node:
-            raise CalibrationError(
-                f"{world_size} ranks of {per_node} per node: calibrate needs 2 or more "
-                "ranks per node, the same on every node"
-            )
-        inside, across = node_rings(world_size, per_node)
-        m = measure(rank, world_size, reps, inside)
-        nodes = world_size // per_node
-        if nodes > 1:
-            link = link_points(rank, across, reps)
-            curves, _ = collective_curves(rank, across, reps)
-        dist.barrier()
-        if rank != 0:
-            return None
-        source = (
-            f"measured by `commfuse calibrate` on {nodes} node(s) of {per_node} gloo ranks "
-            f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {reps} reps)"
-        )
-        profile = profile_from(m, per_node, f"calibrated-gloo-{nodes}x{per_node}", source)
-        if nodes > 1:
-            # every rank of a node sent at once: a NIC carried its sharers' messages
-            sharing = min(ranks_per_nic or per_node, per_node)
-            alpha, s_per_byte = fit_line(link)
-            nic = Level(alpha, sharing / s_per_byte, True, ranks_per_nic or per_node)
-            nic = dataclasses.replace(nic, collectives=_curves(curves))
-            profile = dataclasses.replace(profile, across_nodes=nic, ranks_per_node=per_node)
-        from ..cost.profiles import save
+        profile = measure_levels(rank, world_size, reps, per_node, ranks_per_nic)
+        if profile is not None:
+            from ..cost.profiles import save
 
-        save(profile, out)
+            save(profile, out)
         return profile
     finally:
         dist.destroy_process_group()
+
+
+def measure_levels(
+    rank: int, world_size: int, reps: int, per_node: int, ranks_per_nic: int | None = None
+) -> Profile | None:
+    """On every rank of a job of ``per_node`` ranks per node, numbered node by node (its
+    default group up): the link inside a node on each node's ranks, the NIC between nodes
+    on the ranks of each local rank across them (every node's ranks sending at once, as a
+    data-parallel group's copies do), the collectives across nodes on those and on groups
+    of several ranks per node; ``ranks_per_nic``: how many of a node's ranks share
+    one NIC (None: all of them). Rank 0 returns one profile with both levels."""
+    if per_node < 2 or world_size % per_node:
+        raise CalibrationError(
+            f"{world_size} ranks of {per_node} per node: calibrate needs 2 or more "
+            "ranks per node, the same on every node"
+        )
+    inside, across = node_rings(world_size, per_node)
+    m = measure(rank, world_size, reps, inside)
+    nodes = world_size // per_node
+    if nodes > 1:
+        link = link_points(rank, across, reps)
+        curves, _ = collective_curves(rank, across, reps)
+        # groups of several ranks per node that span nodes (TP across nodes): the job's
+        # first g ranks, node by node, for every g beyond one node (where a size is
+        # measured both ways, one rank per node is kept)
+        spanning, _ = collective_curves(rank, one_ring(world_size), reps, per_node + 1)
+        for collective, by_size in spanning.items():
+            for g, points in by_size.items():
+                curves[collective].setdefault(g, points)
+    dist.barrier()
+    if rank != 0:
+        return None
+    source = (
+        f"measured by `commfuse calibrate` on {nodes} node(s) of {per_node} gloo ranks "
+        f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, {reps} reps)"
+    )
+    profile = profile_from(m, per_node, f"calibrated-gloo-{nodes}x{per_node}", source)
+    if nodes > 1:
+        # every rank of a node sent at once: a NIC carried its sharers' messages
+        sharing = min(ranks_per_nic or per_node, per_node)
+        alpha, s_per_byte = fit_line(link)
+        nic = Level(alpha, sharing / s_per_byte, True, ranks_per_nic or per_node)
+        nic = dataclasses.replace(nic, collectives=_curves(curves))
+        profile = dataclasses.replace(profile, across_nodes=nic, ranks_per_node=per_node)
+    return profile

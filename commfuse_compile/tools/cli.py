@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..cost.profiles import Curve, Profile, ProfileError, load
 from ..options import INNER_COMPILERS, MAX_SLICES, SCHEDULES, dump_dir_problem
-from .bench.config import CELL_KINDS, DROPLESS_KIND, MOE_KIND
+from .bench.config import CELL_KINDS, DROPLESS_KIND, MOE_KIND, parse_kinds
 from .sim.layer import PRESETS, UP_GROUP_SIZES, UP_SEQUENCES
 from .sim.moe import MOE_GROUP_SIZES, MOE_PRESETS, MOE_TOKENS
 
@@ -144,6 +144,12 @@ def _add_demo(commands: _Commands) -> None:
     )
     demo.add_argument(
         "--steps", type=_int_in(1), default=5, help="timed training steps of each variant"
+    )
+    demo.add_argument(
+        "--nodes",
+        type=_int_in(2, why=" (a job that spans nodes)"),
+        help="the ranks over this many nodes, a network namespace each behind its own "
+        "throttled NIC, one torchrun per node (c10d rendezvous; as root)",
     )
     demo.add_argument(
         "--debug-dir",
@@ -292,26 +298,21 @@ def _add_bench(commands: _Commands) -> None:
         "on a 2 x 2 mesh), on 4 ranks of its own after the rest, with the pass and without",
     )
     bench.add_argument(
+        "--nodes",
+        type=_int_in(2, why=" (a job that spans nodes)"),
+        help="instead: the 2-D block, TP+SP and an MoE layer on a job of this many nodes of "
+        "--ranks-per-node ranks (as demo --nodes; about 6 minutes at 2 nodes)",
+    )
+    bench.add_argument("--ranks-per-node", type=_int_in(2), default=2, help="with --nodes")
+    bench.add_argument(
         "--kinds",
-        type=_kinds,
+        type=parse_kinds,
         metavar="KIND[,KIND...]",
         help=f"only the preset's cells of these kinds ({', '.join(CELL_KINDS)}) and the "
         "blocks made of them (the TP+SP blocks: ag_mm or mm_rs; the plain-TP block: "
         f"mm_ar_mm; the capacity-MoE block: {MOE_KIND}; the dropless-MoE block: "
         f"{DROPLESS_KIND}; the MoE ones in the full preset only)",
     )
-
-
-def _kinds(text: str) -> tuple[str, ...]:
-    """An argparse type: a comma-separated list of ``commfuse bench``'s cell kinds."""
-    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in CELL_KINDS]
-    if unknown or not kinds:
-        raise argparse.ArgumentTypeError(
-            f"unknown cell kind {', '.join(map(repr, unknown)) or repr(text)}: "
-            f"one or more of {', '.join(CELL_KINDS)}"
-        )
-    return kinds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,6 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.parallelism == "up":
             return _sim_ulysses(parser, args)
         return _sim(args)
+
+    if args.command == "bench" and args.nodes is not None:
+        if args.network or args.block_2d or args.kinds or args.quick:
+            parser.error(
+                "argument --nodes: its own cells, no --quick, --network, --block-2d, --kinds"
+            )
+        from .bench.multinode import main as nodes_main
+
+        return nodes_main(args.out, args.nodes, args.ranks_per_node)
 
     if args.command == "bench":
         from .bench.run import main as bench_main
@@ -365,15 +375,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "demo":
-        from .demo import DemoConfig, run
+        from .demo import DemoConfig, nodes_refusal, run
 
         if DemoConfig.heads % args.world_size:
             args.command_parser.error(
                 f"argument --world-size: the block's {DemoConfig.heads} attention heads are "
                 f"split over the ranks: give a world size that divides {DemoConfig.heads}"
             )
+        refused = nodes_refusal(args.world_size, args.nodes)
+        if refused is not None:
+            args.command_parser.error(f"argument --nodes: {refused}")
         return run(
             DemoConfig(
+                nodes=args.nodes,
                 world_size=args.world_size,
                 schedule=args.schedule,
                 inner=args.inner,

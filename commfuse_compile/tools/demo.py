@@ -36,7 +36,8 @@ from .. import report
 from ..cost.profiles import BUILTIN
 from .bench.alone import local_backend, recording, replay
 from .bench.figures import slowest
-from .bench.netns import throttled_ranks
+from .bench.netns import can_throttle, throttled_ranks
+from .bench.nodes import launched_ranks
 from .sim.layer import ModelShape, simulate_layer
 from .training.models import Block, block_plan
 
@@ -58,6 +59,9 @@ class DemoConfig:
     hidden: int = 768
     steps: int = 5
     debug_dir: str | None = None
+    # the ranks over this many nodes (a namespace each, its own NIC at ``LINK_RATE``),
+    # launched by one torchrun per node (``bench.nodes``); None: a namespace per rank
+    nodes: int | None = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -235,18 +239,34 @@ def predicted_on_link(cfg: DemoConfig, rate_bits_per_s: float) -> tuple[float, f
     return layer.total_s("collective"), layer.total_s(schedule)
 
 
+def nodes_refusal(world_size: int, nodes: int | None) -> str | None:
+    """Why ``world_size`` ranks cannot run on ``nodes`` nodes here (None: they can)."""
+    if nodes is None:
+        return None
+    if world_size % nodes:
+        return f"--world-size {world_size} is no multiple of {nodes} (as many ranks per node)"
+    why_not = can_throttle()
+    return None if why_not is None else f"needs network namespaces: {why_not}"
+
+
 def run(cfg: DemoConfig) -> int:
+    where = f" on {cfg.nodes} nodes (one torchrun each)" if cfg.nodes else ""
     print(
-        f"commfuse demo: TP+SP transformer block on {cfg.world_size} local gloo ranks "
+        f"commfuse demo: TP+SP transformer block on {cfg.world_size} local gloo ranks{where} "
         f"(schedule={cfg.schedule}, inner={cfg.inner}; dim={cfg.dim}, hidden={cfg.hidden}, "
         f"seq={cfg.seq_per_rank * cfg.world_size}, batch={cfg.batch})",
         flush=True,
     )
     with (
         tempfile.TemporaryDirectory(prefix="commfuse-demo-") as logs,
-        throttled_ranks(cfg.world_size, Path(logs)) as (network, ranks, link),
+        (
+            launched_ranks(cfg.nodes, cfg.world_size // cfg.nodes, Path(logs))
+            if cfg.nodes
+            else throttled_ranks(cfg.world_size, Path(logs))
+        ) as (network, ranks, link),
     ):
-        rate = f", {LINK_RATE / 1e6:.0f} Mbit/s per rank" if network.topology != "none" else ""
+        per = "node" if cfg.nodes else "rank"
+        rate = f", {LINK_RATE / 1e6:.0f} Mbit/s per {per}" if network.topology != "none" else ""
         print(f"link: {link}{rate}")
         results = ranks.run(_rank_compile, cfg)
         free, on_link = _time_steps(network, ranks, cfg.steps)

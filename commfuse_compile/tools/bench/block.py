@@ -43,6 +43,11 @@ class BlockBench:
     # rows (labelled ``COMPARED`` + the row's) timed on this block's link, each against
     # that layout's own baseline
     compare: BlockShape | None = None
+    # how the link rate is chosen: False, the throttled step minus the unthrottled one
+    # against the unthrottled step; True, the baseline's communication alone (``alone``)
+    # throttled minus unthrottled against its compute alone: the link's own time, steadier
+    # where the ranks share few cores (their transfers' CPU time is no link time)
+    rate_from_alone: bool = False
 
 
 # ----------------------------------------------------------------------------------------
@@ -145,6 +150,14 @@ def block_compile(rank: int, n: int, job: BlockJob) -> dict[str, dict[str, Any]]
             "found": len(found),
             "schedules": sorted({s["schedule"] for s in found if s["decision"] == "rewritten"}),
             "summary": [dataclasses.asdict(r) for r in summarize(found)],
+            # by the level of each site's group (a job of several nodes: "node", "nodes")
+            "levels": {
+                level: [
+                    sum(s["decision"] == "rewritten" for s in found if s["level"] == level),
+                    sum(s["level"] == level for s in found),
+                ]
+                for level in sorted({s["level"] for s in found if s["level"]})
+            },
         }
         _BLOCK.update(_alone(setup_of(), options, shape, label))
     return sites
@@ -201,6 +214,24 @@ def block_times(rank: int, n: int, labels: list[str], warmup: int, reps: int) ->
 # In the parent
 
 
+def next_rate(tries: list[dict[str, float]], target_s: float) -> float:
+    """The next link rate to try after ``tries`` (each its rate and the link's time
+    measured at it), at most 8x from the last. The link's time is about affine in 1/rate
+    (the bytes' time at the rate, less what the unthrottled transfers' own time covers,
+    so it is ~0 at high rates): the secant through the last two tries in 1/rate, where it
+    rises; else the last rate scaled by its miss."""
+    rate, link_s = tries[-1]["rate_bits_per_s"], tries[-1]["link_s"]
+    wanted = rate * link_s / target_s
+    if len(tries) > 1:
+        before = tries[-2]
+        dx = 1 / rate - 1 / before["rate_bits_per_s"]
+        slope = (link_s - before["link_s"]) / dx if dx else 0.0
+        x = 1 / rate + (target_s - link_s) / slope if slope > 0 else 0.0
+        if x > 0:
+            wanted = 1 / x
+    return min(max(wanted, rate / 8), rate * 8)
+
+
 def run_block(
     spec: BlockBench,
     network: Any,
@@ -223,25 +254,35 @@ def run_block(
     sites = ranks.run(block_compile, BlockJob(shape, (baseline,), None))[0]
     label = baseline.label
 
-    def step_s(rate: float | None) -> float:
+    def step_s(rate: float | None, of: str = label) -> float:
         network.set_rate(rate)
-        return figures.slowest(ranks.run(block_times, [label], 0, 1))[label][0]
+        return figures.slowest(ranks.run(block_times, [of], 0, 1))[of][0]
 
     rate = math.inf
-    compute_s = statistics.median(step_s(None) for _ in range(3))
+    compute_label, comm_label = alone_labels(label)
+
+    def compute_and_link_s(rate: float) -> tuple[float, float, float]:
+        """(compute, communication unthrottled, throttled) of the baseline."""
+        if spec.rate_from_alone:
+            return step_s(None, compute_label), step_s(None, comm_label), step_s(rate, comm_label)
+        free = step_s(None)
+        return free, free, step_s(rate)
+
+    tries = []
     if network.topology != "none":
-        # The step's communication = throttled minus unthrottled step, alternated so that
-        # both see the same machine; then the rate that makes it the target.
+        # The link's time = throttled minus unthrottled, alternated so that both see the
+        # same machine; then the rate that makes it the target.
         rate = REFERENCE_RATE
         for _ in range(MAX_RATE_TRIES):
             progress.stage(f"{spec.key}: communication at {rate / 1e6:.0f} Mbit/s")
-            pairs = [(step_s(None), step_s(rate)) for _ in range(3)]
-            compute_s = statistics.median(free for free, _ in pairs)
-            comm_s = statistics.median(slow - free for free, slow in pairs)
+            measured = [compute_and_link_s(rate) for _ in range(3)]
+            compute_s = statistics.median(compute for compute, _, _ in measured)
+            comm_s = statistics.median(slow - free for _, free, slow in measured)
+            tries.append({"rate_bits_per_s": rate, "compute_s": compute_s, "link_s": comm_s})
             target = spec.ratio * compute_s
             if abs(comm_s / target - 1) <= 2 * RATE_TOLERANCE:
                 break
-            rate *= min(max(comm_s / target, 1 / 8), 8)
+            rate = next_rate(tries, target)
         network.set_rate(rate)
     profile = base.file(rate, out / "profiles" / f"{spec.key}.json")
     progress.stage(f"{spec.key}: compiling {', '.join(v.label for v in others)}")
@@ -267,5 +308,6 @@ def run_block(
     block = figures.block_result(
         shape, rate, alone, times, sites, spec.ratio, ranks.world_size, os.cpu_count()
     )
+    block["rate_tries"] = tries  # how the rate was found
     progress.echo(figures.format_block(block))
     return block

@@ -5,6 +5,7 @@ that probes the machine's own overlap, and the progress lines of a run."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import time
 from collections.abc import Callable
@@ -37,6 +38,18 @@ CELL_KINDS = (
     *("ag_mm", "mm_rs", "mm_a2a", "a2a_mm", "mm_ar_mm", MOE_KIND, DROPLESS_KIND),
     SERVED_KIND,
 )
+
+
+def parse_kinds(text: str) -> tuple[str, ...]:
+    """An argparse type: a comma-separated list of ``commfuse bench``'s cell kinds."""
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in CELL_KINDS]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(
+            f"unknown cell kind {', '.join(map(repr, unknown)) or repr(text)}: "
+            f"one or more of {', '.join(CELL_KINDS)}"
+        )
+    return kinds
 
 
 @dataclasses.dataclass(frozen=True)

@@ -228,10 +228,34 @@ def ranks_text(block: dict[str, Any]) -> str:
 
 
 def site_counts(sites: dict[str, Any]) -> str:
-    """A row's sites rewritten per graph and kind: ``forward ag_mm 20/20, ...``."""
-    return ", ".join(
+    """A row's sites rewritten per graph and kind: ``forward ag_mm 20/20, ...``; in a job
+    of several nodes, then per level: ``; node 4/8, nodes 8/8``."""
+    counts = ", ".join(
         f"{r['graph']} {r['kind']} {r['rewritten']}/{r['found']}" for r in sites["summary"]
     )
+    levels = sites.get("levels", {})
+    if "nodes" in levels:
+        counts += "; " + ", ".join(f"{k} {done}/{of}" for k, (done, of) in levels.items())
+    return counts
+
+
+def auto_against(block: dict[str, Any]) -> dict[str, Any]:
+    """A block's ``auto`` row against its baseline (the first row) and its best fixed
+    schedule: the fastest other row, the baseline's ``off`` included."""
+    off = block["rows"][0]
+    auto = next(r for r in block["rows"] if r["label"] == "auto")
+    best = min((r for r in block["rows"] if r is not auto), key=lambda r: r["median_s"])
+    return {
+        "off_s": off["median_s"],
+        "best": best["label"],
+        "best_s": best["median_s"],
+        "auto_s": auto["median_s"],
+        "auto_ran": ",".join(auto["sites"]["schedules"]) or "off",
+        # every site declined: the baseline's program, whatever the two medians say
+        "auto_is_off": auto["sites"]["rewritten"] == 0,
+        "auto_vs_best": auto["median_s"] / best["median_s"],
+        "auto_vs_off": off["median_s"] / auto["median_s"],
+    }
 
 
 def format_block(block: dict[str, Any]) -> str:

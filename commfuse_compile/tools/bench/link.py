@@ -42,29 +42,48 @@ class LinkProfiles:
     free: Any  # Profile without the tbf
 
     def at(self, rate: float) -> Any:
+        """The profile of the link at ``rate``; a profile by level (a job of several
+        nodes): only its link across nodes, the one behind the token bucket (the ranks of
+        a node talk over the node's own address, at memory speed)."""
         if not math.isfinite(rate):
             return self.free
 
         def per_byte(reference_s: float, free_s: float) -> float:
             return free_s + max(reference_s - free_s, 0.0) * REFERENCE_RATE / rate
 
-        # The matmul's slowdown under a transfer is the throttled link's (measured: 51 %
-        # at 1 Gbit/s, 59 % at 2.5, under 1 % unthrottled): the reference's holds.
+        def curves(reference: Any, free: Any) -> dict[str, dict[int, Curve]]:
+            return {
+                kind: {
+                    n: _scaled(c, free[kind][n], per_byte)
+                    for n, c in by_n.items()
+                    if n in free.get(kind, {})
+                }
+                for kind, by_n in reference.items()
+            }
+
         ref, free = self.reference, self.free
-        return dataclasses.replace(
+        named = dataclasses.replace(
             ref,
             name=f"bench link {rate / 1e6:.0f} Mbit/s",
             source=ref.source + f"; per-byte costs interpolated to {rate / 1e6:.0f} Mbit/s "
             f"between {REFERENCE_RATE / 1e6:.0f} Mbit/s and unthrottled",
+        )
+        nic, free_nic = ref.across_nodes, free.across_nodes
+        if nic is not None and free_nic is not None:
+            return dataclasses.replace(
+                named,
+                across_nodes=dataclasses.replace(
+                    nic,
+                    bytes_per_s=1 / per_byte(1 / nic.bytes_per_s, 1 / free_nic.bytes_per_s),
+                    collectives=curves(nic.collectives, free_nic.collectives),
+                ),
+            )
+        # The matmul's slowdown under a transfer is the throttled link's (measured: 51 %
+        # at 1 Gbit/s, 59 % at 2.5, under 1 % unthrottled): the reference's holds.
+        return dataclasses.replace(
+            named,
             link_bytes_per_s=1 / per_byte(1 / ref.link_bytes_per_s, 1 / free.link_bytes_per_s),
-            collectives={
-                kind: {
-                    n: _scaled(c, free.curve(kind, n), per_byte)
-                    for n, c in curves.items()
-                    if free.curve(kind, n) is not None
-                }
-                for kind, curves in ref.collectives.items()
-            },
+            collectives=curves(ref.collectives, free.collectives),
         )
 
     def file(self, rate: float, path: Path) -> str:
@@ -113,28 +132,35 @@ def choose_rate(
 
 
 def calibrated(
-    network: Any, ranks: Any, description: str, reps: int, progress: Progress
+    network: Any,
+    ranks: Any,
+    description: str,
+    reps: int,
+    progress: Progress,
+    per_node: int | None = None,
 ) -> LinkProfiles:
     """``commfuse calibrate``'s measurement on these ranks, at the reference rate and
-    unthrottled."""
-    from ..calibrate import profile_from
+    unthrottled; ``per_node``: the ranks of a job of nodes of that many, measured by level
+    (``calibrate.measure_levels``, as under a multi-node launch)."""
+    from ..calibrate import measure_levels, profile_from
 
     progress.stage(
-        f"calibrating the cost model's profile on {ranks.world_size} ranks at "
-        f"{REFERENCE_RATE / 1e6:.0f} Mbit/s and unthrottled"
+        f"calibrating the cost model's profile on {ranks.world_size} ranks"
+        + (f" by level ({per_node} per node)" if per_node else "")
+        + f" at {REFERENCE_RATE / 1e6:.0f} Mbit/s and unthrottled"
     )
     calibrated = []
     for rate in (REFERENCE_RATE, None):
         network.set_rate(rate)
-        measured = ranks.run(calibrate_link, reps)[0]
         where = f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled"
-        calibrated.append(
-            profile_from(
-                measured,
-                ranks.world_size,
-                "bench link",
-                f"`commfuse calibrate` measurement inside the benchmark's namespaces "
-                f"({description}) at {where}",
-            )
+        source = (
+            f"`commfuse calibrate` measurement inside the benchmark's namespaces "
+            f"({description}) at {where}"
         )
+        if per_node:
+            levels = ranks.run(measure_levels, reps, per_node)[0]
+            calibrated.append(dataclasses.replace(levels, name="bench link", source=source))
+            continue
+        measured = ranks.run(calibrate_link, reps)[0]
+        calibrated.append(profile_from(measured, ranks.world_size, "bench link", source))
     return LinkProfiles(*calibrated)

@@ -23,10 +23,10 @@ def markdown(results: dict[str, Any]) -> str:
     lines += _breakdown_table(results)
     for key in ("block", "block_plain_tp", "block_moe", "block_moe_dropless", "block_2d"):
         if results.get(key) is not None:
-            lines += _block_table(results[key])
+            lines += block_table(results[key])
     if results.get("served") is not None:
         lines += served_table(results["served"])
-    lines += _targets(results)
+    lines += targets_section(results)
     return "\n".join(lines) + "\n"
 
 
@@ -71,7 +71,7 @@ def _site_table(title: str, cells: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
-def _targets(results: dict[str, Any]) -> list[str]:
+def targets_section(results: dict[str, Any]) -> list[str]:
     """Each target with its figures, then the rows the pass declined."""
     lines = ["## Targets", ""]
     for t in results["targets"]:
@@ -132,7 +132,8 @@ COMPARED_NOTE = (
 )
 
 
-def _block_table(block: dict[str, Any]) -> list[str]:
+def block_table(block: dict[str, Any], where: str = "") -> list[str]:
+    """A block's section; ``where``: what its title adds (the nodes it runs on)."""
     rate = block["rate_bits_per_s"]
     n = block.get("world_size", 2)
     if block["shape"].get("front", "tp") == "fsdp":
@@ -172,18 +173,18 @@ def _block_table(block: dict[str, Any]) -> list[str]:
             "residual, loss = MSE + 0.01 x load balancing), expert parallel over every rank"
         )
     lines = [
-        f"## {title}: training step (forward + backward)",
+        f"## {title}{where}: training step (forward + backward)",
         "",
         f"{what}; {ranks_text(block)}, 1 torch thread each. "
         '`torch.compile(backend="commfuse")` with the eager inner compiler; '
         'without the pass = the same compile with `schedule="off"`. Link '
         + (f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled")
         + f", chosen so that the step's communication is {block['ratio']:g}x its compute: "
-        f"compute (unthrottled step) {ms(block['compute_s'])} ms, communication "
-        f"(throttled minus unthrottled) {ms(block['comm_s'])} ms."
+        f"the baseline's compute alone {ms(block['compute_s'])} ms, its communication "
+        f"alone {ms(block['comm_s'])} ms."
         + (
-            f" Load average before {_loads(block['machine_before'])}, after "
-            f"{_loads(block['machine_after'])}."
+            f" Load average before {loads(block['machine_before'])}, after "
+            f"{loads(block['machine_after'])}."
             if "machine_before" in block
             else ""
         ),
@@ -222,7 +223,7 @@ def _setting(results: dict[str, Any]) -> list[str]:
         f"* command: `{meta['command']}` (preset `{meta['preset']}`), {meta['date']}",
         f"* machine: {before['cpu']}, {before['cores']} cores, Linux {before['kernel']}, "
         f"Python {before['python']}, torch {before['torch']}",
-        f"* load average (1/5/15 min) before {_loads(before)}, after {_loads(after)} "
+        f"* load average (1/5/15 min) before {loads(before)}, after {loads(after)} "
         f"(the benchmark's own ranks make {meta['world_size']}; more means other work shared "
         "the machine)",
         f"* network: {network['description']}",
@@ -246,7 +247,7 @@ def _setting(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _loads(machine: dict[str, Any]) -> str:
+def loads(machine: dict[str, Any]) -> str:
     return "/".join(f"{x:.1f}" for x in machine["load_average"])
 
 

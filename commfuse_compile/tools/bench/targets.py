@@ -12,6 +12,8 @@ import math
 import statistics
 from typing import Any
 
+from .figures import auto_against
+
 OVERLAP_LIMIT = 1.15  # targets: ring and bidir near the limit at comm/compute 1 ...
 RING_SPEEDUP = 1.4  # ... and this much faster than the baseline on 2 ranks
 AUTO_PAYS = 1.10  # where a schedule beats the baseline by more than this ...
@@ -24,6 +26,10 @@ MODEL_ERROR = 0.25  # predicted vs measured, every row of every cell
 # within this much more
 PLAIN_SPEEDUP = 0.05
 PLAIN_SAVED = 0.10
+# a job of several nodes: auto at least this much faster than the baseline where the
+# step's time on the link between nodes is about its compute (their ratio in range)
+NODES_SPEEDUP = 1.3
+ABOUT_COMPUTE = (0.5, 2.0)
 # the block figures of a run (``run.Preset``'s keys in results.json)
 BLOCK_KEYS = ("block", "block_plain_tp", "block_moe", "block_moe_dropless", "block_2d")
 
@@ -75,6 +81,52 @@ def run_noise(cells: list[dict[str, Any]]) -> dict[str, float]:
     if not gaps:
         return {"median": 0.0, "max": 0.0, "cells": 0}
     return {"median": statistics.median(gaps), "max": max(gaps), "cells": len(gaps)}
+
+
+def nodes_targets(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A multi-node run's cells (``figures.block_result`` each, its ``cell`` named, its
+    ``link_ratio`` the baseline's link time over its compute at the cell's rate, None
+    where not measured): ``auto`` within ``AUTO_NEAR_BEST`` of the best fixed schedule in
+    every cell, and at least ``NODES_SPEEDUP`` over the baseline where the link's time is
+    about the compute. An ``auto`` that kept every collective ran the baseline's
+    program: it is judged as the baseline."""
+    near: tuple[list[str], list[str]] = ([], [])
+    fast: tuple[list[str], list[str]] = ([], [])
+    for cell in cells:
+        against = auto_against(cell)
+        line = (
+            f"{cell['cell']}: auto ({against['auto_ran']}"
+            + (": the baseline's program" if against["auto_is_off"] else "")
+            + f") {against['auto_s'] * 1e3:.1f} ms, "
+            f"best fixed {against['best']} {against['best_s'] * 1e3:.1f} ms "
+            f"({against['auto_vs_best']:.2f}x its time), off {against['off_s'] * 1e3:.1f} ms "
+            f"({against['auto_vs_off']:.2f}x faster), link time / compute "
+            + ("-" if cell["link_ratio"] is None else f"{cell['link_ratio']:.2f}")
+        )
+        near[0].append(line)
+        # auto that kept every collective ran the baseline's program: judged as it
+        auto_s = against["off_s"] if against["auto_is_off"] else against["auto_s"]
+        if auto_s > AUTO_NEAR_BEST * against["best_s"]:
+            near[1].append(line)
+        if cell["link_ratio"] is not None and (
+            ABOUT_COMPUTE[0] <= cell["link_ratio"] <= ABOUT_COMPUTE[1]
+        ):
+            fast[0].append(line)
+            if against["auto_vs_off"] < NODES_SPEEDUP:
+                fast[1].append(line)
+    return [
+        _target(
+            f"several nodes: auto within {AUTO_NEAR_BEST - 1:.0%} of the best fixed schedule "
+            "in every cell",
+            *near,
+        ),
+        _target(
+            f"several nodes: auto at least {NODES_SPEEDUP:.1f}x over off where the step's "
+            "time on the link between nodes is about its compute "
+            f"({ABOUT_COMPUTE[0]:g}-{ABOUT_COMPUTE[1]:g}x)",
+            *fast,
+        ),
+    ]
 
 
 def _overlap_targets(cells: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
