@@ -45,6 +45,7 @@ from commfuse_compile.tools.bench.netns import PREFIX, can_throttle, remove_stal
 from commfuse_compile.tools.bench.plot import plot_speedup
 from commfuse_compile.tools.bench.run import FULL, QUICK, kind_rows, variants
 from commfuse_compile.tools.bench.sites import dropless_routing
+from commfuse_compile.tools.bench.targets import predicted_cells
 from commfuse_compile.tools.cli import _parser, main
 
 ROOT_ONLY = pytest.mark.skipif(can_throttle() is not None, reason=str(can_throttle()))
@@ -479,8 +480,9 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     assert texts[8].startswith("served plain TP: auto never slower than the baseline")
     errors = results["model_error"]  # the cost model's error over every predicted row
     assert errors["rows"] == sum(
-        r["model_error"] is not None for c in results["sites"] for r in c["rows"]
+        r["model_error"] is not None for c in predicted_cells(results) for r in c["rows"]
     )
+    assert errors["by_kind"]["served"]["rows"] > 0  # the served cells' rows count too
     assert errors["min"] <= errors["median"] <= errors["max"] and "model error:" in stdout
     # served plain TP: prefills and a decode step on one link rate, every mm_ar_mm row
     served = results["served"]

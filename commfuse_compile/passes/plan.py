@@ -90,15 +90,18 @@ def pays(rewritten_s: float, written_s: float) -> bool:
 
 def auto_choice(times: Mapping[str, float], calls: Mapping[str, int] | None = None) -> str:
     """``auto``'s rule on predicted times (by schedule, "collective" included): of the
-    schedules within ``MIN_GAIN`` of the fastest, the one that issues the fewest
-    communication calls (``calls``, by schedule; then the faster), if it ``pays``
-    against the collective. A call's fixed costs are what the model prices worst: on a
-    decode step, slicing's gather, predicted 0.2 % faster than the ring, made the step
-    6.1 ms against the ring's 5.2."""
-    fastest = min(times.values())
-    near = [k for k in times if times[k] == fastest or not pays(fastest, times[k])]
-    best = min(near, key=lambda k: ((calls or {}).get(k, 0), times[k]))
-    return best if pays(times[best], times["collective"]) else "collective"
+    schedules that ``pay`` against the collective, those within ``MIN_GAIN`` of the
+    fastest of them, the one that issues the fewest communication calls (``calls``, by
+    schedule; then the faster); the collective where none pays. A call's fixed costs are
+    what the model prices worst: on a decode step, slicing's gather, predicted 0.2 %
+    faster than the ring, made the step 6.1 ms against the ring's 5.2."""
+    collective = times["collective"]
+    paying = [k for k, t in times.items() if t < collective and pays(t, collective)]
+    if not paying:
+        return "collective"
+    fastest = min(times[k] for k in paying)
+    near = [k for k in paying if times[k] == fastest or not pays(fastest, times[k])]
+    return min(near, key=lambda k: ((calls or {}).get(k, 0), times[k]))
 
 
 def auto_schedule(predicted: Mapping[str, Timeline]) -> str:
