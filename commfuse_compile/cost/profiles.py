@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -59,13 +60,19 @@ class Curve:
         than a smaller one measured. Without points (the built-in constants): the line."""
         if len(self.points) < 2:
             return self.latency_s + self.seconds_per_byte * block_bytes
-        xs = [x for x, _ in sorted(self.points)]
-        ys = list(itertools.accumulate((y for _, y in sorted(self.points)), max))
+        xs, ys = self._knots
         if block_bytes >= xs[-1]:
             return ys[-1] + self.seconds_per_byte * (block_bytes - xs[-1])
         i = max(1, bisect.bisect_right(xs, block_bytes))
         slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
         return max(ys[i - 1] + slope * (block_bytes - xs[i - 1]), 0.0)
+
+    @functools.cached_property
+    def _knots(self) -> tuple[list[float], list[float]]:
+        """The points by size, each time at least the one before (once per curve: the
+        simulator asks a curve many times)."""
+        ordered = sorted(self.points)
+        return [x for x, _ in ordered], list(itertools.accumulate((y for _, y in ordered), max))
 
 
 @dataclasses.dataclass(frozen=True)
