@@ -27,6 +27,7 @@ from commfuse_compile.cost.simulator import (
     Timeline,
     Work,
     collective_model,
+    matmuls_s,
     predict,
     simulate,
 )
@@ -308,14 +309,19 @@ def fake_world_of_4():
 
 
 def test_site_work_counts_a_sites_flops_bytes_and_matmul_calls(fake_world_of_4):
-    """Two matmuls reading one gathered [16, 8] float32 tensor; a [16, 8] @ [8, 6]
-    product reduce-scattered over 4 ranks."""
+    """Two matmuls reading one gathered [16, 8] float32 tensor (with [8, 6] and [8, 7]
+    weights, which every block's matmul reads whole); a [16, 8] @ [8, 6] product
+    reduce-scattered over 4 ranks."""
     gather = AgMm(shard=(4, 8), dim=0, n_out=6, consumers=2, bias=False)
     (site,) = match.find_sites(trace(gather, 4, gather.inputs(1, seed=0, n=4)).graph)
-    assert site_work(site, 4) == Work(Direction.GATHER, 4, (2 * 16 * 8 * (6 + 7)) / 4, 4 * 8 * 4, 2)
+    flops, weights = (2 * 16 * 8 * (6 + 7)) / 4, 4 * 8 * (6 + 7)
+    assert site_work(site, 4) == Work(GATHER, 4, flops, 4 * 8 * 4, 2, whole_bytes=weights)
     reduce = MmRs(lead=(2, 8), k=8, n_out=6, dim=1, bias=False)
     (site,) = match.find_sites(trace(reduce, 4, reduce.inputs(1, seed=0)).graph)
-    assert site_work(site, 4) == Work(Direction.REDUCE, 4, (2 * 16 * 6 * 8) / 4, 16 * 6 * 4 / 4, 1)
+    flops, weight = (2 * 16 * 6 * 8) / 4, 4 * 8 * 6
+    assert site_work(site, 4) == Work(
+        Direction.REDUCE, 4, flops, 16 * 6 * 4 / 4, 1, whole_bytes=weight
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -472,6 +478,10 @@ def _measurements_of(p: Profile, n: int) -> cal.Measurements:
     tiny = Work(Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k)
     return cal.Measurements(
         matmul=[(2.0 * a * b * c, p.matmul_s(2.0 * a * b * c)) for a, b, c in cal.MATMUL_SHAPES],
+        skinny=[
+            (2.0 * a * b * c, 4.0 * b * c, p.matmul_s(2.0 * a * b * c, 4.0 * b * c))
+            for a, b, c in cal.SKINNY_SHAPES
+        ],
         message=[(float(size), p.message_s(size)) for size in cal.MESSAGE_BYTES],
         add_bytes_per_s=p.memory_bytes_per_s,
         ring_site_s=simulate(tiny, "ring", p).end_s,
@@ -645,3 +655,26 @@ def test_auto_takes_the_fewest_calls_among_near_ties():
     assert auto_choice({**times, "slicing": 4.0}, calls) == "slicing"  # 25 % faster
     assert auto_choice({"collective": 5.1, "ring": 5.0}, calls) == "collective"
     assert auto_choice({"collective": 0.0, "ring": 0.0}, calls) == "collective"
+
+
+def test_a_matmul_cut_into_blocks_reads_its_weight_once_per_block():
+    """A decode step's product (4 rows per rank) cut into n blocks: each block's matmul
+    reads the whole weight again, so the ring's matmuls take n - 1 weight reads more
+    than the collective's one call; a skinny shape's cost is mostly that read."""
+    p = dataclasses.replace(BUILTIN["gloo-loopback"], overlap_slowdown=0.0)
+    n, weight = 4, 4.0 * 1024 * 1024
+    work = Work(Direction.REDUCE, n, 2.0 * 1 * 1024 * 1024, 4.0 * 1024, whole_bytes=weight)
+    read = weight / p.matmul_bytes_per_s
+    assert p.matmul_s(0.0, weight) - p.matmul_s(0.0) == pytest.approx(read)
+    assert matmuls_s(work, p) == pytest.approx(p.matmul_s(n * work.block_flops) + read)
+
+    def compute(schedule: str, w: Work) -> float:
+        timeline = simulate(w, schedule, p)
+        return sum(
+            e.end_s - e.start_s for e in timeline.events if e.rank == 0 and "matmul" in e.name
+        )
+
+    unread = dataclasses.replace(work, whole_bytes=0.0)
+    assert compute("ring", work) - compute("ring", unread) == pytest.approx(n * read)
+    assert compute("collective", work) - compute("collective", unread) == pytest.approx(read)
+    assert read > 2 * (p.matmul_s(work.block_flops) - p.matmul_latency_s)  # mostly the read

@@ -106,6 +106,13 @@ class Profile:
     # How much slower a matmul runs while a transfer is in flight on the same rank (0.3:
     # 30 % slower): on CPUs the transport's threads take cores; ``calibrate`` measures it.
     overlap_slowdown: float = 0.0
+    # How fast a matmul call streams the operand it reads whole (a token-cut product's
+    # weight), beyond its FLOPs: a skinny matmul (a decode step's few rows) is bound by
+    # reading its weight, and one cut into n blocks of rows reads it n times (measured on
+    # this project's CI machine: a 4-row 1024x1024 fp32 matmul takes 0.21 ms, 5x its FLOPs'
+    # time). 0: not modelled (the GPU profiles: a weight's read there hides under the call's
+    # launch cost). ``calibrate`` measures it on skinny shapes.
+    matmul_bytes_per_s: float = 0.0
     # The collectives as the backend runs them, by collective and group size (``calibrate``
     # measures them, ``COLLECTIVES``); without a curve the model takes the faster of
     # a ring and a bidirectional ring of the same messages plus ``collective_overhead_s``.
@@ -117,8 +124,10 @@ class Profile:
     def curve(self, collective: str, n: int) -> Curve | None:
         return self.collectives.get(collective, {}).get(n)
 
-    def matmul_s(self, flops: float) -> float:
-        return self.matmul_latency_s + flops / self.matmul_flops
+    def matmul_s(self, flops: float, whole_bytes: float = 0.0) -> float:
+        """One matmul call of ``flops`` that reads ``whole_bytes`` of an operand whole."""
+        streamed = whole_bytes / self.matmul_bytes_per_s if self.matmul_bytes_per_s else 0.0
+        return self.matmul_latency_s + flops / self.matmul_flops + streamed
 
     def message_s(self, nbytes: float, sharing: int = 1) -> float:
         """One message of ``nbytes`` while ``sharing`` messages leave the rank at once."""
@@ -259,7 +268,9 @@ BUILTIN = {
         "and 0.65-3.0 ms as a one-step ring (eager FX: ~1 ms per P2P step, ~0.25 ms per "
         "collective call, 0.1 ms per hop inside it); gloo's own all-gather and "
         "reduce-scatter on 2 ranks and the matmul slowdown under a transfer measured by "
-        "`commfuse calibrate` (2026-12-01). No curves for more ranks: on 2 cores they "
+        "`commfuse calibrate` (2026-12-01); a few-row 1024x1024 matmul reading its weight at "
+        "24-29 GB/s beyond its FLOPs (`commfuse calibrate`, 2026-12-06). No curves for "
+        "more ranks: on 2 cores they "
         "would be measured with ranks sharing a core, unlike the constants above; larger "
         "groups use the ring formula, or a profile calibrated at their size",
         matmul_flops=6.5e10,
@@ -270,6 +281,7 @@ BUILTIN = {
         step_overhead_s=1e-3,
         collective_overhead_s=2.5e-4,
         overlap_slowdown=0.11,
+        matmul_bytes_per_s=2.5e10,
         collectives={
             "all_gather": {
                 2: Curve(2.85e-4, 1.76e-09, _points((3.07e-4, 6.61e-4, 2.3e-3, 7.93e-3)))

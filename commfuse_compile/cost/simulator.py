@@ -43,6 +43,10 @@ class Work:
     # each paying a call's fixed cost (``Profile.matmul_latency_s``); once for the
     # collective, which runs them on all the rows at once
     block_ops: int = 0
+    # bytes of the operands the site's matmuls read whole in every call, whatever its
+    # block (the weights of a product cut by tokens): a block's matmuls read them again
+    # (``Profile.matmul_bytes_per_s``)
+    whole_bytes: float = 0.0
 
     @property
     def returned_bytes(self) -> float:
@@ -91,9 +95,16 @@ def predict(work: Work, profile: Profile, slices: int = 2) -> dict[str, Timeline
 
 
 def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> float:
+    return _matmuls_s(work, profile, work.block_flops * fraction) + (
+        work.block_ops * profile.matmul_latency_s
+    )
+
+
+def _matmuls_s(work: Work, p: Profile, flops: float) -> float:
+    """The site's matmul calls over ``flops`` in all: each pays its call and reads its
+    whole operands."""
     calls = work.matmuls_per_block
-    ops = work.block_ops * profile.matmul_latency_s
-    return calls * profile.matmul_s(work.block_flops * fraction / calls) + ops
+    return calls * p.matmul_s(flops / calls, work.whole_bytes / calls)
 
 
 def collective_model(work: Work, p: Profile) -> str:
@@ -112,8 +123,7 @@ def collective_model(work: Work, p: Profile) -> str:
 
 def matmuls_s(work: Work, p: Profile) -> float:
     """A site's matmuls alone, unsplit (all n blocks in each call)."""
-    calls = work.matmuls_per_block
-    return calls * p.matmul_s(work.block_flops * work.n / calls)
+    return _matmuls_s(work, p, work.block_flops * work.n)
 
 
 def collective_s(work: Work, p: Profile) -> float:
@@ -140,7 +150,7 @@ def _collective(work: Work, p: Profile) -> Timeline:
     """The unfused pair: an all-gather then one matmul over all blocks, or the matmul
     then a reduce-scatter."""
     n, events = work.n, list[Event]()
-    matmul = work.matmuls_per_block * p.matmul_s(work.block_flops * n / work.matmuls_per_block)
+    matmul = matmuls_s(work, p)
     comm, name = collective_s(work, p), work.direction.collective
     curve = _all_reduce(work, p)
     if curve is not None:

@@ -1,7 +1,8 @@
 """``commfuse calibrate``: measure this machine and process group, write a profile.
 
 On n local gloo ranks (or the ranks of a running job): matmul time by shape (fitted as
-call latency + FLOPs / throughput, all ranks computing at once as in training), P2P
+call latency + FLOPs / throughput, all ranks computing at once as in training, and how
+fast a few-row matmul reads its weight beyond that), P2P
 time by message size (a ring exchange, fitted as alpha + bytes/beta), an element-wise
 add, the backend's own all-gather, reduce-scatter, all-to-all (``all_to_all_single``,
 even splits) and all-reduce by block size on every group size from 2 to n (fitted per
@@ -34,17 +35,26 @@ from ..runtime import topology
 from ..schedules import Direction
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
+# a decode step's: few rows, a whole weight read per call (``Profile.matmul_bytes_per_s``)
+SKINNY_SHAPES = ((2, 1024, 1024), (4, 1024, 1024), (8, 1024, 1024), (16, 1024, 1024))
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 TINY_SITE = (2, 8, 8)  # shard rows, K, N of the site that measures the fixed costs
 # the matmul timed alone and under a transfer that outlasts it (the slowdown's probe)
 OVERLAP_MATMUL = (1024, 1024, 1024)
 OVERLAP_MESSAGE_BYTES = 16 << 20  # the probe of the transfer's rate
 MAX_OVERLAP_MESSAGE_BYTES = 512 << 20
+# Calls of less than this many bytes take a few milliseconds or less and have the
+# heaviest tails (a 4 KiB gloo all-reduce on the CI machine: median 0.3 ms, one call in
+# ten 3-8 ms; a median of 5 once came out 3.5 ms and ``auto`` then split a decode step's
+# all-reduce): timed ``SMALL_CALL_REPS`` times as often, at little cost.
+SMALL_CALL_BYTES = 1 << 20
+SMALL_CALL_REPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class Measurements:
     matmul: list[tuple[float, float]]  # (FLOPs, seconds)
+    skinny: list[tuple[float, float, float]]  # (FLOPs, bytes of B, seconds)
     message: list[tuple[float, float]]  # (bytes, seconds one way)
     add_bytes_per_s: float
     ring_site_s: float  # tiny all-gather -> matmul, rewritten as a ring
@@ -92,6 +102,7 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         step_overhead_s=0.0,
         collective_overhead_s=0.0,
         overlap_slowdown=m.overlap_slowdown,
+        matmul_bytes_per_s=_weight_rate(m.skinny, matmul_latency, s_per_flop),
         collectives=_curves(m.collectives),
     )
     # The fixed costs are what the simulation of the tiny site lacks without them: the
@@ -105,6 +116,20 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
     return dataclasses.replace(
         measured, step_overhead_s=max(step, 0.0), collective_overhead_s=max(collective, 0.0)
     )
+
+
+def _weight_rate(
+    skinny: Sequence[tuple[float, float, float]], latency: float, s_per_flop: float
+) -> float:
+    """How fast the skinny matmuls read their weight: the median of (weight bytes / what
+    their time has beyond the fitted line); 0 (not modelled) where the line accounts for
+    them (within 5 %: a GPU's launch cost hides the read)."""
+    rates = [
+        nbytes / beyond
+        for flops, nbytes, seconds in skinny
+        if (beyond := seconds - latency - flops * s_per_flop) > 0.05 * seconds
+    ]
+    return statistics.median(rates) if len(rates) > len(skinny) // 2 else 0.0
 
 
 Rings = Sequence[Sequence[int]]  # the job's ranks split into rings of one level, alike
@@ -145,6 +170,11 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     for m, k, n in MATMUL_SHAPES:
         a, b = torch.randn(m, k), torch.randn(k, n)
         matmul.append((2.0 * m * k * n, _median(functools.partial(torch.mm, a, b), reps)))
+    skinny = []
+    for m, k, n in SKINNY_SHAPES:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        seconds = _median(functools.partial(torch.mm, a, b), reps)
+        skinny.append((2.0 * m * k * n, 4.0 * k * n, seconds))
     message = link_points(rank, rings, reps)
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
     add_s = _median(lambda: torch.add(x, y), reps)
@@ -152,6 +182,7 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     ring, collective = _tiny_site_times(len(_mine(rank, rings)), group, reps)
     return Measurements(
         matmul,
+        skinny,
         message,
         3 * x.numel() * 4 / add_s,
         ring,
@@ -212,7 +243,7 @@ def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: i
         splits = [block.numel()] * g
         call = functools.partial(c10d.all_to_all_single, whole, splits, splits, group.group_name)
     dist.barrier(group)
-    return _median(lambda: c10d.wait_tensor(call()), reps)
+    return _median(lambda: c10d.wait_tensor(call()), _reps(block_bytes, reps))
 
 
 def _overlap_slowdown(rank: int, rings: Rings, reps: int) -> float:
@@ -245,6 +276,10 @@ def _overlap_slowdown(rank: int, rings: Rings, reps: int) -> float:
     return max(statistics.median(under) / alone - 1, 0.0)
 
 
+def _reps(nbytes: int, reps: int) -> int:
+    return reps * SMALL_CALL_REPS if nbytes < SMALL_CALL_BYTES else reps
+
+
 def _median(fn: Callable[[], object], reps: int) -> float:
     fn()
     times = []
@@ -267,7 +302,7 @@ def _one_way(peers: tuple[int, int], nbytes: int, reps: int) -> float:
             work.wait()
 
     dist.barrier()
-    return _median(exchange, reps)
+    return _median(exchange, _reps(nbytes, reps))
 
 
 def _tiny_site_times(n: int, group: str, reps: int) -> tuple[float, float]:
@@ -287,7 +322,7 @@ def _tiny_site_times(n: int, group: str, reps: int) -> tuple[float, float]:
     ring = apply(make_fx(site, tracing_mode="fake")(x, w), schedule="ring")
     collective = make_fx(site, tracing_mode="fake")(x, w)
     times: dict[str, list[float]] = {"ring": [], "collective": []}
-    for _ in range(reps + 1):  # interleaved, so that both see the same machine
+    for _ in range(_reps(x.nbytes, reps) + 1):  # interleaved: both see the same machine
         for name, gm in (("ring", ring), ("collective", collective)):
             dist.barrier()
             start = time.perf_counter()

@@ -371,6 +371,11 @@ def numel(node: Node) -> int:
     return math.prod(dims.hint(size) for size in val(node).shape)
 
 
+def nbytes(node: Node) -> int:
+    """Bytes of ``node``'s value, symbolic sizes at their hints."""
+    return numel(node) * val(node).element_size()
+
+
 # ops that only lay a tensor out anew: its n blocks along a dim stay n blocks of the result
 LAYOUT_OPS = VIEWS | TRANSPOSES | {aten.clone.default, aten.alias.default}
 

@@ -17,6 +17,7 @@ from .declines import Declined
 from .graph import (
     FLOAT8_DTYPES,
     PASS_THROUGH,
+    nbytes,
     node_arg,
     numel,
     op_name,
@@ -157,6 +158,11 @@ class Matmul:
         per_group = layout is not None and layout.groups == "K"
         return 2 * numel(self.node) * k / (dims.hint(val(self.node).shape[0]) if per_group else 1)
 
+    def whole_bytes(self, columns: bool) -> float:
+        """Bytes of the operand a block of the product's rows (``columns``: of its
+        columns) reads whole: B (A). A matmul cut into n blocks reads it n times."""
+        return float(nbytes(self.a if columns else self.b))
+
     @property
     def lead(self) -> int:
         """How many batch dims come before M (or K of B): 0 for a 2-D matmul."""
@@ -261,6 +267,12 @@ def flops_of(node: Node) -> float:
         return matmul.flops() if matmul is not None else 0.0
     except Declined:
         return 0.0
+
+
+def weight_bytes_of(node: Node) -> float:
+    """The bytes of a matmul node's B, which it reads whole (0 for any other node)."""
+    matmul = Matmul.of(node, batched=True)
+    return matmul.whole_bytes(columns=False) if matmul is not None else 0.0
 
 
 def is_matmul(node: Node, ops: frozenset[object] = MATMUL_OPS) -> bool:

@@ -136,7 +136,8 @@ class A2aMm(AtCollective[A2aMmSite]):
     def work(self, site: A2aMmSite, n: int) -> Work:
         flops = sum(2 * numel(u.mm.node) * dims.hint(u.mm.contracted) for u in site.uses)
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
-        return Work(self.direction, n, flops / n, message / n, len(site.uses))
+        whole = site.whole_bytes()
+        return Work(self.direction, n, flops / n, message / n, len(site.uses), whole_bytes=whole)
 
     def start(self, site: A2aMmSite, taken: Taken) -> tuple[A2aMmSite, Node]:
         readers = list(site.wait.users)

@@ -117,7 +117,8 @@ class MmA2a(AtCollective[MmA2aSite]):
         assert mm is not None, "a matched site has its product"
         flops = 2 * numel(mm.node) * dims.hint(mm.contracted)
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
-        return Work(self.direction, n, flops / n, message / n)
+        whole = mm.whole_bytes(site.product_dim == 1)
+        return Work(self.direction, n, flops / n, message / n, whole_bytes=whole)
 
     def lower(
         self, rw: Rewrite, site: MmA2aSite, group: Group, schedule: Schedule, slices: int

@@ -45,7 +45,13 @@ class MmAr(AtCollective[AllReduceSite]):
     def work(self, site: AllReduceSite, n: int) -> Work:
         bytes_per_block = site.product_bytes() / n
         return Work(
-            self.direction, n, flops(site) / n, bytes_per_block, len(site.terms), then_gather=True
+            self.direction,
+            n,
+            flops(site) / n,
+            bytes_per_block,
+            len(site.terms),
+            then_gather=True,
+            whole_bytes=site.whole_bytes(),
         )
 
     def lower(

@@ -73,7 +73,11 @@ class MmRs(AtCollective[MmRsSite]):
         return _match(collective, taken)
 
     def work(self, site: MmRsSite, n: int) -> Work:
-        return Work(self.direction, n, flops(site) / n, site.product_bytes() / n, len(site.terms))
+        block = site.product_bytes() / n
+        terms = len(site.terms)
+        return Work(
+            self.direction, n, flops(site) / n, block, terms, whole_bytes=site.whole_bytes()
+        )
 
     def lower(
         self, rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, slices: int

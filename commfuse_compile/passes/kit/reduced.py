@@ -98,6 +98,11 @@ class ReducedProductSite(Site):
             "reduce_op": self.reduce_op,
         }
 
+    def whole_bytes(self) -> float:
+        """What every block's terms read whole (``Work.whole_bytes``): B where the blocks
+        are the product's rows, A where its columns."""
+        return sum(t.whole_bytes(self.columns) for t in self.terms)
+
     def product_bytes(self) -> int:
         """The bytes of the whole product in the collective's dtype."""
         return numel(self.terms[0].node) * val(self.collective).element_size()

@@ -40,6 +40,13 @@ class Use:
     def note(self, why: str) -> str:
         return f"{self.mm.node.name} ({self.role}): {why}"
 
+    def whole_bytes(self) -> float:
+        """What each block's matmul reads whole: the other operand, where a block is rows
+        or columns of the product; nothing where the blocks cut K (both operands cut)."""
+        if self.role.startswith("contract"):
+            return 0.0
+        return self.mm.whole_bytes(self.role == "columns")
+
 
 U = TypeVar("U", bound=Use)
 
@@ -52,6 +59,10 @@ class UsesSite(Site):
     LEFT_OUT: ClassVar[str]  # the decline code of a site with no use left
     uses: tuple[Use, ...] = ()
     unmatched: tuple[str, ...] = ()
+
+    def whole_bytes(self) -> float:
+        """What every block's matmuls read whole (``Work.whole_bytes``)."""
+        return sum(u.whole_bytes() for u in self.uses)
 
     @property
     @abc.abstractmethod

@@ -175,7 +175,7 @@ def written_us(graph: torch.fx.GraphModule, profile: str | None) -> float | None
     prediction."""
     from ...options import Options
     from ...passes import match, plan
-    from ...passes.fx.matmuls import flops_of
+    from ...passes.fx.matmuls import flops_of, weight_bytes_of
 
     options = Options(schedule="auto", inner="eager", profile=profile)
     sites = match.find_sites(copy.deepcopy(graph).graph)
@@ -186,7 +186,7 @@ def written_us(graph: torch.fx.GraphModule, profile: str | None) -> float | None
     in_sites = {node.name for site in sites for node in site.replaced()}
     p = plan.profile_for(sites[0], options)
     outside = [
-        p.matmul_s(flops)
+        p.matmul_s(flops, weight_bytes_of(node))
         for node in graph.graph.nodes
         if node.name not in in_sites and (flops := flops_of(node)) > 0
     ]

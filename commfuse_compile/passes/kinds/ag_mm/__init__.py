@@ -58,7 +58,8 @@ class AgMm(SiteKind[AgMmSite]):
         flops = sum(u.mm.flops() for u in site.uses)
         shards = (site.shard, *((site.beside.shard,) if site.beside else ()))
         shard_bytes = sum(numel(shard) * val(shard).element_size() for shard in shards)
-        return Work(self.direction, n, flops / n, shard_bytes, len(site.uses))
+        whole = site.whole_bytes()
+        return Work(self.direction, n, flops / n, shard_bytes, len(site.uses), whole_bytes=whole)
 
     def start(self, site: AgMmSite, taken: Taken) -> tuple[AgMmSite, Node]:
         return placed(site, taken)
