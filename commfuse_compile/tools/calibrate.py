@@ -45,7 +45,7 @@ OVERLAP_MESSAGE_BYTES = 16 << 20  # the probe of the transfer's rate
 MAX_OVERLAP_MESSAGE_BYTES = 512 << 20
 # Calls of less than this many bytes take a few milliseconds or less and have the
 # heaviest tails (a 4 KiB gloo all-reduce on the CI machine: median 0.3 ms, one call in
-# ten 3-8 ms; a median of 5 once came out 3.5 ms and ``auto`` then split a decode step's
+# ten 3-8 ms; a median of 3 once came out 3.5 ms and ``auto`` then split a decode step's
 # all-reduce): timed ``SMALL_CALL_REPS`` times as often, at little cost.
 SMALL_CALL_BYTES = 1 << 20
 SMALL_CALL_REPS = 4
