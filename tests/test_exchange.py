@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from commfuse_compile.runtime import exchange
@@ -103,6 +104,21 @@ def test_running_ranks_that_moved_get_the_grace(store, monkeypatch):
     assert wait._running([1, 2]) == "grace"
     _state(store, 2, exchange.COMPILING, epoch=6)
     assert wait._running([1, 2]) is None  # a rank that compiles is waited for
+
+
+def test_a_dynamo_reset_forgets_the_give_ups_before_it(store, monkeypatch):
+    """After ``torch._dynamo.reset()`` the peers read as running may be compiling (their
+    callbacks are gone too): the next graph's wait is not given up ``again`` on the
+    strength of a give-up before the reset (a later job of a rank pool lost its rewrites)."""
+    _state(store, 1, exchange.RUNNING, epoch=3)
+    _state(store, 2, exchange.RUNNING, epoch=3)
+    last = {r: exchange._state(store, r) for r in (1, 2)}
+    monkeypatch.setattr(exchange, "_here", exchange._Here(given_up_on={"g": last}))
+    exchange.watch_compiles()  # the callbacks are there: nothing is forgotten
+    assert exchange._Wait(store, "g", A, RANKS, False)._running([1, 2]) == "again"
+    torch._dynamo.reset()
+    exchange.watch_compiles()  # as the pass does for the first graph after the reset
+    assert exchange._Wait(store, "g", A, RANKS, False)._running([1, 2]) is None
 
 
 def test_a_recompile_is_taken_as_agreed_once_its_peers_are_seen_running(store, monkeypatch):

@@ -128,9 +128,14 @@ def watch_compiles(compiling: bool = False) -> None:
     peer knows this rank may yet come to a graph. Called at import, and by the pass for
     every graph it sees (``compiling``: from inside its compile), since
     ``torch._dynamo.reset()`` clears the callbacks: the compile that finds them gone is
-    marked from there on."""
+    marked from there on. Found gone, the give-ups before are forgotten: until each
+    peer's next graph reaches the pass, its state is the one it had before its own
+    reset (running), so the rules for a group given up on before would give up, at
+    once or after ``GRACE_S``, a graph the peers are compiling (in a pool of ranks that
+    serves many jobs: every later job's graphs on that group)."""
     if _compile_started in callback_handler.start_callbacks:
         return
+    _here.given_up_on.clear()
     callback_handler.register_start_callback(_compile_started)
     callback_handler.register_end_callback(_compile_ended)
     if compiling:
