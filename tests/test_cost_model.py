@@ -474,8 +474,7 @@ def _collective_s(p: Profile, kind: str, g: int, block_bytes: float) -> float:
 def _measurements_of(p: Profile, n: int) -> cal.Measurements:
     """What ``calibrate.measure`` would return on a machine that is exactly ``p`` (its
     collectives run as the ring formula says)."""
-    rows, k, cols = cal.TINY_SITE
-    tiny = Work(Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k)
+    site = cal.step_site_work(n)
     return cal.Measurements(
         matmul=[(2.0 * a * b * c, p.matmul_s(2.0 * a * b * c)) for a, b, c in cal.MATMUL_SHAPES],
         skinny=[
@@ -484,8 +483,8 @@ def _measurements_of(p: Profile, n: int) -> cal.Measurements:
         ],
         message=[(float(size), p.message_s(size)) for size in cal.MESSAGE_BYTES],
         add_bytes_per_s=p.memory_bytes_per_s,
-        ring_site_s=simulate(tiny, "ring", p).end_s,
-        collective_site_s=simulate(tiny, "collective", p).end_s,
+        ring_site_s=simulate(site, "ring", p).end_s,
+        collective_site_s=simulate(site, "collective", p).end_s,
         collectives={
             kind: {
                 g: [(float(b), _collective_s(p, kind, g, b)) for b in cal.CURVE_BLOCK_BYTES]
@@ -502,7 +501,7 @@ def _measurements_of(p: Profile, n: int) -> cal.Measurements:
 def test_profile_from_reproduces_the_constants_it_was_measured_on(profile, n):
     """Duplex links are not measured (two ranks cannot tell): a duplex profile comes back
     as a switched one, with the same constants. The machine's collectives run as the ring
-    formula says (its call overhead is then what the tiny site shows)."""
+    formula says (its call overhead is then what the step site shows)."""
     profile = dataclasses.replace(profile, duplex_neighbours=False, collectives={})
     fitted = cal.profile_from(_measurements_of(profile, n), n, "fitted", "synthetic")
     assert (fitted.name, fitted.source, fitted.duplex_neighbours) == ("fitted", "synthetic", False)

@@ -8,7 +8,8 @@ add, the backend's own all-gather, reduce-scatter, all-to-all (``all_to_all_sing
 even splits) and all-reduce by block size on every group size from 2 to n (fitted per
 collective and size: the model times the collective with these curves, not with a ring
 formula), how much a matmul slows while a transfer is in flight, and the fixed cost of
-one P2P step of a rewritten graph, from a tiny all-gather -> matmul site run both ways.
+one P2P step of a rewritten graph, from a decode-sized all-gather -> matmul site run both
+ways.
 The result loads with ``options={"profile": path}``.
 
 Under a multi-node torchrun launch it measures every level: the above on each node's
@@ -38,7 +39,11 @@ MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 51
 # a decode step's: few rows, a whole weight read per call (``Profile.matmul_bytes_per_s``)
 SKINNY_SHAPES = ((2, 1024, 1024), (4, 1024, 1024), (8, 1024, 1024), (16, 1024, 1024))
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-TINY_SITE = (2, 8, 8)  # shard rows, K, N of the site that measures the fixed costs
+# Shard rows, K, N of the site that measures the fixed costs: a decode step's matmul. A
+# ring's P2P wait costs more while a real matmul runs beside it than on a bare site (2
+# gloo ranks on the CI machine: 0.26 ms per step on a 2x8x8 site, 0.6-0.9 ms on 2, 8 and
+# 32 rows of a 1024x1024 weight), and it is inside programs that the model prices it.
+STEP_SITE = (8, 1024, 1024)
 # the matmul timed alone and under a transfer that outlasts it (the slowdown's probe)
 OVERLAP_MATMUL = (1024, 1024, 1024)
 OVERLAP_MESSAGE_BYTES = 16 << 20  # the probe of the transfer's rate
@@ -57,7 +62,7 @@ class Measurements:
     skinny: list[tuple[float, float, float]]  # (FLOPs, bytes of B, seconds)
     message: list[tuple[float, float]]  # (bytes, seconds one way)
     add_bytes_per_s: float
-    ring_site_s: float  # tiny all-gather -> matmul, rewritten as a ring
+    ring_site_s: float  # ``STEP_SITE``'s all-gather -> matmul, rewritten as a ring
     collective_site_s: float  # the same site with its collective
     # collective -> group size -> [(block bytes, seconds)] of the backend's own collective
     collectives: dict[str, dict[int, list[tuple[float, float]]]]
@@ -105,16 +110,23 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         matmul_bytes_per_s=_weight_rate(m.skinny, matmul_latency, s_per_flop),
         collectives=_curves(m.collectives),
     )
-    # The fixed costs are what the simulation of the tiny site lacks without them: the
+    # The fixed costs are what the simulation of the step site lacks without them: the
     # ring pays the step overhead once per step (n-1), the collective its overhead once.
-    rows, k, cols = TINY_SITE
-    tiny = Work(Direction.GATHER, n, block_flops=2.0 * rows * k * cols, block_bytes=4.0 * rows * k)
-    step = (m.ring_site_s - simulate(tiny, "ring", measured).end_s) / (n - 1)
+    site = step_site_work(n)
+    step = (m.ring_site_s - simulate(site, "ring", measured).end_s) / (n - 1)
     # the call overhead of the ring formula, used for group sizes without a curve
     formula = dataclasses.replace(measured, collectives={})
-    collective = m.collective_site_s - simulate(tiny, "collective", formula).end_s
+    collective = m.collective_site_s - simulate(site, "collective", formula).end_s
     return dataclasses.replace(
         measured, step_overhead_s=max(step, 0.0), collective_overhead_s=max(collective, 0.0)
+    )
+
+
+def step_site_work(n: int) -> Work:
+    """``STEP_SITE`` on n ranks, as the cost model sees it (float32)."""
+    rows, k, cols = STEP_SITE
+    return Work(
+        Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k, whole_bytes=4.0 * k * cols
     )
 
 
@@ -179,7 +191,7 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
     add_s = _median(lambda: torch.add(x, y), reps)
     curves, group = collective_curves(rank, rings, reps)
-    ring, collective = _tiny_site_times(len(_mine(rank, rings)), group, reps)
+    ring, collective = _step_site_times(len(_mine(rank, rings)), group, reps)
     return Measurements(
         matmul,
         skinny,
@@ -305,8 +317,8 @@ def _one_way(peers: tuple[int, int], nbytes: int, reps: int) -> float:
     return _median(exchange, _reps(nbytes, reps))
 
 
-def _tiny_site_times(n: int, group: str, reps: int) -> tuple[float, float]:
-    """A float32 ``TINY_SITE`` shard all-gathered into a matmul on ``group`` of ``n``
+def _step_site_times(n: int, group: str, reps: int) -> tuple[float, float]:
+    """A float32 ``STEP_SITE`` shard all-gathered into a matmul on ``group`` of ``n``
     ranks: (as a ring, with its collective)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -317,7 +329,7 @@ def _tiny_site_times(n: int, group: str, reps: int) -> tuple[float, float]:
     def site(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)), w)
 
-    rows, k, cols = TINY_SITE
+    rows, k, cols = STEP_SITE
     x, w = torch.randn(rows, k), torch.randn(k, cols)
     ring = apply(make_fx(site, tracing_mode="fake")(x, w), schedule="ring")
     collective = make_fx(site, tracing_mode="fake")(x, w)
