@@ -203,7 +203,10 @@ QUICK = Preset(
     warmup=2,
     reps=9,
     block=BlockBench(QUICK_BLOCK, ratio=1.0, schedules=("baseline", "ring", "auto"), reps=7),
-    calibrate_reps=3,
+    # as the full preset: with 3, runs the same day put a P2P step at 0.16-0.28 ms and a
+    # matmul's slowdown under a transfer at 0.14-1.61 (the full preset's run: 0.9 ms, 0.32),
+    # and ``auto`` took or left a decode step's ring by that
+    calibrate_reps=5,
     block_2d=BLOCK_2D,
     block_plain=BlockBench(
         dataclasses.replace(QUICK_BLOCK, sequence_parallel=False),
