@@ -74,10 +74,14 @@ def fsdp_sites(model: ModelShape, tp: int, n: int) -> list[tuple[str, Work]]:
     sites = []
     for name, (d_in, d_out) in weights.items():
         flops, nbytes = 2 * t * d_in * d_out / n, d_in * d_out / n * e
+        # a block is a weight shard: the forward reads the input x whole, the gradient
+        # dY; the backward's dX = dY @ W^T contracts over the shards (nothing whole)
+        forward = Work(Direction.GATHER, n, flops, nbytes, whole_bytes=t * d_in * e)
+        gradient = Work(Direction.REDUCE, n, flops, nbytes, whole_bytes=t * d_out * e)
         sites += [
-            (f"forward {name} weight gather", Work(Direction.GATHER, n, flops, nbytes)),
+            (f"forward {name} weight gather", forward),
             (f"backward {name} weight gather", Work(Direction.GATHER, n, flops, nbytes)),
-            (f"backward {name} gradient", Work(Direction.REDUCE, n, flops, nbytes)),
+            (f"backward {name} gradient", gradient),
         ]
     return sites
 

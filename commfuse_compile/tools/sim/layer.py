@@ -117,16 +117,19 @@ def layer_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
     projections = 2 if model.gated else 1
 
     def gather(out_features: float, matmuls: int) -> Work:
-        # block: t/n rows of the gathered input times the local weight columns
-        return Work(Direction.GATHER, n, 2 * (t / n) * d * out_features / n, t / n * d * e, matmuls)
+        # block: t/n rows of the gathered input times the local weight columns (read whole)
+        flops, weights = 2 * (t / n) * d * out_features / n, d * out_features / n * e
+        return Work(Direction.GATHER, n, flops, t / n * d * e, matmuls, whole_bytes=weights)
 
     def reduce(in_features: float, terms: int) -> Work:
         # block: t/n rows of the local product, contracted over the local features
-        return Work(Direction.REDUCE, n, 2 * (t / n) * in_features / n * d, t / n * d * e, terms)
+        flops, weights = 2 * (t / n) * in_features / n * d, in_features / n * d * e
+        return Work(Direction.REDUCE, n, flops, t / n * d * e, terms, whole_bytes=weights)
 
     def grad_gather(features: float) -> Work:
-        # dY gathered into dX = dY @ W (rows) and dW = dY^T @ X (contracted)
-        return Work(Direction.GATHER, n, 2 * 2 * (t / n) * d * features / n, t / n * d * e, 2)
+        # dY gathered into dX = dY @ W (rows: W read whole) and dW = dY^T @ X (contracted)
+        flops, weights = 2 * 2 * (t / n) * d * features / n, d * features / n * e
+        return Work(Direction.GATHER, n, flops, t / n * d * e, 2, whole_bytes=weights)
 
     return [
         ("forward attention q/k/v", gather(qkv, 3)),
@@ -161,15 +164,20 @@ def ulysses_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
 
     def scatter_heads(columns: int) -> Work:
         # mm_a2a: the product [S/n, columns] (K = hidden) exchanged whole; block j is
-        # rank j's heads, a column block
-        return Work(Direction.EXCHANGE_OUT, n, 2 * rows * d * columns / n, rows * columns * e / n)
+        # rank j's heads, a column block (each reads the input x whole)
+        flops, message = 2 * rows * d * columns / n, rows * columns * e / n
+        return Work(Direction.EXCHANGE_OUT, n, flops, message, whole_bytes=rows * d * e)
 
     def gather_heads(columns: int, matmuls: int) -> Work:
         # a2a_mm: the all-to-all's output [S/n, columns] (every head of this rank's tokens);
         # each matmul reading it, 2 x S/n x columns x hidden FLOPs: times the weight
-        # (contract, over the heads) or, backward, x^T times it (dW, columns)
+        # (contract, over the heads: nothing read whole) or, backward, x^T times it (dW,
+        # columns: x^T read whole)
         flops = matmuls * 2 * rows * columns * d
-        return Work(Direction.EXCHANGE_IN, n, flops / n, rows * columns * e / n, matmuls)
+        whole = rows * d * e if matmuls > 1 else 0.0
+        return Work(
+            Direction.EXCHANGE_IN, n, flops / n, rows * columns * e / n, matmuls, whole_bytes=whole
+        )
 
     return [
         ("forward q projection", scatter_heads(q)),
