@@ -95,12 +95,12 @@ def predict(work: Work, profile: Profile, slices: int = 2) -> dict[str, Timeline
 
 
 def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> float:
-    return _matmuls_s(work, profile, work.block_flops * fraction) + (
+    return _matmul_calls_s(work, profile, work.block_flops * fraction) + (
         work.block_ops * profile.matmul_latency_s
     )
 
 
-def _matmuls_s(work: Work, p: Profile, flops: float) -> float:
+def _matmul_calls_s(work: Work, p: Profile, flops: float) -> float:
     """The site's matmul calls over ``flops`` in all: each pays its call and reads its
     whole operands."""
     calls = work.matmuls_per_block
@@ -123,7 +123,7 @@ def collective_model(work: Work, p: Profile) -> str:
 
 def matmuls_s(work: Work, p: Profile) -> float:
     """A site's matmuls alone, unsplit (all n blocks in each call)."""
-    return _matmuls_s(work, p, work.block_flops * work.n)
+    return _matmul_calls_s(work, p, work.block_flops * work.n)
 
 
 def collective_s(work: Work, p: Profile) -> float:
@@ -185,7 +185,7 @@ def _round_trip(work: Work, schedule: str, p: Profile) -> Timeline:
         work, direction=Direction.EXCHANGE_OUT, block_bytes=work.returned_bytes
     )
     combine = collective_s(back, p)
-    computed = dispatch + matmuls_s(work, p) + work.block_ops * p.matmul_latency_s
+    computed = dispatch + _block_compute_s(work, p, work.n)  # every block at once
     events = []
     for r in range(n):
         events += [

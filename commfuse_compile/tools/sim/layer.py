@@ -161,20 +161,20 @@ def ulysses_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
     tensor (so a rank sends (n-1)/n of it, the all-to-all's bytes)."""
     rows, d, e = model.tokens / n, model.hidden, model.dtype_bytes
     q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    x = rows * d * e  # this rank's input, which column blocks and dW blocks read whole
 
     def scatter_heads(columns: int) -> Work:
         # mm_a2a: the product [S/n, columns] (K = hidden) exchanged whole; block j is
         # rank j's heads, a column block (each reads the input x whole)
         flops, message = 2 * rows * d * columns / n, rows * columns * e / n
-        return Work(Direction.EXCHANGE_OUT, n, flops, message, whole_bytes=rows * d * e)
+        return Work(Direction.EXCHANGE_OUT, n, flops, message, whole_bytes=x)
 
-    def gather_heads(columns: int, matmuls: int) -> Work:
+    def gather_heads(columns: int, matmuls: int, whole: float) -> Work:
         # a2a_mm: the all-to-all's output [S/n, columns] (every head of this rank's tokens);
         # each matmul reading it, 2 x S/n x columns x hidden FLOPs: times the weight
         # (contract, over the heads: nothing read whole) or, backward, x^T times it (dW,
-        # columns: x^T read whole)
+        # columns: x^T, ``whole``, read whole)
         flops = matmuls * 2 * rows * columns * d
-        whole = rows * d * e if matmuls > 1 else 0.0
         return Work(
             Direction.EXCHANGE_IN, n, flops / n, rows * columns * e / n, matmuls, whole_bytes=whole
         )
@@ -183,11 +183,11 @@ def ulysses_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
         ("forward q projection", scatter_heads(q)),
         ("forward k projection", scatter_heads(kv)),
         ("forward v projection", scatter_heads(kv)),
-        ("forward attention output", gather_heads(q, 1)),
+        ("forward attention output", gather_heads(q, 1, 0.0)),
         ("backward attention output grads", scatter_heads(q)),
-        ("backward q grads (dX, dW)", gather_heads(q, 2)),
-        ("backward k grads (dX, dW)", gather_heads(kv, 2)),
-        ("backward v grads (dX, dW)", gather_heads(kv, 2)),
+        ("backward q grads (dX, dW)", gather_heads(q, 2, x)),
+        ("backward k grads (dX, dW)", gather_heads(kv, 2, x)),
+        ("backward v grads (dX, dW)", gather_heads(kv, 2, x)),
     ]
 
 
