@@ -483,8 +483,6 @@ def _measurements_of(p: Profile, n: int) -> cal.Measurements:
         ],
         message=[(float(size), p.message_s(size)) for size in cal.MESSAGE_BYTES],
         add_bytes_per_s=p.memory_bytes_per_s,
-        ring_site_s=simulate(site, "ring", p).end_s,
-        collective_site_s=simulate(site, "collective", p).end_s,
         collectives={
             kind: {
                 g: [(float(b), _collective_s(p, kind, g, b)) for b in cal.CURVE_BLOCK_BYTES]
@@ -492,7 +490,11 @@ def _measurements_of(p: Profile, n: int) -> cal.Measurements:
             }
             for kind in COLLECTIVES
         },
-        overlap_slowdown=p.overlap_slowdown,
+        fixed=cal.FixedCostProbe(
+            ring_site_s=simulate(site, "ring", p).end_s,
+            collective_site_s=simulate(site, "collective", p).end_s,
+            overlap_slowdown=p.overlap_slowdown,
+        ),
     )
 
 

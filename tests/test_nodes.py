@@ -24,9 +24,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from commfuse_compile import Options
 from commfuse_compile.cost import profiles
 from commfuse_compile.cost.profiles import BUILTIN, Level, ProfileError
+from commfuse_compile.cost.simulator import simulate
 from commfuse_compile.options import CommfuseOptionError
 from commfuse_compile.passes import rewrite_graph
 from commfuse_compile.runtime.topology import ACROSS, INSIDE, Topology, TopologyError, from_launcher
+from commfuse_compile.tools import calibrate as cal
 
 c10d = torch.ops._c10d_functional
 P2P = torch.ops.commfuse.p2p.default
@@ -58,6 +60,29 @@ def test_cluster_profile_prices_the_nic_shared_by_its_senders():
     assert BUILTIN["gloo-loopback"].across(2) is BUILTIN["gloo-loopback"]  # one level
 
 
+def test_a_ring_across_nodes_pays_the_nics_fixed_costs_where_measured():
+    """A level's step overhead and slowdown (``commfuse calibrate`` measures them across
+    the nodes) replace the node's in a group across them; unset, the node's hold."""
+    inside = TWO_NODES.across(2)
+    assert (inside.step_overhead_s, inside.overlap_slowdown) == (
+        TWO_NODES.step_overhead_s,
+        TWO_NODES.overlap_slowdown,
+    )
+    nic = dataclasses.replace(TWO_NODES.across_nodes, step_overhead_s=4e-4, overlap_slowdown=0.0)
+    across = dataclasses.replace(TWO_NODES, across_nodes=nic).across(2)
+    assert (across.step_overhead_s, across.overlap_slowdown) == (4e-4, 0.0)
+    # what calibrate derives it from: the step site's ring on the nodes' ranks
+    probe = cal.FixedCostProbe(
+        ring_site_s=simulate(cal.step_site_work(3), "ring", across).end_s,
+        collective_site_s=0.0,
+        overlap_slowdown=0.0,
+    )
+    assert cal.step_costs(probe, 3, across) == pytest.approx((across.link_alpha_s, 4e-4))
+    # a latency fitted too high gives back what the step site does not show
+    high = dataclasses.replace(across, link_alpha_s=across.link_alpha_s + 1e-3)
+    assert cal.step_costs(probe, 3, high) == pytest.approx((across.link_alpha_s + 4e-4, 0.0))
+
+
 def test_profile_files_with_and_without_levels_load(tmp_path):
     for profile in (TWO_NODES, BUILTIN["gloo-loopback"]):
         profiles.save(profile, tmp_path / "p.json")
@@ -67,6 +92,15 @@ def test_profile_files_with_and_without_levels_load(tmp_path):
     del flat["across_nodes"], flat["ranks_per_node"]
     (tmp_path / "flat.json").write_text(json.dumps(flat))
     assert profiles.load(tmp_path / "flat.json").across_nodes is None
+    # a level without its own fixed costs (null, or a file written before them)
+    unset = json.loads(json.dumps(TWO_NODES.as_json()))
+    assert unset["across_nodes"]["step_overhead_s"] is None
+    assert profiles.from_json(unset) == TWO_NODES
+    del unset["across_nodes"]["step_overhead_s"], unset["across_nodes"]["overlap_slowdown"]
+    assert profiles.from_json(unset) == TWO_NODES
+    unset["step_overhead_s"] = None  # the node's own fixed costs are numbers
+    with pytest.raises(ProfileError, match="step_overhead_s must be a finite number"):
+        profiles.from_json(unset)
     wrong = json.loads(json.dumps(TWO_NODES.as_json()))
     wrong["across_nodes"]["bytes_per_s"] = 0
     with pytest.raises(ProfileError, match="across_nodes: bytes_per_s must be positive"):

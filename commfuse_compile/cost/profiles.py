@@ -79,13 +79,20 @@ class Curve:
 class Level:
     """The link between nodes: a NIC shared by ``ranks_per_nic`` of a node's ranks (1:
     a NIC per GPU, as on rail-optimized InfiniBand clusters), ``bytes_per_s`` per
-    direction for the whole NIC, and its collectives as measured across nodes."""
+    direction for the whole NIC, its collectives as measured across nodes, and the fixed
+    costs of a rewritten site whose messages cross it."""
 
     alpha_s: float  # latency of one message between nodes
     bytes_per_s: float  # one direction, the whole NIC
     duplex: bool = True  # a NIC sends and receives at full rate at once
     ranks_per_nic: int = 1
     collectives: dict[str, dict[int, Curve]] = dataclasses.field(default_factory=dict)
+    # ``Profile.step_overhead_s`` and ``overlap_slowdown`` of a ring across nodes (None:
+    # as inside a node). They differ by transport: a matmul on this project's CI machine
+    # slowed by 0.8-1.1x its time under a transfer over the node's own address (the
+    # kernel copies it, on the ranks' cores) and by 0-0.6x under one through the NIC.
+    step_overhead_s: float | None = None
+    overlap_slowdown: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +163,8 @@ class Profile:
             duplex_neighbours=False,  # a rank's messages to other nodes share its NIC
             collectives=nic.collectives,
             across_nodes=None,
+            step_overhead_s=_or(nic.step_overhead_s, self.step_overhead_s),
+            overlap_slowdown=_or(nic.overlap_slowdown, self.overlap_slowdown),
         )
 
     def for_group(
@@ -184,6 +193,10 @@ class Profile:
         return hashlib.sha256(json.dumps(numbers, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _or(value: float | None, inside: float) -> float:
+    return inside if value is None else value
+
+
 def _curves_json(curves: dict[str, dict[int, Curve]]) -> dict[str, Any]:
     return {
         collective: {str(n): dataclasses.asdict(c) for n, c in by_n.items()}
@@ -196,6 +209,8 @@ def _points(seconds: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
     return tuple(zip(map(float, CURVE_BLOCK_BYTES), seconds, strict=True))
 
 
+# a ``Level``'s fixed costs: null is "as inside a node"
+LEVEL_OPTIONAL = ("step_overhead_s", "overlap_slowdown")
 # divisors: > 0
 RATES = ("matmul_flops", "memory_bytes_per_s", "link_bytes_per_s", "bytes_per_s", "ranks_per_nic")
 
@@ -371,8 +386,8 @@ def _checked(cls: type, fields: object, where: str) -> dict[str, Any]:
         parts += [f"unknown {unknown}"] if unknown else []
         raise ProfileError(f"{where}: fields {'; '.join(parts)}")
     for name, value in fields.items():
-        if name == "across_nodes":
-            continue  # checked as a ``Level`` of its own
+        if name == "across_nodes" or (cls is Level and name in LEVEL_OPTIONAL and value is None):
+            continue  # checked as a ``Level`` of its own; a level's unset fixed cost
         problem = (
             _collectives_problem(value) if name == "collectives" else _field_problem(name, value)
         )

@@ -9,12 +9,13 @@ even splits) and all-reduce by block size on every group size from 2 to n (fitte
 collective and size: the model times the collective with these curves, not with a ring
 formula), how much a matmul slows while a transfer is in flight, and the fixed cost of
 one P2P step of a rewritten graph, from a decode-sized all-gather -> matmul site run both
-ways.
+ways (these two fixed costs: the median over every rank, ``FixedCostProbe``).
 The result loads with ``options={"profile": path}``.
 
 Under a multi-node torchrun launch it measures every level: the above on each node's
-ranks (all nodes at once), and the link and collectives between nodes on the ranks of
-each local rank across the nodes (``run_launched``), into one profile with both.
+ranks (all nodes at once), and the link, the collectives and the fixed costs between
+nodes on the ranks of each local rank across the nodes (``run_launched``), into one
+profile with both.
 """
 
 from __future__ import annotations
@@ -54,6 +55,19 @@ MAX_OVERLAP_MESSAGE_BYTES = 512 << 20
 # all-reduce): timed ``SMALL_CALL_REPS`` times as often, at little cost.
 SMALL_CALL_BYTES = 1 << 20
 SMALL_CALL_REPS = 4
+FIXED_COST_ROUNDS = 3  # the fixed costs' probes, each on every rank (``FixedCostProbe``)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedCostProbe:
+    """What a level's fixed costs are read from, measured on every ring of the level at
+    once, each the median over the job's ranks. One rank's own view is noise where ranks
+    share cores: on 2 nodes x 2 ranks on this project's 2-core CI machine, rank 0's
+    slowdown came out 0 to 3.9 and its step site's excess 0.8 to 3.2 ms, run to run."""
+
+    ring_site_s: float  # ``STEP_SITE``'s all-gather -> matmul, rewritten as a ring
+    collective_site_s: float  # the same site with its collective
+    overlap_slowdown: float  # matmul under a transfer / matmul alone - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +76,9 @@ class Measurements:
     skinny: list[tuple[float, float, float]]  # (FLOPs, bytes of B, seconds)
     message: list[tuple[float, float]]  # (bytes, seconds one way)
     add_bytes_per_s: float
-    ring_site_s: float  # ``STEP_SITE``'s all-gather -> matmul, rewritten as a ring
-    collective_site_s: float  # the same site with its collective
     # collective -> group size -> [(block bytes, seconds)] of the backend's own collective
     collectives: dict[str, dict[int, list[tuple[float, float]]]]
-    overlap_slowdown: float  # matmul under a transfer / matmul alone - 1
+    fixed: FixedCostProbe
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -106,20 +118,35 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         link_bytes_per_s=1 / s_per_byte,
         step_overhead_s=0.0,
         collective_overhead_s=0.0,
-        overlap_slowdown=m.overlap_slowdown,
+        overlap_slowdown=m.fixed.overlap_slowdown,
         matmul_bytes_per_s=_weight_rate(m.skinny, matmul_latency, s_per_flop),
         collectives=_curves(m.collectives),
     )
     # The fixed costs are what the simulation of the step site lacks without them: the
-    # ring pays the step overhead once per step (n-1), the collective its overhead once.
-    site = step_site_work(n)
-    step = (m.ring_site_s - simulate(site, "ring", measured).end_s) / (n - 1)
-    # the call overhead of the ring formula, used for group sizes without a curve
+    # collective pays its overhead once (the call overhead of the ring formula, used for
+    # group sizes without a curve).
     formula = dataclasses.replace(measured, collectives={})
-    collective = m.collective_site_s - simulate(site, "collective", formula).end_s
+    site = step_site_work(n)
+    collective = m.fixed.collective_site_s - simulate(site, "collective", formula).end_s
+    alpha, step = step_costs(m.fixed, n, measured)
     return dataclasses.replace(
-        measured, step_overhead_s=max(step, 0.0), collective_overhead_s=max(collective, 0.0)
+        measured,
+        link_alpha_s=alpha,
+        step_overhead_s=step,
+        collective_overhead_s=max(collective, 0.0),
     )
+
+
+def step_costs(probe: FixedCostProbe, n: int, link: Profile) -> tuple[float, float]:
+    """(message latency, step overhead) of ``link``: a step of ``probe``'s ring site on
+    ``n`` ranks pays both. What the simulation without a step overhead lacks, over its
+    n-1 steps, is the step overhead; where it has too much, the latency fitted from the
+    ring exchanges is the one too high (a fit of five sizes: on 2 nodes x 2 ranks sharing
+    2 cores, 0 to 2.8 ms inside a node, run to run) and gives the excess back."""
+    site = step_site_work(n)
+    link = dataclasses.replace(link, step_overhead_s=0.0)
+    lacks = (probe.ring_site_s - simulate(site, "ring", link).end_s) / (n - 1)
+    return max(link.link_alpha_s + min(lacks, 0.0), 0.0), max(lacks, 0.0)
 
 
 def step_site_work(n: int) -> Work:
@@ -191,17 +218,27 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
     add_s = _median(lambda: torch.add(x, y), reps)
     curves, group = collective_curves(rank, rings, reps)
-    ring, collective = _step_site_times(len(_mine(rank, rings)), group, reps)
     return Measurements(
         matmul,
         skinny,
         message,
         3 * x.numel() * 4 / add_s,
-        ring,
-        collective,
         curves,
-        _overlap_slowdown(rank, rings, reps),
+        probe_fixed_costs(rank, rings, group, reps),
     )
+
+
+def probe_fixed_costs(rank: int, rings: Rings, group: str, reps: int) -> FixedCostProbe:
+    """The step site and the slowdown on ``rings`` (``group``: this rank's), every ring
+    at once, each the median over ``FIXED_COST_ROUNDS`` rounds on every rank of the job."""
+    rounds = []
+    for _ in range(FIXED_COST_ROUNDS):
+        ring, collective = _step_site_times(len(_mine(rank, rings)), group, reps)
+        rounds.append([ring, collective, _overlap_slowdown(rank, rings, reps)])
+    mine = torch.tensor(rounds, dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return FixedCostProbe(*torch.cat(every).quantile(0.5, dim=0).tolist())
 
 
 def link_points(rank: int, rings: Rings, reps: int) -> list[tuple[float, float]]:
@@ -400,7 +437,8 @@ def measure_levels(
     nodes = world_size // per_node
     if nodes > 1:
         link = link_points(rank, across, reps)
-        curves, _ = collective_curves(rank, across, reps)
+        curves, group = collective_curves(rank, across, reps)
+        fixed = probe_fixed_costs(rank, across, group, reps)
         # groups of several ranks per node that span nodes (TP across nodes): the job's
         # first g ranks, node by node, for every g beyond one node (where a size is
         # measured both ways, one rank per node is kept)
@@ -423,4 +461,13 @@ def measure_levels(
         nic = Level(alpha, sharing / s_per_byte, True, ranks_per_nic or per_node)
         nic = dataclasses.replace(nic, collectives=_curves(curves))
         profile = dataclasses.replace(profile, across_nodes=nic, ranks_per_node=per_node)
+        # the ring of one local rank across the nodes, every local rank's at once
+        crossing = dataclasses.replace(
+            profile.across(sharing), overlap_slowdown=fixed.overlap_slowdown
+        )
+        alpha, step = step_costs(fixed, nodes, crossing)
+        nic = dataclasses.replace(
+            nic, alpha_s=alpha, step_overhead_s=step, overlap_slowdown=fixed.overlap_slowdown
+        )
+        profile = dataclasses.replace(profile, across_nodes=nic)
     return profile

@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         if nic is not None:
             print(
                 f"{'across nodes':>22}: {nic.alpha_s * 1e6:.1f} us + {nic.bytes_per_s / 1e9:.3f} "
-                f"GB/s per NIC (one direction), {nic.ranks_per_nic} rank(s) per NIC"
+                f"GB/s per NIC (one direction), {nic.ranks_per_nic} rank(s) per NIC; "
+                f"step overhead {nic.step_overhead_s}, overlap slowdown {nic.overlap_slowdown}"
             )
             _print_curves(nic.collectives, " across nodes")
         print(f"wrote {args.out}; use it with options={{'profile': {args.out!r}}}")

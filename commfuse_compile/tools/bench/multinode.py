@@ -40,8 +40,8 @@ from .run import machine, variants
 # an MoE layer: its all-to-alls have the ring's pairwise order only
 DENSE_ROWS = ("baseline", "slicing k=2", "push", "ring", "bidir", "auto")
 EXPERT_ROWS = ("baseline", "ring", "auto")
-CALIBRATE_REPS = 3
-REPS = 5  # timed steps per row, after one warm-up
+CALIBRATE_REPS = 5
+REPS = 15  # timed steps per row, after one warm-up
 
 
 @dataclasses.dataclass(frozen=True)
