@@ -11,7 +11,9 @@ what is simulated is exactly what the lowering emits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
+from typing import Any
 
 from ..schedules import NAMES, Direction, Transfer, by_name, slicing
 from . import steps
@@ -259,9 +261,16 @@ def _send(
     return arrivals
 
 
+@functools.lru_cache(maxsize=64)
+def _plans(schedule: str, direction: Direction, n: int) -> tuple[tuple[Any, ...], ...]:
+    """Every rank's steps: pure functions of (schedule, direction, n), built once (a
+    128-rank ring's are 16,384 steps, and ``commfuse sim`` prices many sites on it)."""
+    return tuple(tuple(by_name(schedule).steps(direction, r, n, 0)) for r in range(n))
+
+
 def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
     n, events = work.n, list[Event]()
-    plans = [by_name(schedule).steps(work.direction, r, n, 0) for r in range(n)]
+    plans = _plans(schedule, work.direction, n)
     c = _block_compute_s(work, p)
     now = [0.0] * n
     for s in range(len(plans[0])):
@@ -285,7 +294,7 @@ def _p2p_gather(work: Work, schedule: str, p: Profile) -> Timeline:
 
 def _p2p_reduce(work: Work, schedule: str, p: Profile) -> Timeline:
     n, events = work.n, list[Event]()
-    plans = [by_name(schedule).steps(work.direction, r, n, 0) for r in range(n)]
+    plans = _plans(schedule, work.direction, n)
     c, a = _block_compute_s(work, p), p.add_s(work.block_bytes)
     now = [0.0] * n
     arrivals: list[float] = [0.0] * n  # when the messages a rank waits on next have landed
