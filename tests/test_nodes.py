@@ -272,6 +272,24 @@ def test_ring_in_node_order_matches_on_gloo_ranks(ranks, schedule):
                 torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
+def test_calibrate_by_level_gives_the_nic_its_own_fixed_costs(ranks, tmp_path):
+    """``calibrate.measure_levels`` on 2 "nodes" of 2 local gloo ranks, as under a
+    multi-node launch: one profile from rank 0 with both levels, the collectives across
+    the nodes by group size and the NIC's own fixed costs (its step site run one ring at
+    a time); the file loads back."""
+    out = ranks(4).run(cal.measure_levels, 1, 2)
+    profile, others = out[0], out[1:]
+    assert others == [None, None, None]
+    nic = profile.across_nodes
+    assert (profile.ranks_per_node, nic.ranks_per_nic) == (2, 2)
+    assert nic.step_overhead_s is not None and nic.step_overhead_s >= 0
+    assert nic.overlap_slowdown is not None and nic.overlap_slowdown >= 0
+    assert profile.across(1).step_overhead_s == nic.step_overhead_s
+    assert sorted(nic.collectives["all_gather"]) == [2, 3, 4]
+    profiles.save(profile, tmp_path / "levels.json")
+    assert profiles.load(tmp_path / "levels.json") == profile
+
+
 # ----------------------------------------------------------------------------------------
 # two nodes in network namespaces, launched as on a cluster
 

@@ -228,12 +228,15 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     )
 
 
-def probe_fixed_costs(rank: int, rings: Rings, group: str, reps: int) -> FixedCostProbe:
-    """The step site and the slowdown on ``rings`` (``group``: this rank's), every ring
-    at once, each the median over ``FIXED_COST_ROUNDS`` rounds on every rank of the job."""
+def probe_fixed_costs(
+    rank: int, rings: Rings, group: str, reps: int, one_at_a_time: bool = False
+) -> FixedCostProbe:
+    """The step site (every ring at once, or ``one_at_a_time``) and the slowdown (every
+    ring at once) on ``rings`` (``group``: this rank's), each the median over
+    ``FIXED_COST_ROUNDS`` rounds on every rank of the job."""
     rounds = []
     for _ in range(FIXED_COST_ROUNDS):
-        ring, collective = _step_site_times(len(_mine(rank, rings)), group, reps)
+        ring, collective = _step_site_times(rank, rings, group, reps, one_at_a_time)
         rounds.append([ring, collective, _overlap_slowdown(rank, rings, reps)])
     mine = torch.tensor(rounds, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -354,14 +357,18 @@ def _one_way(peers: tuple[int, int], nbytes: int, reps: int) -> float:
     return _median(exchange, _reps(nbytes, reps))
 
 
-def _step_site_times(n: int, group: str, reps: int) -> tuple[float, float]:
-    """A float32 ``STEP_SITE`` shard all-gathered into a matmul on ``group`` of ``n``
-    ranks: (as a ring, with its collective)."""
+def _step_site_times(
+    rank: int, rings: Rings, group: str, reps: int, one_at_a_time: bool
+) -> tuple[float, float]:
+    """A float32 ``STEP_SITE`` shard all-gathered into a matmul on this rank's ring of
+    ``rings`` (``group``): (as a ring, with its collective); every ring at once, or
+    ``one_at_a_time`` while the others wait."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from ..api import apply
 
     c10d = torch.ops._c10d_functional
+    n = len(_mine(rank, rings))
 
     def site(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)), w)
@@ -371,13 +378,17 @@ def _step_site_times(n: int, group: str, reps: int) -> tuple[float, float]:
     ring = apply(make_fx(site, tracing_mode="fake")(x, w), schedule="ring")
     collective = make_fx(site, tracing_mode="fake")(x, w)
     times: dict[str, list[float]] = {"ring": [], "collective": []}
-    for _ in range(_reps(x.nbytes, reps) + 1):  # interleaved: both see the same machine
-        for name, gm in (("ring", ring), ("collective", collective)):
-            dist.barrier()
-            start = time.perf_counter()
-            gm(x, w)
-            times[name].append(time.perf_counter() - start)
-    return statistics.median(times["ring"][1:]), statistics.median(times["collective"][1:])
+    for turn in rings if one_at_a_time else [None]:
+        runs = turn is None or rank in turn
+        for i in range(_reps(x.nbytes, reps) + 1):  # interleaved: both see the same machine
+            for name, gm in (("ring", ring), ("collective", collective)):
+                dist.barrier()
+                start = time.perf_counter()
+                if runs:
+                    gm(x, w)
+                if runs and i:  # after a warm-up
+                    times[name].append(time.perf_counter() - start)
+    return statistics.median(times["ring"]), statistics.median(times["collective"])
 
 
 def run(world_size: int, out: str, reps: int) -> Profile:
@@ -438,7 +449,13 @@ def measure_levels(
     if nodes > 1:
         link = link_points(rank, across, reps)
         curves, group = collective_curves(rank, across, reps)
-        fixed = probe_fixed_costs(rank, across, group, reps)
+        # the step site one ring at a time: with every local rank's ring at once their
+        # messages share the NIC unevenly, and the model's even share over-prices them
+        # (on 2 nodes x 2 ranks, a 512 KiB step took 10.4-11.2 ms, predicted 12.6): what
+        # the site lacks then shrinks with its bytes and goes negative. Alone, a step's
+        # bytes are the NIC's, and what it lacks is its fixed cost (0.37-0.44 ms on the
+        # 8-row site, 0.5-0.9 ms with every ring at once, in two runs each)
+        fixed = probe_fixed_costs(rank, across, group, reps, one_at_a_time=True)
         # groups of several ranks per node that span nodes (TP across nodes): the job's
         # first g ranks, node by node, for every g beyond one node (where a size is
         # measured both ways, one rank per node is kept)
@@ -461,10 +478,8 @@ def measure_levels(
         nic = Level(alpha, sharing / s_per_byte, True, ranks_per_nic or per_node)
         nic = dataclasses.replace(nic, collectives=_curves(curves))
         profile = dataclasses.replace(profile, across_nodes=nic, ranks_per_node=per_node)
-        # the ring of one local rank across the nodes, every local rank's at once
-        crossing = dataclasses.replace(
-            profile.across(sharing), overlap_slowdown=fixed.overlap_slowdown
-        )
+        # the ring of one local rank across the nodes, alone on its NIC
+        crossing = dataclasses.replace(profile.across(1), overlap_slowdown=fixed.overlap_slowdown)
         alpha, step = step_costs(fixed, nodes, crossing)
         nic = dataclasses.replace(
             nic, alpha_s=alpha, step_overhead_s=step, overlap_slowdown=fixed.overlap_slowdown
