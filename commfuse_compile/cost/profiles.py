@@ -89,8 +89,9 @@ class Level:
     collectives: dict[str, dict[int, Curve]] = dataclasses.field(default_factory=dict)
     # ``Profile.step_overhead_s`` and ``overlap_slowdown`` of a ring across nodes (None:
     # as inside a node). They differ by transport: a matmul on this project's CI machine
-    # slowed by 0.8-1.1x its time under a transfer over the node's own address (the
-    # kernel copies it, on the ranks' cores) and by 0-0.6x under one through the NIC.
+    # (2 nodes x 2 ranks on 2 cores) slowed by 0.6-1.3x its time under a transfer over
+    # the node's own address (the kernel copies it, on the ranks' cores) and by 0-0.6x
+    # under one through the NIC, in ten calibrations.
     step_overhead_s: float | None = None
     overlap_slowdown: float | None = None
 
