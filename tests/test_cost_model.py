@@ -679,3 +679,17 @@ def test_a_matmul_cut_into_blocks_reads_its_weight_once_per_block():
     assert compute("ring", work) - compute("ring", unread) == pytest.approx(n * read)
     assert compute("collective", work) - compute("collective", unread) == pytest.approx(read)
     assert read > 2 * (p.matmul_s(work.block_flops) - p.matmul_latency_s)  # mostly the read
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_a_round_trips_row_ops_cost_their_bytes_on_every_block(profile):
+    """A dropless MoE's sorting, element-wise and put-back ops (``Work.block_op_bytes``)
+    cost their bytes at the element-wise rate: once over all n blocks in the collective
+    (between its all-to-alls), and on each block the round trip runs."""
+    work = Work(Direction.ROUND_TRIP, 4, 1e8, 1e6, 2, block_ops=11)
+    moved = dataclasses.replace(work, block_op_bytes=5e6)
+    extra = 4 * 5e6 / profile.memory_bytes_per_s
+    before, after = predict(work, profile), predict(moved, profile)
+    assert after["collective"].end_s == pytest.approx(before["collective"].end_s + extra)
+    assert after["round_trip"].end_s > before["round_trip"].end_s
+    assert after["round_trip"].end_s <= before["round_trip"].end_s + extra * (1 + 1e-9)

@@ -137,6 +137,12 @@ class Profile:
         streamed = whole_bytes / self.matmul_bytes_per_s if self.matmul_bytes_per_s else 0.0
         return self.matmul_latency_s + flops / self.matmul_flops + streamed
 
+    def memory_op_s(self, nbytes: float) -> float:
+        """One call of an op whose time is its memory traffic (element-wise, indexing, a
+        copy) reading and writing ``nbytes``: its call's fixed cost, then the bytes at the
+        element-wise rate."""
+        return self.matmul_latency_s + nbytes / self.memory_bytes_per_s
+
     def message_s(self, nbytes: float, sharing: int = 1) -> float:
         """One message of ``nbytes`` while ``sharing`` messages leave the rank at once."""
         share = 1 if self.duplex_neighbours else sharing

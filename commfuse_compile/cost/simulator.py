@@ -45,6 +45,9 @@ class Work:
     # each paying a call's fixed cost (``Profile.matmul_latency_s``); once for the
     # collective, which runs them on all the rows at once
     block_ops: int = 0
+    # bytes those ops read and write for one block (``Profile.memory_op_s``: a dropless
+    # MoE's sorted rows, its experts' element-wise ops, its rows put back)
+    block_op_bytes: float = 0.0
     # bytes of the operands the site's matmuls read whole in every call, whatever its
     # block (the weights of a product cut by tokens): a block's matmuls read them again
     # (``Profile.matmul_bytes_per_s``)
@@ -97,9 +100,10 @@ def predict(work: Work, profile: Profile, slices: int = 2) -> dict[str, Timeline
 
 
 def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> float:
-    return _matmul_calls_s(work, profile, work.block_flops * fraction) + (
-        work.block_ops * profile.matmul_latency_s
-    )
+    """``fraction`` of a block's work: its matmuls, and its other ops' calls and bytes."""
+    ops = work.block_ops * profile.matmul_latency_s
+    moved = work.block_op_bytes * fraction / profile.memory_bytes_per_s
+    return _matmul_calls_s(work, profile, work.block_flops * fraction) + ops + moved
 
 
 def _matmul_calls_s(work: Work, p: Profile, flops: float) -> float:
@@ -142,7 +146,7 @@ def collective_s(work: Work, p: Profile) -> float:
     if curve is not None:
         return curve.seconds(work.block_bytes)
     messages_only = dataclasses.replace(p, matmul_latency_s=0.0, step_overhead_s=0.0)
-    no_matmul = dataclasses.replace(work, block_flops=0.0, then_gather=False)
+    no_matmul = dataclasses.replace(work, block_flops=0.0, block_op_bytes=0.0, then_gather=False)
     algorithms = [s for s in ("ring", "bidir") if by_name(s).supports(work.direction)]
     rounds = min(simulate(no_matmul, s, messages_only).end_s for s in algorithms)
     return p.collective_overhead_s + rounds

@@ -376,6 +376,30 @@ def nbytes(node: Node) -> int:
     return numel(node) * val(node).element_size()
 
 
+def moved_bytes(node: Node) -> int:
+    """The bytes an op reads and writes, what an element-wise, indexing, copying or
+    reducing op's time is made of (``Profile.memory_op_s``): its tensor operands' and
+    its results'. 0 for what moves no data: a view or alias of its input, a size, a
+    scalar, a node that is no aten op."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return 0
+    returns = target._schema.returns
+    if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
+        return 0  # a view: the same memory, laid out anew
+
+    def tensors(value: Any) -> list[torch.Tensor]:
+        if isinstance(value, (list, tuple)):
+            return [t for v in value for t in tensors(v)]
+        return [value] if isinstance(value, torch.Tensor) else []
+
+    read = [val(a) for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    return sum(
+        math.prod(dims.hint(size) for size in t.shape) * t.element_size()
+        for t in (*read, *tensors(node.meta.get("val")))
+    )
+
+
 # ops that only lay a tensor out anew: its n blocks along a dim stay n blocks of the result
 LAYOUT_OPS = VIEWS | TRANSPOSES | {aten.clone.default, aten.alias.default}
 

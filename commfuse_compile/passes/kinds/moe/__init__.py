@@ -36,7 +36,7 @@ from ....runtime.groups import Group
 from ....schedules import Direction, Schedule, round_trip
 from ...fx import dims
 from ...fx.collectives import ALL_TO_ALL
-from ...fx.graph import node_arg, numel, val
+from ...fx.graph import moved_bytes, node_arg, numel, val
 from ...kit.rewrite import Rewrite, Taken
 from ...kit.site_kind import AtCollective, Peers
 from .find import match as match_dispatch
@@ -70,9 +70,10 @@ class Moe(AtCollective[MoeSite]):
             return numel(collective) * val(collective).element_size() * scale / n
 
         back = None if site.combine is None else block_bytes(site.combine)
+        moved = sum(moved_bytes(node) for node in _memory_ops(site)) * scale / n
         return Work(
             self.direction, n, flops / n, block_bytes(site.dispatch), len(site.grouped),
-            back_bytes=back, block_ops=block_ops(site),
+            back_bytes=back, block_ops=block_ops(site), block_op_bytes=moved,
         )  # fmt: skip
 
     def start(self, site: MoeSite, taken: Taken) -> tuple[MoeSite, Node]:
@@ -106,6 +107,14 @@ def block_ops(site: MoeSite) -> int:
     (two ops)."""
     placed = bool(site.saved or site.paired)
     return 7 + len(site.experts) - len(site.grouped) + len(site.paired) + placed
+
+
+def _memory_ops(site: MoeSite) -> list[Node]:
+    """The ops between the all-to-alls that move rows rather than multiply them: the
+    sorted read, the experts' other ops, the rows put back."""
+    grouped = set(site.grouped)
+    nodes = (site.permuted, *site.experts, site.put_back)
+    return [node for node in nodes if node is not None and node not in grouped]
 
 
 def _flops(mm: Node) -> float:
