@@ -329,6 +329,10 @@ def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
             "",
         )
         assert set(ring["predicted_us"]) == {"round_trip", "collective"}  # the moe site's
+        # the row's program: the site, and the counts' exchange and the sort before it
+        assert ring["predicted_program_us"] > ring["predicted_us"]["round_trip"]
+        written = records["baseline"]["predicted_program_us"]
+        assert written > ring["predicted_us"]["collective"]
         assert records["baseline"]["program"] != ring["program"]
         assert "matmul" in per_rank[0]["breakdown"]["ring"]
         cell = site_cell(DROPLESS_KIND, shape, 1.0, math.inf, [], per_rank, list(rows), 2)
@@ -388,6 +392,7 @@ SMALL_QUICK = textwrap.dedent(
         reps=5,
         calibrate_reps=2,
         rate_reps=3,
+        cell_timed_s=0.3,
         block=dataclasses.replace(quick.block, shape=small, reps=5),
         block_plain=dataclasses.replace(
             quick.block_plain, shape=plain, schedules=("baseline", "ring"), reps=3, compare=small
@@ -400,6 +405,48 @@ SMALL_QUICK = textwrap.dedent(
 
 
 @pytest.mark.slow
+def test_a_rows_prediction_prices_what_no_site_holds_as_the_row_runs_it(tmp_path):
+    """``predicted.program_us``: the plain-TP cell's residual add and RMSNorm (between the
+    all-reduce and the next matmul) are in no site. Written, they run on every row;
+    split (``ring``: reduce-scatter, then all-gather), on this rank's half of them: half
+    their bytes, as two profiles that differ in their element-wise rate alone show. Graph
+    level, rank 0 of 2 on the fake process group."""
+    import copy
+    import dataclasses
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from commfuse_compile import apply, report
+    from commfuse_compile.cost.profiles import for_device, save
+    from commfuse_compile.tools.bench.predicted import program_us
+    from commfuse_compile.tools.bench.sites import build_site
+
+    outside: dict[tuple[str, float], float] = {}  # beyond the rewritten sites, seconds
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        site = build_site("mm_ar_mm", SiteShape(64, 32, 64), 2, 0)
+        for rate in (1e9, 2e9):
+            path = str(tmp_path / f"{rate:g}.json")
+            save(dataclasses.replace(for_device("cpu"), memory_bytes_per_s=rate), path)
+            for schedule in ("off", "ring"):
+                first = len(report.REPORT.sites)
+                gm = apply(copy.deepcopy(site.graph), schedule=schedule, profile=path)
+                records = report.REPORT.sites[first:]
+                sites_us = sum(r.predicted_us[r.schedule] for r in records if r.schedule != "off")
+                assert (schedule == "off") == (sites_us == 0)
+                outside[schedule, rate] = (program_us(gm, records, path) - sites_us) / 1e6
+    finally:
+        dist.destroy_process_group()
+    # the norm's bytes: add, pow, mean, add, rsqrt, mul, mul over 64 rows of 32 fp32 (the
+    # mean's and rsqrt's per row; the last mul reads the norm's weight, 128 bytes, whole),
+    # at 1 and 2 GB/s
+    moved, weight = 24576 + 16384 + 8448 + 512 + 512 + 16640 + 16512, 128
+    assert outside["off", 1e9] - outside["off", 2e9] == pytest.approx(moved / 2e9)
+    halved = (moved - weight) / 2 + weight
+    assert outside["ring", 1e9] - outside["ring", 2e9] == pytest.approx(halved / 2e9)
+
+
 def test_bench_quick_writes_well_formed_results(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-c", SMALL_QUICK, "bench", "--quick", "--out", str(out)]
@@ -419,6 +466,9 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     assert {c["kind"] for c in results["sites"]} == QUICK_KINDS
     assert len({c["ratio"] for c in results["sites"]}) >= 2
     assert sorted(c["kind"] for c in results["sites"] if c["kind"] in ULYSSES) == sorted(ULYSSES)
+    # a cell whose 5 rounds take under 0.3 s is timed over more, the same count on each rank
+    assert all(cell["timed_calls"] >= meta["reps"] for cell in results["sites"])
+    assert any(cell["timed_calls"] > meta["reps"] for cell in results["sites"])
     for cell in results["sites"]:
         ulysses = cell["kind"] in ULYSSES
         assert [r["label"] for r in cell["rows"]] == (ULYSSES_ROWS if ulysses else labels)

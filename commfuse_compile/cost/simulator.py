@@ -152,6 +152,20 @@ def collective_s(work: Work, p: Profile) -> float:
     return p.collective_overhead_s + rounds
 
 
+def collective_call_s(work: Work, p: Profile) -> float:
+    """The site's collective as the program as written calls it: ``collective_s``; a
+    ``then_gather`` site's (an all-reduce) as the measured all-reduce where the profile
+    has one, else a reduce-scatter then an all-gather."""
+    curve = _all_reduce(work, p)
+    if curve is not None:
+        return curve.seconds(work.block_bytes)
+    seconds = collective_s(dataclasses.replace(work, then_gather=False), p)
+    if work.then_gather:
+        gather = dataclasses.replace(work, direction=Direction.GATHER, then_gather=False)
+        seconds += collective_s(gather, p)
+    return seconds
+
+
 def _collective(work: Work, p: Profile) -> Timeline:
     """The unfused pair: an all-gather then one matmul over all blocks, or the matmul
     then a reduce-scatter."""

@@ -39,12 +39,10 @@ from torch._inductor.fx_passes.bucketing import (
 from torch.fx import GraphModule, Node
 
 from ..cost.profiles import Profile
-from ..cost.simulator import Work, collective_s
 from ..options import Options
 from ..report import BucketRecord, SiteRecord
 from ..runtime import groups
 from ..runtime.groups import ranks_of
-from ..schedules import Direction
 from . import plan
 from .fx import dims
 from .fx.collectives import WAIT_TENSOR
@@ -253,21 +251,9 @@ class _Timing:
             # the copy into its buffer: one read and one write (an add's two of three)
             copy_s = profile.add_s(sum(m.nbytes for m in bucket)) * 2 / 3
         nbytes = sum(m.nbytes for m in bucket)
-        took = collective_seconds(start, nbytes, profile) + copy_s
+        took = plan.collective_seconds(start, nbytes, profile) + copy_s
         flops = self.flops[self.order[end]] - self.flops[self.order[start]]
         return max(0.0, took - (profile.matmul_s(flops) if flops else 0.0))
-
-
-def collective_seconds(collective: Node, nbytes: int, profile: Profile) -> float:
-    """One all-reduce or reduce-scatter like ``collective`` of ``nbytes`` input, as the
-    plan times a site's collective (an all-reduce: its reduce-scatter, then its
-    all-gather): the cost model's one call in this stage."""
-    n = len(ranks_of(str(collective.args[-1])))
-    block = nbytes / max(n, 1)
-    seconds = collective_s(Work(Direction.REDUCE, n, 0.0, block), profile)
-    if collective.target is ALL_REDUCE:
-        seconds += collective_s(Work(Direction.GATHER, n, 0.0, block), profile)
-    return seconds
 
 
 def _merge(

@@ -19,7 +19,14 @@ import torch
 from torch.fx import Node
 
 from ..cost.profiles import Profile, for_device, load
-from ..cost.simulator import Timeline, Work, collective_model, matmuls_s, predict
+from ..cost.simulator import (
+    Timeline,
+    Work,
+    collective_call_s,
+    collective_model,
+    matmuls_s,
+    predict,
+)
 from ..options import Options
 from ..report import SiteRecord
 from ..runtime import groups, topology
@@ -108,6 +115,28 @@ def auto_schedule(predicted: Mapping[str, Timeline]) -> str:
     """``auto_choice`` on a site's predicted timelines (by schedule)."""
     times = {k: t.end_s for k, t in predicted.items()}
     return auto_choice(times, {k: t.comm_calls() for k, t in predicted.items()})
+
+
+c10d = torch.ops._c10d_functional
+# how the model times each collective: its direction, and whether one rank's block is
+# its input over the group size (else the whole input: an all-gather's shard)
+TIMED_COLLECTIVES = {
+    c10d.all_gather_into_tensor.default: (Direction.GATHER, False),
+    c10d.reduce_scatter_tensor.default: (Direction.REDUCE, True),
+    c10d.all_to_all_single.default: (Direction.EXCHANGE_IN, True),
+    c10d.all_reduce.default: (Direction.REDUCE, True),
+}
+
+
+def collective_seconds(collective: Node, nbytes: float, profile: Profile) -> float:
+    """One call like ``collective`` (an all-gather, reduce-scatter, all-to-all or
+    all-reduce) of ``nbytes`` input, as a site's collective is timed: the cost model's
+    call for a collective no site holds (the bucketing's, the bench's)."""
+    n = len(groups.ranks_of(str(collective.args[-1])))
+    direction, divided = TIMED_COLLECTIVES[collective.target]  # type: ignore[index]
+    block = nbytes / max(n, 1) if divided else nbytes
+    then_gather = collective.target is c10d.all_reduce.default
+    return collective_call_s(Work(direction, n, 0.0, block, then_gather=then_gather), profile)
 
 
 def site_work(site: Site, n: int) -> Work:

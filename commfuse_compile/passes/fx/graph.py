@@ -376,13 +376,19 @@ def nbytes(node: Node) -> int:
     return numel(node) * val(node).element_size()
 
 
+COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "c10d", "commfuse"})
+
+
 def moved_bytes(node: Node) -> int:
     """The bytes an op reads and writes, what an element-wise, indexing, copying or
     reducing op's time is made of (``Profile.memory_op_s``): its tensor operands' and
-    its results'. 0 for what moves no data: a view or alias of its input, a size, a
-    scalar, a node that is no aten op."""
+    its results'. 0 for what moves no data in memory: a view or alias of its input, an
+    empty allocation, a size, a scalar, a collective or its wait (the link's bytes), a
+    node that is no op."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return 0
+    if target.namespace in COMMUNICATION_NAMESPACES or "empty" in target._schema.name:
         return 0
     returns = target._schema.returns
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):

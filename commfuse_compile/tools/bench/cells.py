@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ... import report
-from .config import OVERLAP_PROBE, SiteShape, Variant
+from .config import MAX_ROUNDS, OVERLAP_PROBE, SiteShape, Variant
+from .predicted import program_us
 from .sites import GROUPED_MM, SiteProgram, build_site
 
 c10d = torch.ops._c10d_functional
@@ -62,15 +64,27 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def interleaved(
-    fns: dict[str, Callable[[], object]], warmup: int, reps: int
+    fns: dict[str, Callable[[], object]], warmup: int, reps: int, timed_s: float = 0.0
 ) -> dict[str, list[float]]:
-    """A B C ... repeated; the first ``warmup`` rounds are dropped."""
+    """A B C ... repeated; the first ``warmup`` rounds are dropped. With ``timed_s``: more
+    than ``reps`` rounds where ``reps`` of them would take less, as many as fit in it
+    (up to ``MAX_ROUNDS``), every rank the same count (from the slowest rank's first
+    round)."""
     times: dict[str, list[float]] = {label: [] for label in fns}
-    for rep in range(warmup + reps):
+    rounds, rep = warmup + reps, 0
+    while rep < rounds:
+        took = 0.0
         for label, fn in fns.items():
             elapsed = _timed(fn)
+            took += elapsed
             if rep >= warmup:
                 times[label].append(elapsed)
+        if rep == 0 and timed_s > 0:
+            slowest = torch.tensor([took])
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            fit = min(MAX_ROUNDS, math.ceil(timed_s / max(slowest.item(), 1e-9)))
+            rounds = warmup + max(reps, fit)
+        rep += 1
     return times
 
 
@@ -99,6 +113,7 @@ class SiteJob:
     profile: str | None  # profile file for every row's cost model (``auto`` decides on it)
     warmup: int
     reps: int
+    timed_s: float = 0.0  # more rounds where ``reps`` take less (``interleaved``)
     breakdown_reps: int = 3
 
 
@@ -151,10 +166,11 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
         records = report.REPORT.sites[first:]
         graphs[row.label] = gm
         fns[row.label] = _bind(gm, site.inputs)
-        rows[row.label] = _row_record(records) | {"program": program_key(gm)}
-        if rows[row.label]["schedule"] == "off":  # the program as written ran
-            rows[row.label]["predicted_written_us"] = written_us(site.graph, job.profile)
-    times = interleaved(fns, job.warmup, job.reps)
+        rows[row.label] = _row_record(records) | {
+            "program": program_key(gm),
+            "predicted_program_us": program_us(gm, records, job.profile),
+        }
+    times = interleaved(fns, job.warmup, job.reps, job.timed_s)
     breakdown = {}
     for label, gm in graphs.items():
         runs = []
@@ -165,32 +181,6 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
             runs.append(clock.spent)
         breakdown[label] = {c: statistics.median(r[c] for r in runs) for c in NODE_CATEGORIES}
     return {"times": times, "rows": rows, "breakdown": breakdown}
-
-
-def written_us(graph: torch.fx.GraphModule, profile: str | None) -> float | None:
-    """The cost model's time of ``graph`` as written: its sites (each collective, then
-    its matmuls; a plain-TP all-reduce as one site, not split), as ``auto`` predicts
-    them, and the matmuls in no site (the plain-TP cell's second matmul, which its split
-    puts into a site: the rewritten rows' predictions have it); None where no site has a
-    prediction."""
-    from ...options import Options
-    from ...passes import match, plan
-    from ...passes.fx.matmuls import flops_of, weight_bytes_of
-
-    options = Options(schedule="auto", inner="eager", profile=profile)
-    sites = match.find_sites(copy.deepcopy(graph).graph)
-    times = [plan.site_times(site, options) for site in sites]
-    written = [t.written_s for t in times if t is not None]
-    if not written:
-        return None
-    in_sites = {node.name for site in sites for node in site.replaced()}
-    p = plan.profile_for(sites[0], options)
-    outside = [
-        p.matmul_s(flops, weight_bytes_of(node))
-        for node in graph.graph.nodes
-        if node.name not in in_sites and (flops := flops_of(node)) > 0
-    ]
-    return (sum(written) + sum(outside)) * 1e6
 
 
 def program_key(gm: torch.fx.GraphModule) -> str:
@@ -239,14 +229,11 @@ def _row_record(records: list[report.SiteRecord]) -> dict[str, Any]:
     timed = [r for r in records if r.decline_code != "site.dtype"] or records
     declined = [r for r in timed if r.decision != "rewritten"]
     common = set.intersection(*(set(r.predicted_us) for r in timed))
-    chosen = [r.predicted_us.get(r.schedule) for r in rewritten]
     return {
         "schedule": "+".join(ran) if rewritten else "off",
         "decision": "rewritten" if rewritten and not declined else timed[0].decision,
         "reason": "; ".join(r.reason for r in declined if r.reason),
         "predicted_us": {k: sum(r.predicted_us[k] for r in timed) for k in sorted(common)},
-        # what the row ran, predicted: each site's own schedule (``auto`` may pick two)
-        "predicted_ran_us": None if None in chosen else sum(c or 0.0 for c in chosen),
         "sites": [
             {"kind": r.kind, "decision": r.decision, "schedule": r.schedule} for r in records
         ],

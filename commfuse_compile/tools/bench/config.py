@@ -38,6 +38,11 @@ CELL_KINDS = (
     *("ag_mm", "mm_rs", "mm_a2a", "a2a_mm", "mm_ar_mm", MOE_KIND, DROPLESS_KIND),
     SERVED_KIND,
 )
+# A cell's rows are timed over at least this long, in at most ``MAX_ROUNDS`` rounds: a
+# decode step's rows take a few milliseconds, and 9 of them left the same program's two
+# rows 1.6x apart (the full run's noise at 4 tokens: 111 %).
+CELL_TIMED_S = 1.5
+MAX_ROUNDS = 60
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:

@@ -81,6 +81,7 @@ def site_cell(
         "overlap_probe": {**probe, "vs_limit": probe["median"] / limit},
         # The best any schedule with n blocks can do: one block's matmul cannot overlap.
         "n_block_bound_s": t_mm / n + max(t_mm * (n - 1) / n, t_comm),
+        "timed_calls": len(times[rows[0].label]),  # per row (``cells.CELL_TIMED_S``)
         "rows": out_rows,
     }
 
@@ -95,16 +96,10 @@ def _cell_row(
 ) -> dict[str, Any]:
     """A row of a cell: what rank 0's compile ran (``rank0``: its ``measure_site``
     result), the row's times ``took`` against the baseline's median and the cell's limit,
-    and the cost model's time for what ran."""
+    and the cost model's time for what ran (``predicted.program_us``)."""
     record = rank0["rows"][label]
     ran = record["schedule"]
-    predicted_us = predictions.get("collective" if ran == "off" else ran)
-    if predicted_us is None and "+" in ran:  # two sites, two schedules (``auto``)
-        predicted_us = record.get("predicted_ran_us")
-    if ran == "off" and record.get("predicted_written_us") is not None:
-        # the program as written (``cells.written_us``: a plain-TP all-reduce is one site
-        # there, two once split)
-        predicted_us = record["predicted_written_us"]
+    predicted_us = record["predicted_program_us"]
     return {
         "label": label,
         "ran": ran,

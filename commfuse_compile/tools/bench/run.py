@@ -45,6 +45,7 @@ from .block import BlockBench, run_block
 from .cells import SiteJob, measure_site
 from .config import (
     CELL_KINDS,
+    CELL_TIMED_S,
     DROPLESS_KIND,
     DROPLESS_SKEW,
     MOE_KIND,
@@ -137,6 +138,7 @@ class Preset:
     block: BlockBench | None  # None only in a preset cut by ``only``
     calibrate_reps: int
     rate_reps: int = 5  # calls per try while choosing a link rate
+    cell_timed_s: float = CELL_TIMED_S  # a site cell's rows timed at least this long
     block_2d: BlockBench | None = None  # measured with ``--block-2d`` only
     block_plain: BlockBench | None = None  # the block under plain TP (the pass splits it)
     block_moe: BlockBench | None = None  # a capacity-MoE layer (expert parallel)
@@ -339,7 +341,7 @@ def run(
             progress.advance()
         if preset.served is not None:
             served_rows = kind_rows(rows, "mm_ar_mm")
-            reps = (preset.warmup, preset.reps)
+            reps = (preset.warmup, preset.reps, preset.cell_timed_s)
             results["served"] = run_served(
                 preset.served, network, ranks, base, served_rows, reps, out, progress
             )
@@ -418,7 +420,9 @@ def _measure_cells(
             f"{kind} {shape.label} ratio {ratio:g}: {len(cell_rows) + 4} rows x "
             f"{preset.warmup}+{preset.reps} at {rate / 1e6:.0f} Mbit/s"
         )
-        job = SiteJob(kind, shape, tuple(cell_rows), profile, preset.warmup, preset.reps)
+        job = SiteJob(
+            kind, shape, tuple(cell_rows), profile, preset.warmup, preset.reps, preset.cell_timed_s
+        )
         per_rank = ranks.run(measure_site, job)
         cell = figures.site_cell(
             kind, shape, ratio, rate, tries, per_rank, cell_rows, ranks.world_size

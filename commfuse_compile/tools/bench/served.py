@@ -30,11 +30,12 @@ def run_served(
     ranks: Any,
     base: LinkProfiles,
     rows: list[Variant],
-    reps: tuple[int, int],
+    reps: tuple[int, int, float],
     out: Path,
     progress: Progress,
 ) -> dict[str, Any]:
-    """Every served cell on one link rate; ``reps``: warm-up and timed calls per row."""
+    """Every served cell on one link rate; ``reps``: warm-up and timed calls per row, and
+    the least time they are timed over."""
     n = ranks.world_size
     middle = SiteShape(spec.prompts[len(spec.prompts) // 2], spec.dim, spec.ffn)
     middle = middle.fitted(n, SERVED_SITE)
