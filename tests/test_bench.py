@@ -534,6 +534,13 @@ def test_bench_quick_writes_well_formed_results(tmp_path):
     )
     assert errors["by_kind"]["served"]["rows"] > 0  # the served cells' rows count too
     assert errors["min"] <= errors["median"] <= errors["max"] and "model error:" in stdout
+    # the same rows again at each cell's measured compute speed: every cell's factor is the
+    # slowest rank's matmul alone over the model's time of it, the same on every row
+    at_speed = results["model_error_at_cell_speed"]
+    assert 0 < at_speed["rows"] <= errors["rows"] and "at each cell's compute speed" in stdout
+    for cell in results["sites"]:
+        factors = {row["compute_factor"] for row in cell["rows"]}
+        assert len(factors) == 1 and factors.pop() > 0
     # served plain TP: prefills and a decode step on one link rate, every mm_ar_mm row
     served = results["served"]
     assert [(c["phase"], c["tokens"]) for c in served["cells"]] == [

@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ... import report
+from ...cost.profiles import load, save
 from .config import MAX_ROUNDS, OVERLAP_PROBE, SiteShape, Variant
-from .predicted import program_us
+from .predicted import at_compute_speed, matmul_alone_s, program_us
 from .sites import GROUPED_MM, SiteProgram, build_site
 
 c10d = torch.ops._c10d_functional
@@ -171,6 +172,8 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
             "predicted_program_us": program_us(gm, records, job.profile),
         }
     times = interleaved(fns, job.warmup, job.reps, job.timed_s)
+    if job.profile is not None:
+        _predict_at_cell_speed(site, job, rows, times["matmul alone"], rank)
     breakdown = {}
     for label, gm in graphs.items():
         runs = []
@@ -181,6 +184,37 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
             runs.append(clock.spent)
         breakdown[label] = {c: statistics.median(r[c] for r in runs) for c in NODE_CATEGORIES}
     return {"times": times, "rows": rows, "breakdown": breakdown}
+
+
+def _predict_at_cell_speed(
+    site: SiteProgram, job: SiteJob, rows: dict[str, Any], matmul_s: list[float], rank: int
+) -> None:
+    """Each row's program as the model times it at the compute speed the cell ran at
+    (``predicted.at_compute_speed``: its matmul alone, the slowest rank's median, against
+    the model's): the row's program planned again on that profile with the schedule it
+    ran (None where that gives another program, or a row ran two schedules)."""
+    from ...api import apply
+
+    p = load(job.profile)  # type: ignore[arg-type]
+    slowest = torch.tensor([statistics.median(matmul_s)])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    factor = slowest.item() / matmul_alone_s(site, p)
+    path = f"{job.profile}.rank{rank}.cell-speed.json"
+    save(at_compute_speed(p, factor), path)
+    for row in job.rows:
+        record = rows[row.label]
+        record["compute_factor"] = factor
+        record["predicted_at_cell_speed_us"] = None
+        ran = {"round_trip": "ring"}.get(record["schedule"], record["schedule"])
+        if "+" in ran:
+            continue
+        first = len(report.REPORT.sites)
+        gm = apply(
+            copy.deepcopy(site.graph), **dataclasses.replace(row, schedule=ran).options(path)
+        )
+        records = report.REPORT.sites[first:]
+        if program_key(gm) == record["program"]:
+            record["predicted_at_cell_speed_us"] = program_us(gm, records, path)
 
 
 def program_key(gm: torch.fx.GraphModule) -> str:

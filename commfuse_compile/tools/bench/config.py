@@ -43,6 +43,10 @@ CELL_KINDS = (
 # rows 1.6x apart (the full run's noise at 4 tokens: 111 %).
 CELL_TIMED_S = 1.5
 MAX_ROUNDS = 60
+# a row's model error with the cell's compute at the speed it ran at
+# (``predicted.at_compute_speed``), and the results' distribution of it
+AT_CELL_SPEED = "model_error_at_cell_speed"
+AT_CELL_SPEED_TITLE = "model error at each cell's compute speed"
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ import math
 import statistics
 from typing import Any
 
-from .config import COMPARED, OVERLAP_PROBE, BlockShape, SiteShape, Variant
+from .config import AT_CELL_SPEED, COMPARED, OVERLAP_PROBE, BlockShape, SiteShape, Variant
 
 KIND_TITLES = {
     "ag_mm": "all-gather -> matmul",
@@ -114,6 +114,13 @@ def _cell_row(
         "model_error": (
             predicted_us / 1e6 / took["median"] - 1 if predicted_us is not None else None
         ),
+        # the same at the compute speed the cell ran at (``predicted.at_compute_speed``)
+        "compute_factor": record.get("compute_factor"),
+        AT_CELL_SPEED: (
+            at_speed / 1e6 / took["median"] - 1
+            if (at_speed := record.get("predicted_at_cell_speed_us")) is not None
+            else None
+        ),
         "predicted_all_us": predictions,
         "breakdown_rank0_s": rank0["breakdown"][label],
     }
@@ -203,16 +210,20 @@ def format_cell(cell: dict[str, Any]) -> str:
     lines = [
         head,
         f"  {'row':<22}{'median ms':>10}{'min':>8}{'max':>8}{'speedup':>9}"
-        f"{'/limit':>8}{'predicted':>11}{'error':>8}",
+        f"{'/limit':>8}{'predicted':>11}{'error':>8}{'at speed':>10}",
     ]
     for row in cell["rows"]:
-        error = row.get("model_error")
         lines.append(
             f"  {row_name(row):<22}{ms(row['median_s']):>10}{ms(row['min_s']):>8}"
             f"{ms(row['max_s']):>8}{row['speedup']:>8.2f}x{row['vs_limit']:>8.2f}"
-            f"{ms(row['predicted_s']):>11}{'' if error is None else f'{error:+.0%}':>8}"
+            f"{ms(row['predicted_s']):>11}{percent(row.get('model_error')):>8}"
+            f"{percent(row.get(AT_CELL_SPEED)):>10}"
         )
     return "\n".join(lines)
+
+
+def percent(error: float | None) -> str:
+    return "" if error is None else f"{error:+.0%}"
 
 
 def ranks_text(block: dict[str, Any]) -> str:
@@ -288,10 +299,10 @@ def format_targets(targets: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_errors(errors: dict[str, Any]) -> str:
+def format_errors(errors: dict[str, Any], title: str = "model error") -> str:
     """``targets.error_distribution`` as the terminal and results.md print it."""
     if not errors["rows"]:
-        return "model error: no row with a prediction"
+        return f"{title}: no row with a prediction"
 
     def line(name: str, e: dict[str, Any]) -> str:
         return (
@@ -301,5 +312,5 @@ def format_errors(errors: dict[str, Any]) -> str:
         )
 
     return "\n".join(
-        [line("model error", errors)] + [f"  {line(k, e)}" for k, e in errors["by_kind"].items()]
+        [line(title, errors)] + [f"  {line(k, e)}" for k, e in errors["by_kind"].items()]
     )

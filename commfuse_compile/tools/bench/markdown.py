@@ -5,8 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import CELL_TIMED_S, COMPARED, MAX_ROUNDS
-from .figures import KIND_TITLES, format_errors, mb, ms, ranks_text, row_name, site_counts
+from .config import AT_CELL_SPEED, AT_CELL_SPEED_TITLE, CELL_TIMED_S, COMPARED, MAX_ROUNDS
+from .figures import (
+    KIND_TITLES,
+    format_errors,
+    mb,
+    ms,
+    percent,
+    ranks_text,
+    row_name,
+    site_counts,
+)
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -37,8 +46,8 @@ def _site_table(title: str, cells: list[dict[str, Any]]) -> list[str]:
         "",
         "| size | comm/compute (measured) | link Mbit/s | matmul alone ms | comm alone ms "
         "| collective alone ms | both at once / limit | row | median ms | min-max ms "
-        "| speedup | / limit | predicted ms | model error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| speedup | / limit | predicted ms | model error | at the cell's compute speed |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in cells:
         rate = cell["rate_bits_per_s"]
@@ -63,7 +72,8 @@ def _site_table(title: str, cells: list[dict[str, Any]]) -> list[str]:
                         f"{row['speedup']:.2f}x",
                         f"{row['vs_limit']:.2f}",
                         ms(row["predicted_s"]),
-                        "-" if row.get("model_error") is None else f"{row['model_error']:+.0%}",
+                        percent(row.get("model_error")) or "-",
+                        percent(row.get(AT_CELL_SPEED)) or "-",
                     ]
                 )
                 + " |"
@@ -81,6 +91,16 @@ def targets_section(results: dict[str, Any]) -> list[str]:
     if results.get("model_error"):  # predicted / measured - 1, over every row that has one
         lines += ["", "The cost model's error (predicted / measured - 1):", "", "```"]
         lines += [format_errors(results["model_error"]), "```"]
+    if results.get(AT_CELL_SPEED):
+        lines += [
+            "",
+            "The same, each cell's compute at the speed it ran at (its matmul alone against "
+            "the model's time of it; the link and the collectives as calibrated):",
+            "",
+            "```",
+            format_errors(results[AT_CELL_SPEED], AT_CELL_SPEED_TITLE),
+            "```",
+        ]
     declined = [
         f"{c['kind']} {c['size']} ratio {c['ratio']:g} {r['label']}: {r['reason']}"
         for c in results["sites"]

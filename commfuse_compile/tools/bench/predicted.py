@@ -14,16 +14,18 @@ the model left out (-37 to -50 %).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from ... import report
-from ...cost.profiles import for_device, load
+from ...cost.profiles import Profile, for_device, load
 from ...options import Options
 from ...passes import match, plan
 from ...passes.fx.graph import moved_bytes, nbytes
 from ...passes.fx.matmuls import flops_of, weight_bytes_of
+from .sites import SiteProgram
 
 
 def program_us(
@@ -54,3 +56,26 @@ def program_us(
             outside += p.memory_op_s(moved_bytes(node))
     kept_s = sum(t.written_s for _, t in kept)
     return sum(r or 0.0 for r in rewritten) + (kept_s + outside) * 1e6
+
+
+def at_compute_speed(p: Profile, factor: float) -> Profile:
+    """``p`` on the machine as it ran while a cell's matmul alone took ``factor`` times
+    the model's time of it: every compute term ``factor`` times slower (the matmul's rate
+    and call, the weight's and the element-wise rates, a P2P step's fixed cost: CPU work
+    here), the link and the collectives as calibrated. This machine's compute drifts
+    within seconds: one cell's matmul alone took 58 to 146 ms, and a run's cells of one
+    shape had medians 1.6x apart."""
+    return dataclasses.replace(
+        p,
+        name=f"{p.name} at {factor:.2f}x its compute time",
+        matmul_flops=p.matmul_flops / factor,
+        matmul_latency_s=p.matmul_latency_s * factor,
+        matmul_bytes_per_s=p.matmul_bytes_per_s / factor,
+        memory_bytes_per_s=p.memory_bytes_per_s / factor,
+        step_overhead_s=p.step_overhead_s * factor,
+    )
+
+
+def matmul_alone_s(site: SiteProgram, p: Profile) -> float:
+    """The model's time of a cell's matmul alone (``SiteProgram.matmul``)."""
+    return site.calls * p.matmul_s(site.flops / site.calls, site.weight_bytes / site.calls)

@@ -44,6 +44,8 @@ from . import figures, targets
 from .block import BlockBench, run_block
 from .cells import SiteJob, measure_site
 from .config import (
+    AT_CELL_SPEED,
+    AT_CELL_SPEED_TITLE,
     CELL_KINDS,
     CELL_TIMED_S,
     DROPLESS_KIND,
@@ -351,12 +353,15 @@ def run(
         results[extra.key] = _block_apart(extra, preset, world_size, topology, rows, out, progress)
     results["meta"]["machine_after"] = machine()
     results["noise"] = targets.run_noise(results["sites"])
-    results["model_error"] = targets.error_distribution(targets.predicted_cells(results))
+    predicted = targets.predicted_cells(results)
+    results["model_error"] = targets.error_distribution(predicted)
+    results[AT_CELL_SPEED] = targets.error_distribution(predicted, AT_CELL_SPEED)
     results["targets"] = targets.check_targets(results)
     write(results, out)
     progress.stage(f"done: {out / 'results.md'}")
     echo(figures.format_targets(results["targets"]))
     echo(figures.format_errors(results["model_error"]))
+    echo(figures.format_errors(results[AT_CELL_SPEED], AT_CELL_SPEED_TITLE))
     return results
 
 

@@ -40,6 +40,9 @@ class SiteProgram:
     collective: Callable[[], object]  # the site's collective alone (gloo's own algorithm)
     message: torch.Tensor  # the bytes the collective must send per rank, as one tensor
     flops: float  # of this rank's matmul
+    # the bytes of the operands its calls read whole (each B), and its calls
+    weight_bytes: float = 0.0
+    calls: int = 1
 
 
 @dataclasses.dataclass
@@ -59,6 +62,7 @@ class _Parts:
     captured: bool = False
     matmul: Callable[[], object] | None = None
     flops: float | None = None
+    calls: int | None = None  # the matmul calls of ``matmul``
     message: torch.Tensor | None = None
 
 
@@ -320,6 +324,7 @@ def _a2a_gmm_a2a(
         rounds=2,
         captured=True,
         matmul=matmul,
+        calls=3,  # w1, w3, w2
         flops=3 * 2.0 * rows_in * d * f,
         message=bf16(2 * sent * d),
     )
@@ -396,4 +401,8 @@ def build_site(kind: str, shape: SiteShape, n: int, rank: int) -> SiteProgram:
             else torch.randn(parts.rounds * (n - 1) * parts.block, generator=gen)
         ),
         flops=parts.flops or sum(2.0 * a.numel() * b.shape[-1] for a, b in operands),
+        weight_bytes=0.0
+        if parts.matmul
+        else sum(b.numel() * b.element_size() for _, b in operands),
+        calls=parts.calls or len(operands),
     )

@@ -228,10 +228,10 @@ def _auto_target(cells: list[dict[str, Any]]) -> dict[str, Any]:
     )
 
 
-def error_distribution(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """The cost model's error (predicted / measured - 1) over every row with a
-    prediction: its spread, how many rows are beyond ``MODEL_ERROR``, and per cell kind
-    the same (docs/benchmarks.md gets it)."""
+def error_distribution(cells: list[dict[str, Any]], key: str = "model_error") -> dict[str, Any]:
+    """The cost model's error (predicted / measured - 1, each row's ``key``) over every
+    row with a prediction: its spread, how many rows are beyond ``MODEL_ERROR``, and per
+    cell kind the same (docs/benchmarks.md gets it)."""
 
     def spread(errors: list[float]) -> dict[str, Any]:
         ordered = sorted(errors)
@@ -247,8 +247,8 @@ def error_distribution(cells: list[dict[str, Any]]) -> dict[str, Any]:
     by_kind: dict[str, list[float]] = {}
     for cell in cells:
         for row in cell["rows"]:
-            if row.get("model_error") is not None:
-                by_kind.setdefault(cell["kind"], []).append(row["model_error"])
+            if row.get(key) is not None:
+                by_kind.setdefault(cell["kind"], []).append(row[key])
     every = [e for errors in by_kind.values() for e in errors]
     if not every:
         return {"rows": 0, "by_kind": {}, "bound": MODEL_ERROR}
