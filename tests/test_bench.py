@@ -44,7 +44,7 @@ from commfuse_compile.tools.bench.markdown import markdown
 from commfuse_compile.tools.bench.netns import PREFIX, can_throttle, remove_stale_namespaces
 from commfuse_compile.tools.bench.plot import plot_speedup
 from commfuse_compile.tools.bench.run import FULL, QUICK, kind_rows, variants
-from commfuse_compile.tools.bench.sites import dropless_routing
+from commfuse_compile.tools.bench.sites import build_site, dropless_routing
 from commfuse_compile.tools.bench.targets import predicted_cells
 from commfuse_compile.tools.cli import _parser, main
 
@@ -420,7 +420,6 @@ def test_a_rows_prediction_prices_what_no_site_holds_as_the_row_runs_it(tmp_path
     from commfuse_compile import apply, report
     from commfuse_compile.cost.profiles import for_device, save
     from commfuse_compile.tools.bench.predicted import program_us
-    from commfuse_compile.tools.bench.sites import build_site
 
     outside: dict[tuple[str, float], float] = {}  # beyond the rewritten sites, seconds
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
@@ -445,6 +444,33 @@ def test_a_rows_prediction_prices_what_no_site_holds_as_the_row_runs_it(tmp_path
     assert outside["off", 1e9] - outside["off", 2e9] == pytest.approx(moved / 2e9)
     halved = (moved - weight) / 2 + weight
     assert outside["ring", 1e9] - outside["ring", 2e9] == pytest.approx(halved / 2e9)
+
+
+def test_the_dropless_cells_site_is_priced_alike_on_every_compile():
+    """The bench compiles each row on a copy of one captured graph, whose received rows
+    are unbacked sizes: a compile moves their hint (1024, then torch's 8192), and the
+    returned bytes, scaled by it, once came out 8x smaller on every row after the first
+    (``moe``'s ``work`` now takes the rows sent, static, both ways). Graph level, rank 0
+    of 2 on the fake process group."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from commfuse_compile import apply, report
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        site = build_site(DROPLESS_KIND, SiteShape(256, 64, 32), 2, 0)
+        predicted = []
+        for _ in range(2):
+            first = len(report.REPORT.sites)
+            apply(copy.deepcopy(site.graph), schedule="ring")
+            (moe,) = [r for r in report.REPORT.sites[first:] if r.kind == "moe"]
+            predicted.append(moe.predicted_us)
+    finally:
+        dist.destroy_process_group()
+    assert predicted[0] == predicted[1]
 
 
 def test_bench_quick_writes_well_formed_results(tmp_path):

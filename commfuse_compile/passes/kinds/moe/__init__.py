@@ -57,17 +57,20 @@ class Moe(AtCollective[MoeSite]):
     def work(self, site: MoeSite, n: int) -> Work:
         """The grouped matmuls' FLOPs, the dispatched and the returned bytes: the round
         trip the lowering runs. The rows received are known only at run time (torch hints
-        each unbacked split at thousands): they are taken as many as this rank sends where
-        that is a static count (the tokens it routed: balanced routing), at the hints
-        otherwise."""
+        each unbacked split at thousands, and a compile can move the hint): they are taken
+        as many as this rank sends where that is a static count (the tokens it routed:
+        balanced routing), at the hints otherwise; each peer's rows go and come back
+        (the dispatch's and the combine's row widths)."""
         assert site.dispatch_wait is not None
         received = val(site.dispatch_wait).shape[0]
         sent = val(node_arg(site.dispatch, 0, "input")).shape[0]
-        scale = sent / dims.hint(received) if isinstance(sent, int) else 1.0
+        rows = sent if isinstance(sent, int) else dims.hint(received)
+        scale = rows / dims.hint(received)
         flops = sum(_flops(mm) for mm in site.grouped) * scale
 
         def block_bytes(collective: Node) -> float:
-            return numel(collective) * val(collective).element_size() * scale / n
+            row = numel(collective) / max(1, dims.hint(val(collective).shape[0]))
+            return rows * row * val(collective).element_size() / n
 
         back = None if site.combine is None else block_bytes(site.combine)
         moved = sum(moved_bytes(node) for node in _memory_ops(site)) * scale / n
