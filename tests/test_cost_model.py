@@ -693,3 +693,20 @@ def test_a_round_trips_row_ops_cost_their_bytes_on_every_block(profile):
     assert after["collective"].end_s == pytest.approx(before["collective"].end_s + extra)
     assert after["round_trip"].end_s > before["round_trip"].end_s
     assert after["round_trip"].end_s <= before["round_trip"].end_s + extra * (1 + 1e-9)
+
+
+def test_the_smallest_collectives_are_taken_from_the_step_sites_rounds():
+    """``calibrate.with_small_calls``: each collective's smallest block on the whole ring
+    is the one timed beside the step site (``FixedCostProbe.small_calls_s``), so that a
+    decode step's all-reduce and a ring's P2P steps are priced from one machine state;
+    the other sizes and group sizes keep the curves' own points."""
+    p, n = BUILTIN["gloo-loopback"], 3
+    m = _measurements_of(p, n)
+    small = tuple(0.001 * (i + 1) for i in range(len(COLLECTIVES)))
+    probed = dataclasses.replace(m, fixed=dataclasses.replace(m.fixed, small_calls_s=small))
+    before, after = (cal.profile_from(x, n, "p", "s") for x in (m, probed))
+    for collective, seconds in zip(COLLECTIVES, small, strict=True):
+        points = after.curve(collective, n).points
+        assert points[0] == (float(cal.CURVE_BLOCK_BYTES[0]), seconds)
+        assert points[1:] == before.curve(collective, n).points[1:]
+        assert after.curve(collective, 2) == before.curve(collective, 2)

@@ -9,7 +9,9 @@ even splits) and all-reduce by block size on every group size from 2 to n (fitte
 collective and size: the model times the collective with these curves, not with a ring
 formula), how much a matmul slows while a transfer is in flight, and the fixed cost of
 one P2P step of a rewritten graph, from a decode-sized all-gather -> matmul site run both
-ways (these two fixed costs: the median over every rank, ``FixedCostProbe``).
+ways (these two fixed costs: the median over every rank, ``FixedCostProbe``, whose rounds
+also time each collective's smallest block: the curves take those, so that a decode
+step's collective and a ring's steps are priced from one machine state).
 The result loads with ``options={"profile": path}``.
 
 Under a multi-node torchrun launch it measures every level: the above on each node's
@@ -68,6 +70,9 @@ class FixedCostProbe:
     ring_site_s: float  # ``STEP_SITE``'s all-gather -> matmul, rewritten as a ring
     collective_site_s: float  # the same site with its collective
     overlap_slowdown: float  # matmul under a transfer / matmul alone - 1
+    # each of ``COLLECTIVES`` at the smallest curve block on the whole ring, timed in the
+    # same rounds as the step site (``with_small_calls``); empty: not probed
+    small_calls_s: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +125,7 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         collective_overhead_s=0.0,
         overlap_slowdown=m.fixed.overlap_slowdown,
         matmul_bytes_per_s=_weight_rate(m.skinny, matmul_latency, s_per_flop),
-        collectives=_curves(m.collectives),
+        collectives=_curves(with_small_calls(m.collectives, m.fixed, n)),
     )
     # The fixed costs are what the simulation of the step site lacks without them: the
     # collective pays its overhead once (the call overhead of the ring formula, used for
@@ -235,13 +240,37 @@ def probe_fixed_costs(
     ring at once) on ``rings`` (``group``: this rank's), each the median over
     ``FIXED_COST_ROUNDS`` rounds on every rank of the job."""
     rounds = []
+    n = len(_mine(rank, rings))
+    made = dist.distributed_c10d._resolve_process_group(group)  # type: ignore[arg-type]
     for _ in range(FIXED_COST_ROUNDS):
         ring, collective = _step_site_times(rank, rings, group, reps, one_at_a_time)
-        rounds.append([ring, collective, _overlap_slowdown(rank, rings, reps)])
+        small = [_collective_s(c, CURVE_BLOCK_BYTES[0], n, made, reps) for c in COLLECTIVES]
+        rounds.append([ring, collective, _overlap_slowdown(rank, rings, reps), *small])
     mine = torch.tensor(rounds, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    return FixedCostProbe(*torch.cat(every).quantile(0.5, dim=0).tolist())
+    ring, collective, slowdown, *small = torch.cat(every).quantile(0.5, dim=0).tolist()
+    return FixedCostProbe(ring, collective, slowdown, tuple(small))
+
+
+def with_small_calls(
+    curves: dict[str, dict[int, list[tuple[float, float]]]], probe: FixedCostProbe, n: int
+) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """``curves`` with each collective's smallest block on ``n`` ranks as ``probe`` timed
+    it, beside the step site: a decode step's all-reduce against a ring's P2P steps is
+    decided on these two, and measured minutes apart they saw different machines (a
+    calibration in a slow spell had the 4 KiB all-reduce at 3.14 ms, 7x its usual, while
+    its step site ran fast: ``auto`` split every decode step and ran it 1.55x slower)."""
+    if not probe.small_calls_s:
+        return curves
+    out = {c: dict(by_n) for c, by_n in curves.items()}
+    for collective, seconds in zip(COLLECTIVES, probe.small_calls_s, strict=True):
+        points = out.get(collective, {}).get(n)
+        if points:
+            out[collective][n] = [
+                (x, seconds if x == CURVE_BLOCK_BYTES[0] else y) for x, y in points
+            ]
+    return out
 
 
 def link_points(rank: int, rings: Rings, reps: int) -> list[tuple[float, float]]:
@@ -476,7 +505,7 @@ def measure_levels(
         sharing = min(ranks_per_nic or per_node, per_node)
         alpha, s_per_byte = fit_line(link)
         nic = Level(alpha, sharing / s_per_byte, True, ranks_per_nic or per_node)
-        nic = dataclasses.replace(nic, collectives=_curves(curves))
+        nic = dataclasses.replace(nic, collectives=_curves(with_small_calls(curves, fixed, nodes)))
         profile = dataclasses.replace(profile, across_nodes=nic, ranks_per_node=per_node)
         # the ring of one local rank across the nodes, alone on its NIC
         crossing = dataclasses.replace(profile.across(1), overlap_slowdown=fixed.overlap_slowdown)
