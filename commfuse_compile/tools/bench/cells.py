@@ -14,8 +14,10 @@ import dataclasses
 import hashlib
 import math
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -173,7 +175,7 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
         }
     times = interleaved(fns, job.warmup, job.reps, job.timed_s)
     if job.profile is not None:
-        _predict_at_cell_speed(site, job, rows, times["matmul alone"], rank)
+        _predict_at_cell_speed(site, job, rows, times["matmul alone"])
     breakdown = {}
     for label, gm in graphs.items():
         runs = []
@@ -187,7 +189,7 @@ def measure_site(rank: int, n: int, job: SiteJob) -> dict[str, Any]:
 
 
 def _predict_at_cell_speed(
-    site: SiteProgram, job: SiteJob, rows: dict[str, Any], matmul_s: list[float], rank: int
+    site: SiteProgram, job: SiteJob, rows: dict[str, Any], matmul_s: list[float]
 ) -> None:
     """Each row's program as the model times it at the compute speed the cell ran at
     (``predicted.at_compute_speed``: its matmul alone, the slowest rank's median, against
@@ -199,22 +201,22 @@ def _predict_at_cell_speed(
     slowest = torch.tensor([statistics.median(matmul_s)])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     factor = slowest.item() / matmul_alone_s(site, p)
-    path = f"{job.profile}.rank{rank}.cell-speed.json"
-    save(at_compute_speed(p, factor), path)
-    for row in job.rows:
-        record = rows[row.label]
-        record["compute_factor"] = factor
-        record["predicted_at_cell_speed_us"] = None
-        ran = {"round_trip": "ring"}.get(record["schedule"], record["schedule"])
-        if "+" in ran:
-            continue
-        first = len(report.REPORT.sites)
-        gm = apply(
-            copy.deepcopy(site.graph), **dataclasses.replace(row, schedule=ran).options(path)
-        )
-        records = report.REPORT.sites[first:]
-        if program_key(gm) == record["program"]:
-            record["predicted_at_cell_speed_us"] = program_us(gm, records, path)
+    with tempfile.TemporaryDirectory() as scratch:
+        path = str(Path(scratch) / "at-cell-speed.json")
+        save(at_compute_speed(p, factor), path)
+        for row in job.rows:
+            record = rows[row.label]
+            record["compute_factor"] = factor
+            record["predicted_at_cell_speed_us"] = None
+            ran = {"round_trip": "ring"}.get(record["schedule"], record["schedule"])
+            if "+" in ran:
+                continue
+            first = len(report.REPORT.sites)
+            options = dataclasses.replace(row, schedule=ran).options(path)
+            gm = apply(copy.deepcopy(site.graph), **options)
+            records = report.REPORT.sites[first:]
+            if program_key(gm) == record["program"]:
+                record["predicted_at_cell_speed_us"] = program_us(gm, records, path)
 
 
 def program_key(gm: torch.fx.GraphModule) -> str:
