@@ -473,6 +473,29 @@ def test_the_dropless_cells_site_is_priced_alike_on_every_compile():
     assert predicted[0] == predicted[1]
 
 
+def test_a_cell_whose_collective_is_fixed_cost_gets_a_rate_tc_takes():
+    """``link.choose_rate`` raises the rate while the collective alone is too slow for
+    the ratio; where that is its fixed cost, no rate helps, and one run asked tc for a
+    97 Tbit/s tbf, which it refused: the rate stops at ``MAX_RATE_BITS``."""
+    from commfuse_compile.tools.bench.link import MAX_RATE_BITS, choose_rate
+
+    class Network:
+        def __init__(self):
+            self.rates: list[float | None] = []
+
+        def set_rate(self, rate):
+            self.rates.append(rate)
+
+    class Ranks:  # the matmul alone 1 ms, the collective alone 5 ms at any rate
+        def run(self, job, *args):
+            return [{"times": {"matmul": [1e-3], "comm": [5e-3]}, "sent_bytes": 1e9}] * 2
+
+    network = Network()
+    rate, tries = choose_rate(network, Ranks(), "ag_mm", SiteShape(8, 8, 8), 0.5, 1)
+    assert rate == MAX_RATE_BITS and len(tries) == 5
+    assert all(r is None or r <= MAX_RATE_BITS for r in network.rates)
+
+
 def test_bench_quick_writes_well_formed_results(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-c", SMALL_QUICK, "bench", "--quick", "--out", str(out)]

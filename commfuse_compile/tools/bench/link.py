@@ -23,6 +23,10 @@ from .config import Progress, SiteShape
 REFERENCE_RATE = 1e9  # bit/s of the link while calibrating the profile ``auto`` uses
 RATE_TOLERANCE = 0.08  # accept a link rate whose comm-alone time is this close to target
 MAX_RATE_TRIES = 5  # the first one measures the matmul unthrottled
+# Past this the link is as good as unthrottled (a veth here carries ~20 Gbit/s); a cell
+# whose collective is all fixed cost asks for more, and tc refuses a tbf whose 1 ms burst
+# passes 4 GiB (one run asked for 97 Tbit/s)
+MAX_RATE_BITS = 400e9
 
 
 def calibrate_link(rank: int, n: int, reps: int) -> Any:
@@ -121,11 +125,11 @@ def choose_rate(
         tries.append({"rate_bits_per_s": rate or math.inf, "matmul_s": matmul, "comm_s": comm})
         target = ratio * matmul
         if rate is None:  # unthrottled: the first guess from the bytes alone
-            rate = 8 * per_rank[0]["sent_bytes"] / target
+            rate = min(8 * per_rank[0]["sent_bytes"] / target, MAX_RATE_BITS)
             continue
         if abs(comm / target - 1) <= RATE_TOLERANCE:
             break
-        rate *= comm / target
+        rate = min(rate * comm / target, MAX_RATE_BITS)
     assert rate is not None
     network.set_rate(rate)
     return rate, tries
