@@ -362,9 +362,10 @@ def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
 
 # ``commfuse bench --quick`` as the CLI runs it, its preset shrunk for the test: the same
 # kinds of cells (TP+SP at two ratios, the Ulysses ones, the plain-TP one at ratio 1),
-# rows, blocks (TP+SP and plain TP, the latter without auto) and targets, at a smaller
-# site and block and with fewer repetitions (the quick preset's sizes take minutes on 2
-# cores; a well-formed result needs none of them).
+# rows, blocks (TP+SP and plain TP, both without auto: its choice on the calibrated
+# profile is each cell's auto row, and a block compiles in seconds a row) and targets, at
+# a smaller site and block and with fewer repetitions (the quick preset's sizes take
+# minutes on 2 cores; a well-formed result needs none of them).
 SMALL_QUICK = textwrap.dedent(
     """
     import dataclasses, sys
@@ -388,7 +389,7 @@ SMALL_QUICK = textwrap.dedent(
         reps=5,
         calibrate_reps=2,
         rate_reps=3,
-        block=dataclasses.replace(quick.block, shape=small, reps=5),
+        block=dataclasses.replace(quick.block, shape=small, schedules=("baseline", "ring"), reps=5),
         block_plain=dataclasses.replace(
             quick.block_plain, shape=plain, schedules=("baseline", "ring"), reps=3, compare=small
         ),
