@@ -366,9 +366,10 @@ def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
 
 # ``commfuse bench --quick`` as the CLI runs it, its preset shrunk for the test: the same
 # kinds of cells (TP+SP at two ratios, the Ulysses ones, the plain-TP one at ratio 1),
-# rows, blocks (TP+SP and plain TP, the latter without auto) and targets, at a smaller
-# site and block and with fewer repetitions (the quick preset's sizes take minutes on 2
-# cores; a well-formed result needs none of them).
+# rows, blocks (TP+SP and plain TP, both without auto: its choice on the calibrated
+# profile is each cell's auto row, and a block compiles in seconds a row) and targets, at
+# a smaller site and block and with fewer repetitions (the quick preset's sizes take
+# minutes on 2 cores; a well-formed result needs none of them).
 SMALL_QUICK = textwrap.dedent(
     """
     import dataclasses, sys
@@ -390,10 +391,10 @@ SMALL_QUICK = textwrap.dedent(
         cells=tuple(shrunk(c) for c in quick.cells),
         warmup=1,
         reps=5,
-        calibrate_reps=2,
+        calibrate_reps=1,  # the profile well formed, not steady: one timed call a point
         rate_reps=3,
         cell_timed_s=0.3,
-        block=dataclasses.replace(quick.block, shape=small, reps=5),
+        block=dataclasses.replace(quick.block, shape=small, schedules=("baseline", "ring"), reps=5),
         block_plain=dataclasses.replace(
             quick.block_plain, shape=plain, schedules=("baseline", "ring"), reps=3, compare=small
         ),
@@ -404,7 +405,6 @@ SMALL_QUICK = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 def test_a_rows_prediction_prices_what_no_site_holds_as_the_row_runs_it(tmp_path):
     """``predicted.program_us``: the plain-TP cell's residual add and RMSNorm (between the
     all-reduce and the next matmul) are in no site. Written, they run on every row;
@@ -496,6 +496,7 @@ def test_a_cell_whose_collective_is_fixed_cost_gets_a_rate_tc_takes():
     assert all(r is None or r <= MAX_RATE_BITS for r in network.rates)
 
 
+@pytest.mark.slow
 def test_bench_quick_writes_well_formed_results(tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-c", SMALL_QUICK, "bench", "--quick", "--out", str(out)]

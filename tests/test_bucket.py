@@ -262,7 +262,8 @@ def test_buckets_give_every_rank_its_blocks(ranks):
 
 
 def plain_tp_gradients(rank: int, n: int, norm: str, inner: str) -> dict:
-    """One forward and backward of the plain-TP 2-block transformer with ``norm`` and the
+    """One forward and backward of the plain-TP transformer (one block: its norms and the
+    final one give the backward several all-reduces to merge) with ``norm`` and the
     ``inner`` compiler, with the collectives merged and without: the gradients' largest
     difference, the backward's all-reduce sites and the buckets."""
     from commfuse_compile.tools.training.fronts import TrainConfig
@@ -271,7 +272,15 @@ def plain_tp_gradients(rank: int, n: int, norm: str, inner: str) -> dict:
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1
     cfg = TrainConfig(
-        front="tp", sequence_parallel=False, norm=norm, tp=n, dim=24, heads=3, hidden=48, seq=12
+        front="tp",
+        sequence_parallel=False,
+        norm=norm,
+        tp=n,
+        blocks=1,
+        dim=24,
+        heads=3,
+        hidden=48,
+        seq=12,
     )
     ring = {"schedule": "ring", "inner": inner}
     loss, merged, sites = gradients(rank, n, cfg, ring)
@@ -289,10 +298,11 @@ def plain_tp_gradients(rank: int, n: int, norm: str, inner: str) -> dict:
 @pytest.mark.parametrize(
     "norm, inner, all_reduces",
     [
-        # LayerNorm under Inductor's decompositions: weight and bias of 4, the final weight
-        ("layer", "inductor", 9),
-        # RMSNorm: each norm's weight gradient (2 per block, the final norm's)
-        pytest.param("rms", "eager", 5, marks=pytest.mark.matrix),
+        # LayerNorm under Inductor's decompositions: weight and bias of the block's 2, the
+        # final weight
+        ("layer", "inductor", 5),
+        # RMSNorm: each norm's weight gradient (the block's 2, the final norm's)
+        pytest.param("rms", "eager", 3, marks=pytest.mark.matrix),
     ],
 )
 def test_plain_tp_norm_gradients_in_one_all_reduce(ranks, norm, inner, all_reduces):

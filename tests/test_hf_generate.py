@@ -1,6 +1,7 @@
 """Inference as users run it: greedy ``generate`` on a Hugging Face Llama loaded with
-``tp_plan="auto"`` on gloo ranks (``test_hf_tp``'s tiny checkpoint), its forward compiled
-with ``backend="commfuse"``, against the same model uncompiled (eager TP).
+``tp_plan="auto"`` on gloo ranks (``test_hf_tp``'s tiny checkpoint, with one layer: the
+split between layers, and a prefill's sites per graph, are ``test_hf_tp``'s), its forward
+compiled with ``backend="commfuse"``, against the same model uncompiled (eager TP).
 
 Per cell (ranks, inner compiler, cache, schedule): two prompt batches of different
 lengths (Dynamo's automatic dynamic shapes make the second length a symbol), the second
@@ -20,10 +21,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from test_hf_tp import LAYERS, VOCAB, load, save_tiny_llama
+from test_hf_tp import VOCAB, load, save_tiny_llama
 
 from commfuse_compile import report
 
+LAYERS = 1  # each graph is traced and compiled 8 times a cell: half the time of 2 layers
 BATCH, NEW_TOKENS = 2, 2
 LENGTHS = (6, 9)  # the first batch's tokens divide 2, 3 and 4 ranks' groups
 # why an all-reduce is left whole, each by name: too few tokens (a decode step), a
@@ -108,7 +110,7 @@ def generate_cell(rank: int, n: int, path: str, inner: str, cache: str, schedule
 def cell(ranks, tmp_path_factory) -> Callable[..., dict]:
     """``cell(n, inner, cache, schedule)``: rank 0's result, after every rank agreed."""
     checkpoint = str(tmp_path_factory.mktemp("tiny_llama"))
-    save_tiny_llama(checkpoint)
+    save_tiny_llama(checkpoint, LAYERS)
 
     def get(n: int, inner: str, cache: str, schedule: str) -> dict:
         results = ranks(n).run(generate_cell, checkpoint, inner, cache, schedule)

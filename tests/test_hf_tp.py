@@ -33,15 +33,15 @@ HIDDEN, HEADS, FFN, LAYERS, VOCAB = 24, 12, 48, 2, 96  # 12 heads, 48 and 96: 2,
 BATCH, SEQ = 2, 6  # 12 tokens: 2, 3 and 4 ranks
 
 
-def save_tiny_llama(path: str) -> None:
-    """A random 2-layer Llama, written as a checkpoint the ranks load."""
+def save_tiny_llama(path: str, layers: int = LAYERS) -> None:
+    """A random Llama of ``layers`` layers, written as a checkpoint the ranks load."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=layers,
         num_attention_heads=HEADS,
         num_key_value_heads=HEADS,
         max_position_embeddings=64,

@@ -233,17 +233,28 @@ def test_ring_runs_in_node_order_on_every_rank(case):
         assert sorted(bidir[0]) == sorted([following[rank], preceding[rank]])
 
 
-def test_sim_projects_each_group_by_its_level():
-    from commfuse_compile.tools.sim.cluster import cluster_rows
+# The sharded-DP rows' node counts: the default run projects the two smallest (a ring of
+# n ranks simulates in about n^2 events: 128 nodes alone take most of a minute on 2
+# cores); ``-m matrix`` projects every one, as ``commfuse sim --parallelism cluster`` does.
+@pytest.mark.parametrize(
+    "dp_nodes",
+    [pytest.param((16, 32), id="dp16-32"), pytest.param(None, id="all", marks=pytest.mark.matrix)],
+)
+def test_sim_projects_each_group_by_its_level(monkeypatch, dp_nodes):
+    from commfuse_compile.tools.sim import cluster
 
-    rows = {r.job: r for r in cluster_rows(BUILTIN["h100-ib400"])}
+    if dp_nodes is not None:
+        monkeypatch.setattr(cluster, "DP_NODES", dp_nodes)
+    rows = {r.job: r for r in cluster.cluster_rows(BUILTIN["h100-ib400"])}
     inside = rows["llama3-70b layer, TP+SP 8"]
     over_two = rows["llama3-70b layer, TP+SP 16"]
     assert (inside.level, inside.link) == ("node", "10 us, 360.0 GB/s")  # NVLink
     assert (over_two.level, over_two.link) == ("nodes", "10 us, 45.0 GB/s")  # a NIC per GPU
     assert over_two.collective_s > 2 * inside.collective_s
-    dp = rows["llama3-70b layer, sharded DP over 128 nodes (TP 8 inside)"]
-    assert (dp.group, dp.level) == ("128 ranks on 128 nodes", "nodes")
+    nodes = cluster.DP_NODES[-1]
+    assert sum("sharded DP over" in job for job in rows) == len(cluster.DP_NODES)
+    dp = rows[f"llama3-70b layer, sharded DP over {nodes} nodes (TP 8 inside)"]
+    assert (dp.group, dp.level) == (f"{nodes} ranks on {nodes} nodes", "nodes")
     ep = rows["deepseek-v3-moe routed experts, EP 64"]
     assert (ep.group, ep.level) == ("64 ranks on 8 nodes", "nodes")
     for row in rows.values():  # auto never loses more than its margin to the collective
