@@ -295,18 +295,24 @@ def test_dropless_cells_and_block_are_in_the_full_preset_and_selectable():
         assert all(row[(src + 1) % n] == 2 * 120 // n for src, row in enumerate(routing))
 
 
-def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
+def test_dropless_cell_and_block_rewrite_the_moe_site(ranks, tmp_path):
     """The dropless cell, as ``measure_site`` runs it (tiny, unthrottled, untimed),
     balanced and skewed: the token counts' exchange declined in every row (integers);
     the baseline keeps the dispatch and combine (one ``moe`` site, declined), the ring
     rewrites it, ``auto`` decides on it. The dropless block's step (training's layer,
     one untimed step per row): without the pass nothing rewritten; with the ring the
-    ``moe`` site forward and backward."""
+    ``moe`` site forward and backward. The cells on a profile file, as the bench runs
+    them: each row predicted again at the cell's compute speed, one factor on both ranks
+    (skewed, a rank's own matmul differs: ranks with different profiles refuse to run)."""
+    from commfuse_compile.cost.profiles import for_device, save
+
     pool = ranks(2)
     rows = tuple(v for v in variants() if v.label in ULYSSES_ROWS)
+    profile = str(tmp_path / "profile.json")
+    save(for_device("cpu"), profile)
     for skew in (1.0, DROPLESS_SKEW):
         shape = SiteShape(96, 32, 32, skew)
-        job = SiteJob(DROPLESS_KIND, shape, rows, None, 0, 1, breakdown_reps=1)
+        job = SiteJob(DROPLESS_KIND, shape, rows, profile, 0, 1, breakdown_reps=1)
         per_rank = pool.run(measure_site, job)
         records = per_rank[0]["rows"]
         assert all(
@@ -334,6 +340,9 @@ def test_dropless_cell_and_block_rewrite_the_moe_site(ranks):
         written = records["baseline"]["predicted_program_us"]
         assert written > ring["predicted_us"]["collective"]
         assert records["baseline"]["program"] != ring["program"]
+        factors = {r["rows"][label]["compute_factor"] for r in per_rank for label in records}
+        assert len(factors) == 1 and factors.pop() > 0
+        assert ring["predicted_at_cell_speed_us"] > 0
         assert "matmul" in per_rank[0]["breakdown"]["ring"]
         cell = site_cell(DROPLESS_KIND, shape, 1.0, math.inf, [], per_rank, list(rows), 2)
         assert [r["label"] for r in cell["rows"]] == ULYSSES_ROWS

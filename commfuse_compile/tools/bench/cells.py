@@ -192,15 +192,19 @@ def _predict_at_cell_speed(
     site: SiteProgram, job: SiteJob, rows: dict[str, Any], matmul_s: list[float]
 ) -> None:
     """Each row's program as the model times it at the compute speed the cell ran at
-    (``predicted.at_compute_speed``: its matmul alone, the slowest rank's median, against
-    the model's): the row's program planned again on that profile with the schedule it
-    ran (None where that gives another program, or a row ran two schedules)."""
+    (``predicted.at_compute_speed``: the matmul alone of the rank slowest at it, its
+    median against the model's time of it, one factor on every rank: a rank's own work
+    differs under skewed routing, and ranks given different profiles refuse to run):
+    the row's program planned again on that profile with the schedule it ran (None where
+    that gives another program, or a row ran two schedules)."""
     from ...api import apply
 
     p = load(job.profile)  # type: ignore[arg-type]
-    slowest = torch.tensor([statistics.median(matmul_s)])
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    factor = slowest.item() / matmul_alone_s(site, p)
+    mine = torch.tensor([statistics.median(matmul_s), matmul_alone_s(site, p)])
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    measured, modelled = max(every, key=lambda t: t[0].item()).tolist()
+    factor = measured / modelled
     with tempfile.TemporaryDirectory() as scratch:
         path = str(Path(scratch) / "at-cell-speed.json")
         save(at_compute_speed(p, factor), path)
