@@ -37,6 +37,7 @@ from commfuse_compile.passes.fx.declines import Declined
 from commfuse_compile.passes.plan import MIN_GAIN, auto_choice, plan, site_work
 from commfuse_compile.schedules import Direction
 from commfuse_compile.tools import calibrate as cal
+from commfuse_compile.tools import profile_fit as fit
 from commfuse_compile.tools.sim.layer import write_trace
 
 PROFILES = [pytest.param(p, id=name) for name, p in BUILTIN.items()]
@@ -450,11 +451,11 @@ def test_option_slices_rejects_anything_else(slices):
 
 
 def test_fit_line_recovers_a_line_and_keeps_both_terms_non_negative():
-    a, b = cal.fit_line([(x, 3e-5 + x * 2e-9) for x in (1e3, 1e5, 1e6, 1e8)])
+    a, b = fit.fit_line([(x, 3e-5 + x * 2e-9) for x in (1e3, 1e5, 1e6, 1e8)])
     assert (a, b) == (pytest.approx(3e-5, rel=1e-9), pytest.approx(2e-9, rel=1e-9))
-    a, _ = cal.fit_line([(x, -1e-3 + x * 1e-6) for x in (1e4, 1e5, 1e6)])
+    a, _ = fit.fit_line([(x, -1e-3 + x * 1e-6) for x in (1e4, 1e5, 1e6)])
     assert a == 0.0
-    _, b = cal.fit_line([(x, 1e-3 - x * 1e-9) for x in (1e3, 1e4, 1e5)])
+    _, b = fit.fit_line([(x, 1e-3 - x * 1e-9) for x in (1e3, 1e4, 1e5)])
     assert 0 < b < 1e-20
 
 
@@ -471,11 +472,11 @@ def _collective_s(p: Profile, kind: str, g: int, block_bytes: float) -> float:
     return simulate(work, "collective", p).end_s
 
 
-def _measurements_of(p: Profile, n: int) -> cal.Measurements:
+def _measurements_of(p: Profile, n: int) -> fit.Measurements:
     """What ``calibrate.measure`` would return on a machine that is exactly ``p`` (its
     collectives run as the ring formula says)."""
-    site = cal.step_site_work(n)
-    return cal.Measurements(
+    site = fit.step_site_work(n)
+    return fit.Measurements(
         matmul=[(2.0 * a * b * c, p.matmul_s(2.0 * a * b * c)) for a, b, c in cal.MATMUL_SHAPES],
         skinny=[
             (2.0 * a * b * c, 4.0 * b * c, p.matmul_s(2.0 * a * b * c, 4.0 * b * c))
@@ -490,7 +491,7 @@ def _measurements_of(p: Profile, n: int) -> cal.Measurements:
             }
             for kind in COLLECTIVES
         },
-        fixed=cal.FixedCostProbe(
+        fixed=fit.FixedCostProbe(
             ring_site_s=simulate(site, "ring", p).end_s,
             collective_site_s=simulate(site, "collective", p).end_s,
             overlap_slowdown=p.overlap_slowdown,
@@ -505,7 +506,7 @@ def test_profile_from_reproduces_the_constants_it_was_measured_on(profile, n):
     as a switched one, with the same constants. The machine's collectives run as the ring
     formula says (its call overhead is then what the step site shows)."""
     profile = dataclasses.replace(profile, duplex_neighbours=False, collectives={})
-    fitted = cal.profile_from(_measurements_of(profile, n), n, "fitted", "synthetic")
+    fitted = fit.profile_from(_measurements_of(profile, n), n, "fitted", "synthetic")
     assert (fitted.name, fitted.source, fitted.duplex_neighbours) == ("fitted", "synthetic", False)
     for field in dataclasses.fields(Profile):
         value = getattr(profile, field.name)
@@ -704,7 +705,7 @@ def test_the_smallest_collectives_are_taken_from_the_step_sites_rounds():
     m = _measurements_of(p, n)
     small = tuple(0.001 * (i + 1) for i in range(len(COLLECTIVES)))
     probed = dataclasses.replace(m, fixed=dataclasses.replace(m.fixed, small_calls_s=small))
-    before, after = (cal.profile_from(x, n, "p", "s") for x in (m, probed))
+    before, after = (fit.profile_from(x, n, "p", "s") for x in (m, probed))
     for collective, seconds in zip(COLLECTIVES, small, strict=True):
         points = after.curve(collective, n).points
         assert points[0] == (float(cal.CURVE_BLOCK_BYTES[0]), seconds)

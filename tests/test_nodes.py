@@ -29,6 +29,7 @@ from commfuse_compile.options import CommfuseOptionError
 from commfuse_compile.passes import rewrite_graph
 from commfuse_compile.runtime.topology import ACROSS, INSIDE, Topology, TopologyError, from_launcher
 from commfuse_compile.tools import calibrate as cal
+from commfuse_compile.tools import profile_fit as fit
 
 c10d = torch.ops._c10d_functional
 P2P = torch.ops.commfuse.p2p.default
@@ -72,15 +73,15 @@ def test_a_ring_across_nodes_pays_the_nics_fixed_costs_where_measured():
     across = dataclasses.replace(TWO_NODES, across_nodes=nic).across(2)
     assert (across.step_overhead_s, across.overlap_slowdown) == (4e-4, 0.0)
     # what calibrate derives it from: the step site's ring on the nodes' ranks
-    probe = cal.FixedCostProbe(
-        ring_site_s=simulate(cal.step_site_work(3), "ring", across).end_s,
+    probe = fit.FixedCostProbe(
+        ring_site_s=simulate(fit.step_site_work(3), "ring", across).end_s,
         collective_site_s=0.0,
         overlap_slowdown=0.0,
     )
-    assert cal.step_costs(probe, 3, across) == pytest.approx((across.link_alpha_s, 4e-4))
+    assert fit.step_costs(probe, 3, across) == pytest.approx((across.link_alpha_s, 4e-4))
     # a latency fitted too high gives back what the step site does not show
     high = dataclasses.replace(across, link_alpha_s=across.link_alpha_s + 1e-3)
-    assert cal.step_costs(probe, 3, high) == pytest.approx((across.link_alpha_s + 4e-4, 0.0))
+    assert fit.step_costs(probe, 3, high) == pytest.approx((across.link_alpha_s + 4e-4, 0.0))
 
 
 def test_profile_files_with_and_without_levels_load(tmp_path):

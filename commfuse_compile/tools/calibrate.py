@@ -11,8 +11,8 @@ formula), how much a matmul slows while a transfer is in flight, and the fixed c
 one P2P step of a rewritten graph, from a decode-sized all-gather -> matmul site run both
 ways (these two fixed costs: the median over every rank, ``FixedCostProbe``, whose rounds
 also time each collective's smallest block: the curves take those, so that a decode
-step's collective and a ring's steps are priced from one machine state).
-The result loads with ``options={"profile": path}``.
+step's collective and a ring's steps are priced from one machine state). The fits are
+``profile_fit``'s. The result loads with ``options={"profile": path}``.
 
 Under a multi-node torchrun launch it measures every level: the above on each node's
 ranks (all nodes at once), and the link, the collectives and the fixed costs between
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,20 +32,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cost.profiles import COLLECTIVES, CURVE_BLOCK_BYTES, Curve, Level, Profile
-from ..cost.simulator import Work, simulate
+from ..cost.profiles import COLLECTIVES, CURVE_BLOCK_BYTES, Level, Profile
 from ..runtime import topology
-from ..schedules import Direction
+from .profile_fit import (
+    STEP_SITE,
+    FixedCostProbe,
+    Measurements,
+    fit_line,
+    fitted_curves,
+    profile_from,
+    step_costs,
+    with_small_calls,
+)
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
 # a decode step's: few rows, a whole weight read per call (``Profile.matmul_bytes_per_s``)
 SKINNY_SHAPES = ((2, 1024, 1024), (4, 1024, 1024), (8, 1024, 1024), (16, 1024, 1024))
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-# Shard rows, K, N of the site that measures the fixed costs: a decode step's matmul. A
-# ring's P2P wait costs more while a real matmul runs beside it than on a bare site (2
-# gloo ranks on the CI machine: 0.26 ms per step on a 2x8x8 site, 0.6-0.9 ms on 2, 8 and
-# 32 rows of a 1024x1024 weight), and it is inside programs that the model prices it.
-STEP_SITE = (8, 1024, 1024)
 # the matmul timed alone and under a transfer that outlasts it (the slowdown's probe)
 OVERLAP_MATMUL = (1024, 1024, 1024)
 OVERLAP_MESSAGE_BYTES = 16 << 20  # the probe of the transfer's rate
@@ -58,122 +60,6 @@ MAX_OVERLAP_MESSAGE_BYTES = 512 << 20
 SMALL_CALL_BYTES = 1 << 20
 SMALL_CALL_REPS = 4
 FIXED_COST_ROUNDS = 3  # the fixed costs' probes, each on every rank (``FixedCostProbe``)
-
-
-@dataclasses.dataclass(frozen=True)
-class FixedCostProbe:
-    """What a level's fixed costs are read from, measured on every ring of the level at
-    once, each the median over the job's ranks. One rank's own view is noise where ranks
-    share cores: on 2 nodes x 2 ranks on this project's 2-core CI machine, rank 0's
-    slowdown came out 0 to 3.9 and its step site's excess 0.8 to 3.2 ms, run to run."""
-
-    ring_site_s: float  # ``STEP_SITE``'s all-gather -> matmul, rewritten as a ring
-    collective_site_s: float  # the same site with its collective
-    overlap_slowdown: float  # matmul under a transfer / matmul alone - 1
-    # each of ``COLLECTIVES`` at the smallest curve block on the whole ring, timed in the
-    # same rounds as the step site (``with_small_calls``); empty: not probed
-    small_calls_s: tuple[float, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Measurements:
-    matmul: list[tuple[float, float]]  # (FLOPs, seconds)
-    skinny: list[tuple[float, float, float]]  # (FLOPs, bytes of B, seconds)
-    message: list[tuple[float, float]]  # (bytes, seconds one way)
-    add_bytes_per_s: float
-    # collective -> group size -> [(block bytes, seconds)] of the backend's own collective
-    collectives: dict[str, dict[int, list[tuple[float, float]]]]
-    fixed: FixedCostProbe
-
-
-def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-    """``y = a + b x`` by Theil-Sen (the median slope over every pair of points, then the
-    median intercept), both kept >= 0: one slow point (the first small message of a TCP
-    connection takes milliseconds) does not tilt the rate, as it did a least-squares fit."""
-    slopes = [
-        (y2 - y1) / (x2 - x1)
-        for (x1, y1), (x2, y2) in itertools.combinations(sorted(points), 2)
-        if x2 > x1
-    ]
-    b = max(statistics.median(slopes), 1e-30)
-    a = statistics.median(y - b * x for x, y in points)
-    return max(a, 0.0), b
-
-
-def _curves(
-    measured: dict[str, dict[int, list[tuple[float, float]]]],
-) -> dict[str, dict[int, Curve]]:
-    return {
-        name: {size: Curve(*fit_line(points), tuple(points)) for size, points in by_n.items()}
-        for name, by_n in measured.items()
-    }
-
-
-def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
-    """The profile whose model reproduces the measurements."""
-    matmul_latency, s_per_flop = fit_line(m.matmul)
-    alpha, s_per_byte = fit_line(m.message)
-    measured = Profile(
-        name=name,
-        source=source,
-        matmul_flops=1 / s_per_flop,
-        matmul_latency_s=matmul_latency,
-        memory_bytes_per_s=m.add_bytes_per_s,
-        link_alpha_s=alpha,
-        link_bytes_per_s=1 / s_per_byte,
-        step_overhead_s=0.0,
-        collective_overhead_s=0.0,
-        overlap_slowdown=m.fixed.overlap_slowdown,
-        matmul_bytes_per_s=_weight_rate(m.skinny, matmul_latency, s_per_flop),
-        collectives=_curves(with_small_calls(m.collectives, m.fixed, n)),
-    )
-    # The fixed costs are what the simulation of the step site lacks without them: the
-    # collective pays its overhead once (the call overhead of the ring formula, used for
-    # group sizes without a curve).
-    formula = dataclasses.replace(measured, collectives={})
-    site = step_site_work(n)
-    collective = m.fixed.collective_site_s - simulate(site, "collective", formula).end_s
-    alpha, step = step_costs(m.fixed, n, measured)
-    return dataclasses.replace(
-        measured,
-        link_alpha_s=alpha,
-        step_overhead_s=step,
-        collective_overhead_s=max(collective, 0.0),
-    )
-
-
-def step_costs(probe: FixedCostProbe, n: int, link: Profile) -> tuple[float, float]:
-    """(message latency, step overhead) of ``link``: a step of ``probe``'s ring site on
-    ``n`` ranks pays both. What the simulation without a step overhead lacks, over its
-    n-1 steps, is the step overhead; where it has too much, the latency fitted from the
-    ring exchanges is the one too high (a fit of five sizes: on 2 nodes x 2 ranks sharing
-    2 cores, 0 to 2.8 ms inside a node, run to run) and gives the excess back."""
-    site = step_site_work(n)
-    link = dataclasses.replace(link, step_overhead_s=0.0)
-    lacks = (probe.ring_site_s - simulate(site, "ring", link).end_s) / (n - 1)
-    return max(link.link_alpha_s + min(lacks, 0.0), 0.0), max(lacks, 0.0)
-
-
-def step_site_work(n: int) -> Work:
-    """``STEP_SITE`` on n ranks, as the cost model sees it (float32)."""
-    rows, k, cols = STEP_SITE
-    return Work(
-        Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k, whole_bytes=4.0 * k * cols
-    )
-
-
-def _weight_rate(
-    skinny: Sequence[tuple[float, float, float]], latency: float, s_per_flop: float
-) -> float:
-    """How fast the skinny matmuls read their weight: the median of (weight bytes / what
-    their time has beyond the fitted line); 0 (not modelled) where the line accounts for
-    them (within 5 %: a GPU's launch cost hides the read)."""
-    rates = [
-        nbytes / beyond
-        for flops, nbytes, seconds in skinny
-        if (beyond := seconds - latency - flops * s_per_flop) > 0.05 * seconds
-    ]
-    return statistics.median(rates) if len(rates) > len(skinny) // 2 else 0.0
 
 
 Rings = Sequence[Sequence[int]]  # the job's ranks split into rings of one level, alike
@@ -222,7 +108,7 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     message = link_points(rank, rings, reps)
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
     add_s = _median(lambda: torch.add(x, y), reps)
-    curves, group = collective_curves(rank, rings, reps)
+    curves, group = collectivefitted_curves(rank, rings, reps)
     return Measurements(
         matmul,
         skinny,
@@ -253,33 +139,13 @@ def probe_fixed_costs(
     return FixedCostProbe(ring, collective, slowdown, tuple(small))
 
 
-def with_small_calls(
-    curves: dict[str, dict[int, list[tuple[float, float]]]], probe: FixedCostProbe, n: int
-) -> dict[str, dict[int, list[tuple[float, float]]]]:
-    """``curves`` with each collective's smallest block on ``n`` ranks as ``probe`` timed
-    it, beside the step site: a decode step's all-reduce against a ring's P2P steps is
-    decided on these two, and measured minutes apart they saw different machines (a
-    calibration in a slow spell had the 4 KiB all-reduce at 3.14 ms, 7x its usual, while
-    its step site ran fast: ``auto`` split every decode step and ran it 1.55x slower)."""
-    if not probe.small_calls_s:
-        return curves
-    out = {c: dict(by_n) for c, by_n in curves.items()}
-    for collective, seconds in zip(COLLECTIVES, probe.small_calls_s, strict=True):
-        points = out.get(collective, {}).get(n)
-        if points:
-            out[collective][n] = [
-                (x, seconds if x == CURVE_BLOCK_BYTES[0] else y) for x, y in points
-            ]
-    return out
-
-
 def link_points(rank: int, rings: Rings, reps: int) -> list[tuple[float, float]]:
     """(bytes, seconds) of ring exchanges on ``rings``, every ring at once."""
     peers = _peers(rank, rings)
     return [(float(size), _one_way(peers, size, reps)) for size in MESSAGE_BYTES]
 
 
-def collective_curves(
+def collectivefitted_curves(
     rank: int, rings: Rings, reps: int, smallest: int = 2
 ) -> tuple[dict[str, dict[int, list[tuple[float, float]]]], str]:
     """The backend's collectives (``COLLECTIVES``), timed by block size on the groups of
@@ -477,7 +343,7 @@ def measure_levels(
     nodes = world_size // per_node
     if nodes > 1:
         link = link_points(rank, across, reps)
-        curves, group = collective_curves(rank, across, reps)
+        curves, group = collectivefitted_curves(rank, across, reps)
         # the step site one ring at a time: with every local rank's ring at once their
         # messages share the NIC unevenly, and the model's even share over-prices them
         # (on 2 nodes x 2 ranks, a 512 KiB step took 10.4-11.2 ms, predicted 12.6): what
@@ -488,7 +354,7 @@ def measure_levels(
         # groups of several ranks per node that span nodes (TP across nodes): the job's
         # first g ranks, node by node, for every g beyond one node (where a size is
         # measured both ways, one rank per node is kept)
-        spanning, _ = collective_curves(rank, one_ring(world_size), reps, per_node + 1)
+        spanning, _ = collectivefitted_curves(rank, one_ring(world_size), reps, per_node + 1)
         for collective, by_size in spanning.items():
             for g, points in by_size.items():
                 curves[collective].setdefault(g, points)
@@ -505,7 +371,9 @@ def measure_levels(
         sharing = min(ranks_per_nic or per_node, per_node)
         alpha, s_per_byte = fit_line(link)
         nic = Level(alpha, sharing / s_per_byte, True, ranks_per_nic or per_node)
-        nic = dataclasses.replace(nic, collectives=_curves(with_small_calls(curves, fixed, nodes)))
+        nic = dataclasses.replace(
+            nic, collectives=fitted_curves(with_small_calls(curves, fixed, nodes))
+        )
         profile = dataclasses.replace(profile, across_nodes=nic, ranks_per_node=per_node)
         # the ring of one local rank across the nodes, alone on its NIC
         crossing = dataclasses.replace(profile.across(1), overlap_slowdown=fixed.overlap_slowdown)

@@ -146,7 +146,8 @@ def calibrated(
     """``commfuse calibrate``'s measurement on these ranks, at the reference rate and
     unthrottled; ``per_node``: the ranks of a job of nodes of that many, measured by level
     (``calibrate.measure_levels``, as under a multi-node launch)."""
-    from ..calibrate import measure_levels, profile_from
+    from ..calibrate import measure_levels
+    from ..profile_fit import profile_from
 
     progress.stage(
         f"calibrating the cost model's profile on {ranks.world_size} ranks"

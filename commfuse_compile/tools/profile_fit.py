@@ -1,0 +1,157 @@
+"""From ``commfuse calibrate``'s measurements to a profile: what was measured
+(``Measurements``, ``FixedCostProbe``), the fits (Theil-Sen lines, the skinny matmuls'
+weight rate, the fixed costs a step site shows beyond the simulation), and the small
+collectives taken from the step site's rounds. Pure functions: no process group."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+from collections.abc import Sequence
+
+from ..cost.profiles import COLLECTIVES, CURVE_BLOCK_BYTES, Curve, Profile
+from ..cost.simulator import Work, simulate
+from ..schedules import Direction
+
+# Shard rows, K, N of the site that measures the fixed costs: a decode step's matmul. A
+# ring's P2P wait costs more while a real matmul runs beside it than on a bare site (2
+# gloo ranks on the CI machine: 0.26 ms per step on a 2x8x8 site, 0.6-0.9 ms on 2, 8 and
+# 32 rows of a 1024x1024 weight), and it is inside programs that the model prices it.
+STEP_SITE = (8, 1024, 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedCostProbe:
+    """What a level's fixed costs are read from, measured on every ring of the level at
+    once, each the median over the job's ranks. One rank's own view is noise where ranks
+    share cores: on 2 nodes x 2 ranks on this project's 2-core CI machine, rank 0's
+    slowdown came out 0 to 3.9 and its step site's excess 0.8 to 3.2 ms, run to run."""
+
+    ring_site_s: float  # ``STEP_SITE``'s all-gather -> matmul, rewritten as a ring
+    collective_site_s: float  # the same site with its collective
+    overlap_slowdown: float  # matmul under a transfer / matmul alone - 1
+    # each of ``COLLECTIVES`` at the smallest curve block on the whole ring, timed in the
+    # same rounds as the step site (``with_small_calls``); empty: not probed
+    small_calls_s: tuple[float, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurements:
+    matmul: list[tuple[float, float]]  # (FLOPs, seconds)
+    skinny: list[tuple[float, float, float]]  # (FLOPs, bytes of B, seconds)
+    message: list[tuple[float, float]]  # (bytes, seconds one way)
+    add_bytes_per_s: float
+    # collective -> group size -> [(block bytes, seconds)] of the backend's own collective
+    collectives: dict[str, dict[int, list[tuple[float, float]]]]
+    fixed: FixedCostProbe
+
+
+def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``y = a + b x`` by Theil-Sen (the median slope over every pair of points, then the
+    median intercept), both kept >= 0: one slow point (the first small message of a TCP
+    connection takes milliseconds) does not tilt the rate, as it did a least-squares fit."""
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for (x1, y1), (x2, y2) in itertools.combinations(sorted(points), 2)
+        if x2 > x1
+    ]
+    b = max(statistics.median(slopes), 1e-30)
+    a = statistics.median(y - b * x for x, y in points)
+    return max(a, 0.0), b
+
+
+def fitted_curves(
+    measured: dict[str, dict[int, list[tuple[float, float]]]],
+) -> dict[str, dict[int, Curve]]:
+    return {
+        name: {size: Curve(*fit_line(points), tuple(points)) for size, points in by_n.items()}
+        for name, by_n in measured.items()
+    }
+
+
+def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
+    """The profile whose model reproduces the measurements."""
+    matmul_latency, s_per_flop = fit_line(m.matmul)
+    alpha, s_per_byte = fit_line(m.message)
+    measured = Profile(
+        name=name,
+        source=source,
+        matmul_flops=1 / s_per_flop,
+        matmul_latency_s=matmul_latency,
+        memory_bytes_per_s=m.add_bytes_per_s,
+        link_alpha_s=alpha,
+        link_bytes_per_s=1 / s_per_byte,
+        step_overhead_s=0.0,
+        collective_overhead_s=0.0,
+        overlap_slowdown=m.fixed.overlap_slowdown,
+        matmul_bytes_per_s=_weight_rate(m.skinny, matmul_latency, s_per_flop),
+        collectives=fitted_curves(with_small_calls(m.collectives, m.fixed, n)),
+    )
+    # The fixed costs are what the simulation of the step site lacks without them: the
+    # collective pays its overhead once (the call overhead of the ring formula, used for
+    # group sizes without a curve).
+    formula = dataclasses.replace(measured, collectives={})
+    site = step_site_work(n)
+    collective = m.fixed.collective_site_s - simulate(site, "collective", formula).end_s
+    alpha, step = step_costs(m.fixed, n, measured)
+    return dataclasses.replace(
+        measured,
+        link_alpha_s=alpha,
+        step_overhead_s=step,
+        collective_overhead_s=max(collective, 0.0),
+    )
+
+
+def step_costs(probe: FixedCostProbe, n: int, link: Profile) -> tuple[float, float]:
+    """(message latency, step overhead) of ``link``: a step of ``probe``'s ring site on
+    ``n`` ranks pays both. What the simulation without a step overhead lacks, over its
+    n-1 steps, is the step overhead; where it has too much, the latency fitted from the
+    ring exchanges is the one too high (a fit of five sizes: on 2 nodes x 2 ranks sharing
+    2 cores, 0 to 2.8 ms inside a node, run to run) and gives the excess back."""
+    site = step_site_work(n)
+    link = dataclasses.replace(link, step_overhead_s=0.0)
+    lacks = (probe.ring_site_s - simulate(site, "ring", link).end_s) / (n - 1)
+    return max(link.link_alpha_s + min(lacks, 0.0), 0.0), max(lacks, 0.0)
+
+
+def step_site_work(n: int) -> Work:
+    """``STEP_SITE`` on n ranks, as the cost model sees it (float32)."""
+    rows, k, cols = STEP_SITE
+    return Work(
+        Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k, whole_bytes=4.0 * k * cols
+    )
+
+
+def _weight_rate(
+    skinny: Sequence[tuple[float, float, float]], latency: float, s_per_flop: float
+) -> float:
+    """How fast the skinny matmuls read their weight: the median of (weight bytes / what
+    their time has beyond the fitted line); 0 (not modelled) where the line accounts for
+    them (within 5 %: a GPU's launch cost hides the read)."""
+    rates = [
+        nbytes / beyond
+        for flops, nbytes, seconds in skinny
+        if (beyond := seconds - latency - flops * s_per_flop) > 0.05 * seconds
+    ]
+    return statistics.median(rates) if len(rates) > len(skinny) // 2 else 0.0
+
+
+def with_small_calls(
+    curves: dict[str, dict[int, list[tuple[float, float]]]], probe: FixedCostProbe, n: int
+) -> dict[str, dict[int, list[tuple[float, float]]]]:
+    """``curves`` with each collective's smallest block on ``n`` ranks as ``probe`` timed
+    it, beside the step site: a decode step's all-reduce against a ring's P2P steps is
+    decided on these two, and measured minutes apart they saw different machines (a
+    calibration in a slow spell had the 4 KiB all-reduce at 3.14 ms, 7x its usual, while
+    its step site ran fast: ``auto`` split every decode step and ran it 1.55x slower)."""
+    if not probe.small_calls_s:
+        return curves
+    out = {c: dict(by_n) for c, by_n in curves.items()}
+    for collective, seconds in zip(COLLECTIVES, probe.small_calls_s, strict=True):
+        points = out.get(collective, {}).get(n)
+        if points:
+            out[collective][n] = [
+                (x, seconds if x == CURVE_BLOCK_BYTES[0] else y) for x, y in points
+            ]
+    return out
