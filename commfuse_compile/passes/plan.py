@@ -118,13 +118,14 @@ def auto_schedule(predicted: Mapping[str, Timeline]) -> str:
 
 
 c10d = torch.ops._c10d_functional
-# how the model times each collective: its direction, and whether one rank's block is
-# its input over the group size (else the whole input: an all-gather's shard)
+# how the model times each collective: its direction, whether one rank's block is its
+# input over the group size (else the whole input: an all-gather's shard), and whether
+# the reduced blocks are then gathered (an all-reduce)
 TIMED_COLLECTIVES = {
-    c10d.all_gather_into_tensor.default: (Direction.GATHER, False),
-    c10d.reduce_scatter_tensor.default: (Direction.REDUCE, True),
-    c10d.all_to_all_single.default: (Direction.EXCHANGE_IN, True),
-    c10d.all_reduce.default: (Direction.REDUCE, True),
+    c10d.all_gather_into_tensor.default: (Direction.GATHER, False, False),
+    c10d.reduce_scatter_tensor.default: (Direction.REDUCE, True, False),
+    c10d.all_to_all_single.default: (Direction.EXCHANGE_IN, True, False),
+    c10d.all_reduce.default: (Direction.REDUCE, True, True),
 }
 
 
@@ -133,9 +134,8 @@ def collective_seconds(collective: Node, nbytes: float, profile: Profile) -> flo
     all-reduce) of ``nbytes`` input, as a site's collective is timed: the cost model's
     call for a collective no site holds (the bucketing's, the bench's)."""
     n = len(groups.ranks_of(str(collective.args[-1])))
-    direction, divided = TIMED_COLLECTIVES[collective.target]  # type: ignore[index]
+    direction, divided, then_gather = TIMED_COLLECTIVES[collective.target]  # type: ignore[index]
     block = nbytes / max(n, 1) if divided else nbytes
-    then_gather = collective.target is c10d.all_reduce.default
     return collective_call_s(Work(direction, n, 0.0, block, then_gather=then_gather), profile)
 
 

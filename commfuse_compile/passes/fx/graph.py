@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils._pytree as pytree
 from torch.fx import Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -368,12 +369,20 @@ def in_graph_order(nodes: Iterable[Node]) -> list[Node]:
 
 def numel(node: Node) -> int:
     """Elements of ``node``'s value, symbolic sizes at their hints."""
-    return math.prod(dims.hint(size) for size in val(node).shape)
+    return _numel(val(node))
 
 
 def nbytes(node: Node) -> int:
     """Bytes of ``node``'s value, symbolic sizes at their hints."""
-    return numel(node) * val(node).element_size()
+    return _nbytes(val(node))
+
+
+def _numel(t: torch.Tensor) -> int:
+    return math.prod(dims.hint(size) for size in t.shape)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return _numel(t) * t.element_size()
 
 
 COMMUNICATION_NAMESPACES = frozenset({"_c10d_functional", "c10d", "commfuse"})
@@ -394,16 +403,8 @@ def moved_bytes(node: Node) -> int:
     if returns and all(r.alias_info is not None and not r.alias_info.is_write for r in returns):
         return 0  # a view: the same memory, laid out anew
 
-    def tensors(value: Any) -> list[torch.Tensor]:
-        if isinstance(value, (list, tuple)):
-            return [t for v in value for t in tensors(v)]
-        return [value] if isinstance(value, torch.Tensor) else []
-
-    read = [val(a) for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-    return sum(
-        math.prod(dims.hint(size) for size in t.shape) * t.element_size()
-        for t in (*read, *tensors(node.meta.get("val")))
-    )
+    values = [a.meta.get("val") for a in node.all_input_nodes] + [node.meta.get("val")]
+    return sum(_nbytes(t) for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor))
 
 
 # ops that only lay a tensor out anew: its n blocks along a dim stay n blocks of the result

@@ -81,7 +81,7 @@ def site_cell(
         "overlap_probe": {**probe, "vs_limit": probe["median"] / limit},
         # The best any schedule with n blocks can do: one block's matmul cannot overlap.
         "n_block_bound_s": t_mm / n + max(t_mm * (n - 1) / n, t_comm),
-        "timed_calls": len(times[rows[0].label]),  # per row (``cells.CELL_TIMED_S``)
+        "timed_calls": len(times[rows[0].label]),  # per row (``config.CELL_TIMED_S``)
         "rows": out_rows,
     }
 
