@@ -7,15 +7,17 @@ import dataclasses
 import json
 
 import pytest
+import torch
 import torch.distributed as dist
 from cases import AgMm, MmRs, trace
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commfuse_compile import CommfuseOptionError, Options
+from commfuse_compile.cost.profile_checks import COLLECTIVES
 from commfuse_compile.cost.profiles import (
     BUILTIN,
-    COLLECTIVES,
     Curve,
+    MatmulRate,
     Profile,
     ProfileError,
     load,
@@ -41,6 +43,8 @@ from commfuse_compile.tools import profile_fit as fit
 from commfuse_compile.tools.sim.layer import write_trace
 
 PROFILES = [pytest.param(p, id=name) for name, p in BUILTIN.items()]
+# as calibrated on this project's CI machine (AMX): bfloat16 matmuls and grouped ones
+BF16_RATES = {"bfloat16": MatmulRate(3e-5, 1.2e12), "bfloat16 grouped": MatmulRate(6e-5, 1.1e12)}
 KINDS = ("gather", "reduce")
 GATHER = Direction.GATHER
 SIZES = [10.0**e for e in range(14)]  # FLOPs or bytes, 1 to 1e13
@@ -316,12 +320,33 @@ def test_site_work_counts_a_sites_flops_bytes_and_matmul_calls(fake_world_of_4):
     gather = AgMm(shard=(4, 8), dim=0, n_out=6, consumers=2, bias=False)
     (site,) = match.find_sites(trace(gather, 4, gather.inputs(1, seed=0, n=4)).graph)
     flops, weights = (2 * 16 * 8 * (6 + 7)) / 4, 4 * 8 * (6 + 7)
-    assert site_work(site, 4) == Work(GATHER, 4, flops, 4 * 8 * 4, 2, whole_bytes=weights)
+    expected = Work(GATHER, 4, flops, 4 * 8 * 4, 2, whole_bytes=weights, matmul_class="float32")
+    assert site_work(site, 4) == expected
+    bf16 = [t.to(torch.bfloat16) for t in gather.inputs(1, seed=0, n=4)]
+    (site,) = match.find_sites(trace(gather, 4, bf16).graph)
+    assert site_work(site, 4) == dataclasses.replace(
+        expected, block_bytes=4 * 8 * 2, whole_bytes=weights / 2, matmul_class="bfloat16"
+    )
     reduce = MmRs(lead=(2, 8), k=8, n_out=6, dim=1, bias=False)
     (site,) = match.find_sites(trace(reduce, 4, reduce.inputs(1, seed=0)).graph)
     flops, weight = (2 * 16 * 6 * 8) / 4, 4 * 8 * 6
     assert site_work(site, 4) == Work(
-        Direction.REDUCE, 4, flops, 16 * 6 * 4 / 4, 1, whole_bytes=weight
+        Direction.REDUCE, 4, flops, 16 * 6 * 4 / 4, 1, whole_bytes=weight, matmul_class="float32"
+    )
+
+
+def test_a_matmul_runs_at_its_class_rate_else_its_dtypes_else_the_profiles():
+    """bfloat16 on this project's CI machine: 4-7x float32's FLOP/s, 30 us a call."""
+    p = dataclasses.replace(BUILTIN["gloo-loopback"], matmul_rates=BF16_RATES)
+    assert p.matmul_s(1e9, 0.0, "bfloat16") == pytest.approx(3e-5 + 1e9 / 1.2e12)
+    assert p.matmul_s(1e9, 0.0, "bfloat16 grouped") == pytest.approx(6e-5 + 1e9 / 1.1e12)
+    assert p.matmul_rate("bfloat16 batched") == BF16_RATES["bfloat16"]
+    for other in ("float32", "float16", None):
+        assert p.matmul_s(1e9, 0.0, other) == BUILTIN["gloo-loopback"].matmul_s(1e9)
+    work = Work(GATHER, 2, 1e9, 1e6, matmul_class="bfloat16")
+    assert (
+        simulate(work, "ring", p).end_s
+        < simulate(dataclasses.replace(work, matmul_class=None), "ring", p).end_s
     )
 
 
@@ -337,6 +362,9 @@ def test_profiles_round_trip_through_a_file(profile, tmp_path):
     duplex = dataclasses.replace(profile, name="mine", duplex_neighbours=True)
     save(duplex, path)
     assert load(str(path)) == duplex
+    rated = dataclasses.replace(profile, name="rated", matmul_rates=BF16_RATES)
+    save(rated, path)
+    assert load(str(path)) == rated
 
 
 @pytest.mark.parametrize("name", BUILTIN)
@@ -355,7 +383,25 @@ def _write(path, text):
     return path
 
 
+def _with_rates(tmp, rates):
+    fields = BUILTIN["gloo-loopback"].as_json() | {"matmul_rates": rates}
+    return _write(tmp / "p.json", json.dumps(fields))
+
+
 BAD_PROFILES = [
+    pytest.param(
+        lambda tmp: _with_rates(tmp, {"bfloat16": {"latency_s": 3e-5}}),
+        r"matmul_rates bfloat16: fields missing \['flops'\]",
+        id="rate-without-flops",
+    ),
+    pytest.param(
+        lambda tmp: _with_rates(tmp, {"bfloat16": {"latency_s": 3e-5, "flops": 0}}),
+        "matmul_rates bfloat16: flops must be positive",
+        id="rate-of-zero",
+    ),
+    pytest.param(
+        lambda tmp: _with_rates(tmp, [1e12]), "matmul_rates must be an object", id="rates-list"
+    ),
     pytest.param(lambda tmp: tmp / "missing.json", "neither a built-in", id="missing"),
     pytest.param(lambda tmp: tmp, "neither a built-in", id="directory"),
     pytest.param(lambda tmp: _write(tmp / "p.json", "{not json"), "is not JSON", id="garbage"),
@@ -496,6 +542,13 @@ def _measurements_of(p: Profile, n: int) -> fit.Measurements:
             collective_site_s=simulate(site, "collective", p).end_s,
             overlap_slowdown=p.overlap_slowdown,
         ),
+        rated={
+            rate_class: [
+                (2.0 * a * b * c, p.matmul_s(2.0 * a * b * c, 0.0, rate_class))
+                for a, b, c in cal.MATMUL_SHAPES
+            ]
+            for rate_class in p.matmul_rates
+        },
     )
 
 
@@ -505,8 +558,14 @@ def test_profile_from_reproduces_the_constants_it_was_measured_on(profile, n):
     """Duplex links are not measured (two ranks cannot tell): a duplex profile comes back
     as a switched one, with the same constants. The machine's collectives run as the ring
     formula says (its call overhead is then what the step site shows)."""
-    profile = dataclasses.replace(profile, duplex_neighbours=False, collectives={})
+    profile = dataclasses.replace(
+        profile, duplex_neighbours=False, collectives={}, matmul_rates=BF16_RATES
+    )
     fitted = fit.profile_from(_measurements_of(profile, n), n, "fitted", "synthetic")
+    for rate_class, rate in BF16_RATES.items():
+        assert dataclasses.astuple(fitted.matmul_rates[rate_class]) == pytest.approx(
+            dataclasses.astuple(rate), rel=1e-6
+        )
     assert (fitted.name, fitted.source, fitted.duplex_neighbours) == ("fitted", "synthetic", False)
     for field in dataclasses.fields(Profile):
         value = getattr(profile, field.name)

@@ -3,7 +3,8 @@
 Built-in profiles describe real hardware; every number says where it comes from. A
 profile measured on the current machine and process group (``commfuse calibrate``) is a
 JSON file with the same fields, loaded with ``options={"profile": path}``.
-GPU matmul figures are for bf16/fp16 tensor-core GEMMs (the dtype of LLM training).
+GPU matmul figures are for bf16/fp16 tensor-core GEMMs (the dtype of LLM training); a
+calibrated profile's ``matmul_flops`` is float32's, its other dtypes' rates by name.
 
 A profile has links by level: its flat ``link_*`` fields are the link between ranks of
 one node; ``across_nodes`` (a :class:`Level`), where given, the NIC between nodes. A
@@ -18,23 +19,14 @@ import functools
 import hashlib
 import itertools
 import json
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..runtime.topology import INSIDE, Topology
+from .profile_checks import LEVEL_OPTIONAL, ProfileError, checked
 
-
-class ProfileError(ValueError):
-    """A profile name or file that cannot be used."""
-
-
-# what ``calibrate`` measures; a profile file may lack a collective (those written before
-# all-to-alls or all-reduces were measured): the model then times that collective with the
-# ring formula (an all-reduce: a reduce-scatter, then an all-gather)
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 CURVE_BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block, calibrated
 
 
@@ -76,6 +68,14 @@ class Curve:
 
 
 @dataclasses.dataclass(frozen=True)
+class MatmulRate:
+    """A matmul class's fixed cost per call and achieved FLOP/s (``Profile.matmul_rates``)."""
+
+    latency_s: float
+    flops: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Level:
     """The link between nodes: a NIC shared by ``ranks_per_nic`` of a node's ranks (1:
     a NIC per GPU, as on rail-optimized InfiniBand clusters), ``bytes_per_s`` per
@@ -100,7 +100,7 @@ class Level:
 class Profile:
     name: str
     source: str  # where the numbers come from
-    matmul_flops: float  # achieved FLOP/s of a large matmul
+    matmul_flops: float  # achieved FLOP/s of a large matmul (of the dtype ``source`` says)
     matmul_latency_s: float  # fixed cost of one matmul call (launch; dominates tiny ones)
     memory_bytes_per_s: float  # element-wise ops (adding a partial sum)
     link_alpha_s: float  # latency of one point-to-point message
@@ -128,14 +128,32 @@ class Profile:
     # the link between nodes (None: one node, every group priced by the fields above)
     across_nodes: Level | None = None
     ranks_per_node: int = 0  # of the cluster described (``commfuse sim``); 0: not said
+    # Matmuls of other operand dtypes or forms than ``matmul_flops``'s, by class: the dtype
+    # by torch's name ("bfloat16"), then " grouped" for a grouped matmul (an MoE's
+    # ``_grouped_mm``). On this project's CI machine (AMX) a large bfloat16 matmul runs
+    # 4-7x float32's rate, and a call costs 25-50 us where float32's costs 5.
+    # ``calibrate`` measures bfloat16 and its grouped form; a class not here runs as its
+    # dtype does, else at ``matmul_latency_s`` and ``matmul_flops``.
+    matmul_rates: dict[str, MatmulRate] = dataclasses.field(default_factory=dict)
 
     def curve(self, collective: str, n: int) -> Curve | None:
         return self.collectives.get(collective, {}).get(n)
 
-    def matmul_s(self, flops: float, whole_bytes: float = 0.0) -> float:
-        """One matmul call of ``flops`` that reads ``whole_bytes`` of an operand whole."""
+    def matmul_s(
+        self, flops: float, whole_bytes: float = 0.0, matmul_class: str | None = None
+    ) -> float:
+        """One matmul call of ``flops`` of ``matmul_class`` (``matmul_rates``; None: the
+        profile's own) that reads ``whole_bytes`` of an operand whole."""
         streamed = whole_bytes / self.matmul_bytes_per_s if self.matmul_bytes_per_s else 0.0
-        return self.matmul_latency_s + flops / self.matmul_flops + streamed
+        rate = self.matmul_rate(matmul_class)
+        return rate.latency_s + flops / rate.flops + streamed
+
+    def matmul_rate(self, matmul_class: str | None) -> MatmulRate:
+        """``matmul_class``'s rate: its own, else its dtype's, else the profile's."""
+        for name in (matmul_class, (matmul_class or "").split(" ")[0]):
+            if name in self.matmul_rates:
+                return self.matmul_rates[name]
+        return MatmulRate(self.matmul_latency_s, self.matmul_flops)
 
     def memory_op_s(self, nbytes: float) -> float:
         """One call of an op whose time is its memory traffic (element-wise, indexing, a
@@ -220,11 +238,6 @@ def _points(seconds: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
     """A curve's measured points at the block sizes ``calibrate`` measures."""
     return tuple(zip(map(float, CURVE_BLOCK_BYTES), seconds, strict=True))
 
-
-# a ``Level``'s fixed costs: null is "as inside a node"
-LEVEL_OPTIONAL = ("step_overhead_s", "overlap_slowdown")
-# divisors: > 0
-RATES = ("matmul_flops", "memory_bytes_per_s", "link_bytes_per_s", "bytes_per_s", "ranks_per_nic")
 
 BUILTIN = {
     "h100-nvlink4": Profile(
@@ -372,40 +385,20 @@ def load(name_or_path: str | os.PathLike[str]) -> Profile:
 def from_json(fields: object, where: str = "profile") -> Profile:
     """A profile from its JSON form, every field checked: a wrong file says which fields
     are missing, unknown or of the wrong kind (``where`` names it in the message)."""
-    values = _checked(Profile, fields, where)
+    values = checked(Profile, fields, where, skip=("across_nodes", "matmul_rates"))
     values["collectives"] = _curves(values.get("collectives", {}))
+    rates = values.get("matmul_rates", {})
+    if not isinstance(rates, dict):
+        raise ProfileError(f"{where}: matmul_rates must be an object by matmul class")
+    values["matmul_rates"] = {
+        c: MatmulRate(**checked(MatmulRate, rate, f"{where}: matmul_rates {c}"))
+        for c, rate in rates.items()
+    }
     if values.get("across_nodes") is not None:
-        level = _checked(Level, values["across_nodes"], f"{where}: across_nodes")
+        level = checked(Level, values["across_nodes"], f"{where}: across_nodes", LEVEL_OPTIONAL)
         level["collectives"] = _curves(level.get("collectives", {}))
         values["across_nodes"] = Level(**level)
     return Profile(**values)
-
-
-def _checked(cls: type, fields: object, where: str) -> dict[str, Any]:
-    """``fields`` as the keywords of dataclass ``cls``, each checked (but not converted)."""
-    if not isinstance(fields, dict):
-        raise ProfileError(f"{where} must hold a JSON object, got {type(fields).__name__}")
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    required = [
-        n
-        for n, f in known.items()
-        if f.default is dataclasses.MISSING and (f.default_factory is dataclasses.MISSING)
-    ]
-    missing = [n for n in required if n not in fields]
-    unknown = sorted(set(fields) - set(known))
-    if missing or unknown:
-        parts = [f"missing {missing}"] if missing else []
-        parts += [f"unknown {unknown}"] if unknown else []
-        raise ProfileError(f"{where}: fields {'; '.join(parts)}")
-    for name, value in fields.items():
-        if name == "across_nodes" or (cls is Level and name in LEVEL_OPTIONAL and value is None):
-            continue  # checked as a ``Level`` of its own; a level's unset fixed cost
-        problem = (
-            _collectives_problem(value) if name == "collectives" else _field_problem(name, value)
-        )
-        if problem:
-            raise ProfileError(f"{where}: {name} {problem}")
-    return dict(fields)
 
 
 def _curves(value: dict[str, Any]) -> dict[str, dict[int, Curve]]:
@@ -416,59 +409,6 @@ def _curves(value: dict[str, Any]) -> dict[str, dict[int, Curve]]:
         }
         for collective, curves in value.items()
     }
-
-
-def _collectives_problem(value: object) -> str | None:
-    """``{"all_gather": {"2": {"latency_s", "seconds_per_byte", "points"}}}`` or why not."""
-    if not isinstance(value, dict):
-        return f"must be an object by collective, got {value!r}"
-    for collective, curves in value.items():
-        if collective not in COLLECTIVES or not isinstance(curves, dict):
-            return f"has {collective!r}: collectives are {list(COLLECTIVES)}, each by group size"
-        for n, curve in curves.items():
-            if not str(n).isdigit() or int(n) < 2:
-                return f"{collective}: group size {n!r} is not an integer >= 2"
-            if not isinstance(curve, dict) or set(curve) != {
-                "latency_s",
-                "seconds_per_byte",
-                "points",
-            }:
-                return f"{collective} {n}: needs latency_s, seconds_per_byte and points"
-            for field in ("latency_s", "seconds_per_byte"):
-                problem = _field_problem(field, curve[field])
-                if problem:
-                    return f"{collective} {n} {field} {problem}"
-            points = curve["points"]
-            if not isinstance(points, list) or not all(
-                isinstance(pair, list)
-                and len(pair) == 2
-                and not any(_field_problem("points", v) for v in pair)
-                for pair in points
-            ):
-                return (
-                    f"{collective} {n}: points must be [block bytes, seconds] pairs, got {points!r}"
-                )
-    return None
-
-
-def _field_problem(name: str, value: object) -> str | None:
-    """Why a loaded field cannot feed the model (a string where a rate belongs would
-    only fail later, inside the pass), or None."""
-    if name in ("name", "source"):
-        return None if isinstance(value, str) else f"must be a string, got {value!r}"
-    if name in ("duplex_neighbours", "duplex"):
-        return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
-    if name in ("ranks_per_nic", "ranks_per_node") and not (
-        isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    ):
-        return f"must be a whole number, got {value!r}"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return f"must be a finite number, got {value!r}"
-    if name in RATES and value <= 0:
-        return f"must be positive, got {value!r}"
-    if value < 0:
-        return f"must not be negative, got {value!r}"
-    return None
 
 
 def save(profile: Profile, path: str | os.PathLike[str]) -> None:

@@ -17,7 +17,8 @@ from typing import Any
 
 from ..schedules import NAMES, Direction, Transfer, by_name, slicing
 from . import steps
-from .profiles import COLLECTIVES, Curve, Profile
+from .profile_checks import COLLECTIVES
+from .profiles import Curve, Profile
 from .timeline import Event, Timeline, overlapped
 
 __all__ = ["SCHEDULES", "Event", "Timeline", "Work", "overlapped", "predict", "simulate"]
@@ -52,6 +53,9 @@ class Work:
     # block (the weights of a product cut by tokens): a block's matmuls read them again
     # (``Profile.matmul_bytes_per_s``)
     whole_bytes: float = 0.0
+    # the matmuls' class ("bfloat16", "bfloat16 grouped": ``Profile.matmul_rates``),
+    # None: the profile's own
+    matmul_class: str | None = None
 
     @property
     def returned_bytes(self) -> float:
@@ -110,7 +114,7 @@ def _matmul_calls_s(work: Work, p: Profile, flops: float) -> float:
     """The site's matmul calls over ``flops`` in all: each pays its call and reads its
     whole operands."""
     calls = work.matmuls_per_block
-    return calls * p.matmul_s(flops / calls, work.whole_bytes / calls)
+    return calls * p.matmul_s(flops / calls, work.whole_bytes / calls, work.matmul_class)
 
 
 def collective_model(work: Work, p: Profile) -> str:

@@ -48,7 +48,7 @@ from .fx import dims
 from .fx.collectives import WAIT_TENSOR
 from .fx.declines import Declined, decline
 from .fx.graph import VIEWS, position, val
-from .fx.matmuls import flops_of
+from .fx.matmuls import flops_of, rate_class_of
 
 c10d = torch.ops._c10d_functional
 ALL_REDUCE, REDUCE_SCATTER = c10d.all_reduce.default, c10d.reduce_scatter_tensor.default
@@ -238,7 +238,16 @@ class _Timing:
 
     def __init__(self, gm: GraphModule) -> None:
         self.order = {node: i for i, node in enumerate(gm.graph.nodes)}
-        self.flops = list(itertools.accumulate((flops_of(n) for n in gm.graph.nodes), initial=0.0))
+        nodes = gm.graph.nodes
+        # the matmuls' FLOPs before each node, by class (each has its rate)
+        self.flops = {
+            form: list(
+                itertools.accumulate(
+                    (flops_of(n) if rate_class_of(n) == form else 0.0 for n in nodes), initial=0.0
+                )
+            )
+            for form in {rate_class_of(n) for n in nodes if flops_of(n)}
+        }
 
     def exposed_s(self, bucket: list[_Member], profile: Profile) -> float:
         """Of ``bucket`` as one collective: started where its last member stands, waited
@@ -252,8 +261,12 @@ class _Timing:
             copy_s = profile.add_s(sum(m.nbytes for m in bucket)) * 2 / 3
         nbytes = sum(m.nbytes for m in bucket)
         took = plan.collective_seconds(start, nbytes, profile) + copy_s
-        flops = self.flops[self.order[end]] - self.flops[self.order[start]]
-        return max(0.0, took - (profile.matmul_s(flops) if flops else 0.0))
+        between = {
+            form: flops[self.order[end]] - flops[self.order[start]]
+            for form, flops in self.flops.items()
+        }
+        hidden = sum(profile.matmul_s(f, matmul_class=form) for form, f in between.items() if f)
+        return max(0.0, took - hidden)
 
 
 def _merge(

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cost.profiles import COLLECTIVES, CURVE_BLOCK_BYTES, Level, Profile
+from ..cost.profile_checks import COLLECTIVES
+from ..cost.profiles import CURVE_BLOCK_BYTES, Level, Profile
 from ..runtime import topology
 from .profile_fit import (
     STEP_SITE,
@@ -48,6 +49,11 @@ from .profile_fit import (
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
 # a decode step's: few rows, a whole weight read per call (``Profile.matmul_bytes_per_s``)
 SKINNY_SHAPES = ((2, 1024, 1024), (4, 1024, 1024), (8, 1024, 1024), (16, 1024, 1024))
+# the matmul classes measured besides float32 (``Profile.matmul_rates``): (dtype, grouped)
+RATE_CLASSES = {
+    "bfloat16": (torch.bfloat16, False),
+    "bfloat16 grouped": (torch.bfloat16, True),
+}
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 # the matmul timed alone and under a transfer that outlasts it (the slowdown's probe)
 OVERLAP_MATMUL = (1024, 1024, 1024)
@@ -96,15 +102,15 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     ring at once."""
     rings = rings or one_ring(world_size)
     torch.manual_seed(rank)
-    matmul = []
-    for m, k, n in MATMUL_SHAPES:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        matmul.append((2.0 * m * k * n, _median(functools.partial(torch.mm, a, b), reps)))
-    skinny = []
-    for m, k, n in SKINNY_SHAPES:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        seconds = _median(functools.partial(torch.mm, a, b), reps)
-        skinny.append((2.0 * m * k * n, 4.0 * k * n, seconds))
+    matmul = [(2.0 * m * k * n, _matmul_s(m, k, n, reps)) for m, k, n in MATMUL_SHAPES]
+    skinny = [(2.0 * m * k * n, 4.0 * k * n, _matmul_s(m, k, n, reps)) for m, k, n in SKINNY_SHAPES]
+    rated = {
+        rate_class: [
+            (2.0 * m * k * n, _matmul_s(m, k, n, reps, dtype, grouped)) for m, k, n in MATMUL_SHAPES
+        ]
+        for rate_class, (dtype, grouped) in RATE_CLASSES.items()
+        if not grouped or hasattr(torch, "_grouped_mm")
+    }
     message = link_points(rank, rings, reps)
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
     add_s = _median(lambda: torch.add(x, y), reps)
@@ -116,7 +122,33 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
         3 * x.numel() * 4 / add_s,
         curves,
         probe_fixed_costs(rank, rings, group, reps),
+        rated,
     )
+
+
+def linear_operands(
+    m: int, k: int, n: int, dtype: torch.dtype = torch.float32, groups: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, k] and a weight as ``F.linear`` reads it: ``w.t()`` of w [n, k] (the layout of
+    every framework's linear layers; a skinny matmul on this project's CI machine reads it
+    at half the rate of a row-major [k, n]: 8 rows of 1024x1024 take 0.55 ms, not 0.24),
+    or with ``groups`` one such weight per group, [groups, k, n]."""
+    x = torch.randn(m, k, dtype=dtype)
+    if groups:
+        return x, torch.randn(groups, n, k, dtype=dtype).transpose(-2, -1)
+    return x, torch.randn(n, k, dtype=dtype).t()
+
+
+def _matmul_s(
+    m: int, k: int, n: int, reps: int, dtype: torch.dtype = torch.float32, grouped: bool = False
+) -> float:
+    """One x @ w call of ``linear_operands`` (``grouped``: two groups of m/2 rows, as an
+    MoE's ``_grouped_mm`` runs two experts)."""
+    x, w = linear_operands(m, k, n, dtype, 2 if grouped else 0)
+    if grouped:
+        offs = torch.tensor([m // 2, m], dtype=torch.int32)
+        return _median(functools.partial(torch._grouped_mm, x, w, offs=offs), reps)
+    return _median(functools.partial(torch.mm, x, w), reps)
 
 
 def probe_fixed_costs(
@@ -268,8 +300,7 @@ def _step_site_times(
     def site(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)), w)
 
-    rows, k, cols = STEP_SITE
-    x, w = torch.randn(rows, k), torch.randn(k, cols)
+    x, w = linear_operands(*STEP_SITE)
     ring = apply(make_fx(site, tracing_mode="fake")(x, w), schedule="ring")
     collective = make_fx(site, tracing_mode="fake")(x, w)
     times: dict[str, list[float]] = {"ring": [], "collective": []}

@@ -10,7 +10,8 @@ import itertools
 import statistics
 from collections.abc import Sequence
 
-from ..cost.profiles import COLLECTIVES, CURVE_BLOCK_BYTES, Curve, Profile
+from ..cost.profile_checks import COLLECTIVES
+from ..cost.profiles import CURVE_BLOCK_BYTES, Curve, MatmulRate, Profile
 from ..cost.simulator import Work, simulate
 from ..schedules import Direction
 
@@ -45,6 +46,8 @@ class Measurements:
     # collective -> group size -> [(block bytes, seconds)] of the backend's own collective
     collectives: dict[str, dict[int, list[tuple[float, float]]]]
     fixed: FixedCostProbe
+    # (FLOPs, seconds) of the other matmul classes (``Profile.matmul_rates``), by class
+    rated: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -87,6 +90,11 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         overlap_slowdown=m.fixed.overlap_slowdown,
         matmul_bytes_per_s=_weight_rate(m.skinny, matmul_latency, s_per_flop),
         collectives=fitted_curves(with_small_calls(m.collectives, m.fixed, n)),
+        matmul_rates={
+            rate_class: MatmulRate(latency, 1 / slope)
+            for rate_class, points in m.rated.items()
+            for latency, slope in [fit_line(points)]
+        },
     )
     # The fixed costs are what the simulation of the step site lacks without them: the
     # collective pays its overhead once (the call overhead of the ring formula, used for

@@ -158,6 +158,13 @@ class Matmul:
         per_group = layout is not None and layout.groups == "K"
         return 2 * numel(self.node) * k / (dims.hint(val(self.node).shape[0]) if per_group else 1)
 
+    @property
+    def rate_class(self) -> str:
+        """Its class as the cost model rates it (``Profile.matmul_rates``): A's dtype by
+        name ("bfloat16"), " grouped" added for a grouped matmul."""
+        dtype = str(val(self.a).dtype).removeprefix("torch.")
+        return f"{dtype} grouped" if self.offs is not None else dtype
+
     def whole_bytes(self, columns: bool) -> float:
         """Bytes of the operand a block of the product's rows (``columns``: of its
         columns) reads whole: B (A). A matmul cut into n blocks reads it n times."""
@@ -273,6 +280,16 @@ def weight_bytes_of(node: Node) -> float:
     """The bytes of a matmul node's B, which it reads whole (0 for any other node)."""
     matmul = Matmul.of(node, batched=True)
     return matmul.whole_bytes(columns=False) if matmul is not None else 0.0
+
+
+def rate_class_of(node: Node) -> str | None:
+    """A matmul node's ``Matmul.rate_class`` (None for any other node, or one without tensor
+    metadata)."""
+    matmul = Matmul.of(node, batched=True, grouped=True)
+    try:
+        return matmul.rate_class if matmul is not None else None
+    except Declined:
+        return None
 
 
 def is_matmul(node: Node, ops: frozenset[object] = MATMUL_OPS) -> bool:

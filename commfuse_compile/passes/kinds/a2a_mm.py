@@ -137,7 +137,10 @@ class A2aMm(AtCollective[A2aMmSite]):
         flops = sum(2 * numel(u.mm.node) * dims.hint(u.mm.contracted) for u in site.uses)
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
         whole = site.whole_bytes()
-        return Work(self.direction, n, flops / n, message / n, len(site.uses), whole_bytes=whole)
+        return Work(
+            self.direction, n, flops / n, message / n, len(site.uses),
+            whole_bytes=whole, matmul_class=site.uses[0].mm.rate_class,
+        )  # fmt: skip
 
     def start(self, site: A2aMmSite, taken: Taken) -> tuple[A2aMmSite, Node]:
         readers = list(site.wait.users)

@@ -118,7 +118,9 @@ class MmA2a(AtCollective[MmA2aSite]):
         flops = 2 * numel(mm.node) * dims.hint(mm.contracted)
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
         whole = mm.whole_bytes(site.product_dim == 1)
-        return Work(self.direction, n, flops / n, message / n, whole_bytes=whole)
+        return Work(
+            self.direction, n, flops / n, message / n, whole_bytes=whole, matmul_class=mm.rate_class
+        )
 
     def lower(
         self, rw: Rewrite, site: MmA2aSite, group: Group, schedule: Schedule, slices: int

@@ -52,6 +52,7 @@ class MmAr(AtCollective[AllReduceSite]):
             len(site.terms),
             then_gather=True,
             whole_bytes=site.whole_bytes(),
+            matmul_class=site.terms[0].rate_class,
         )
 
     def lower(

@@ -76,8 +76,9 @@ class MmRs(AtCollective[MmRsSite]):
         block = site.product_bytes() / n
         terms = len(site.terms)
         return Work(
-            self.direction, n, flops(site) / n, block, terms, whole_bytes=site.whole_bytes()
-        )
+            self.direction, n, flops(site) / n, block, terms,
+            whole_bytes=site.whole_bytes(), matmul_class=site.terms[0].rate_class,
+        )  # fmt: skip
 
     def lower(
         self, rw: Rewrite, site: MmRsSite, group: Group, schedule: Schedule, slices: int

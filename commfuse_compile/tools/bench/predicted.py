@@ -20,11 +20,11 @@ from collections.abc import Sequence
 import torch
 
 from ... import report
-from ...cost.profiles import Profile, for_device, load
+from ...cost.profiles import MatmulRate, Profile, for_device, load
 from ...options import Options
 from ...passes import match, plan
 from ...passes.fx.graph import moved_bytes, nbytes
-from ...passes.fx.matmuls import flops_of, weight_bytes_of
+from ...passes.fx.matmuls import flops_of, rate_class_of, weight_bytes_of
 from .sites import SiteProgram
 
 
@@ -49,7 +49,7 @@ def program_us(
         if node.op != "call_function" or node.name in held or "commfuse" in node.meta:
             continue  # a kept site's, or emitted by a rewritten site (its prediction)
         if (flops := flops_of(node)) > 0:
-            outside += p.matmul_s(flops, weight_bytes_of(node))
+            outside += p.matmul_s(flops, weight_bytes_of(node), rate_class_of(node))
         elif node.target in plan.TIMED_COLLECTIVES:
             outside += plan.collective_seconds(node, nbytes(node.all_input_nodes[0]), p)
         elif isinstance(node.target, torch._ops.OpOverload):
@@ -69,6 +69,10 @@ def at_compute_speed(p: Profile, factor: float) -> Profile:
         p,
         name=f"{p.name} at {factor:.2f}x its compute time",
         matmul_flops=p.matmul_flops / factor,
+        matmul_rates={
+            form: MatmulRate(rate.latency_s * factor, rate.flops / factor)
+            for form, rate in p.matmul_rates.items()
+        },
         matmul_latency_s=p.matmul_latency_s * factor,
         matmul_bytes_per_s=p.matmul_bytes_per_s / factor,
         memory_bytes_per_s=p.memory_bytes_per_s / factor,

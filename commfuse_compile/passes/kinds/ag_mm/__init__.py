@@ -59,7 +59,10 @@ class AgMm(SiteKind[AgMmSite]):
         shards = (site.shard, *((site.beside.shard,) if site.beside else ()))
         shard_bytes = sum(numel(shard) * val(shard).element_size() for shard in shards)
         whole = site.whole_bytes()
-        return Work(self.direction, n, flops / n, shard_bytes, len(site.uses), whole_bytes=whole)
+        return Work(
+            self.direction, n, flops / n, shard_bytes, len(site.uses),
+            whole_bytes=whole, matmul_class=site.uses[0].mm.rate_class,
+        )  # fmt: skip
 
     def start(self, site: AgMmSite, taken: Taken) -> tuple[AgMmSite, Node]:
         return placed(site, taken)

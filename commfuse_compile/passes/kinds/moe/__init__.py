@@ -37,6 +37,7 @@ from ....schedules import Direction, Schedule, round_trip
 from ...fx import dims
 from ...fx.collectives import ALL_TO_ALL
 from ...fx.graph import moved_bytes, node_arg, numel, val
+from ...fx.matmuls import rate_class_of
 from ...kit.rewrite import Rewrite, Taken
 from ...kit.site_kind import AtCollective, Peers
 from .find import match as match_dispatch
@@ -77,6 +78,7 @@ class Moe(AtCollective[MoeSite]):
         return Work(
             self.direction, n, flops / n, block_bytes(site.dispatch), len(site.grouped),
             back_bytes=back, block_ops=block_ops(site), block_op_bytes=moved,
+            matmul_class=rate_class_of(site.grouped[0]),
         )  # fmt: skip
 
     def start(self, site: MoeSite, taken: Taken) -> tuple[MoeSite, Node]:
