@@ -335,7 +335,7 @@ def test_site_work_counts_a_sites_flops_bytes_and_matmul_calls(fake_world_of_4):
     )
 
 
-def test_a_matmul_runs_at_its_class_rate_else_its_dtypes_else_the_profiles():
+def test_a_matmul_runs_at_its_class_rate_and_an_op_call_costs_its_own():
     """bfloat16 on this project's CI machine: 4-7x float32's FLOP/s, 30 us a call."""
     p = dataclasses.replace(BUILTIN["gloo-loopback"], matmul_rates=BF16_RATES)
     assert p.matmul_s(1e9, 0.0, "bfloat16") == pytest.approx(3e-5 + 1e9 / 1.2e12)
@@ -343,6 +343,8 @@ def test_a_matmul_runs_at_its_class_rate_else_its_dtypes_else_the_profiles():
     assert p.matmul_rate("bfloat16 batched") == BF16_RATES["bfloat16"]
     for other in ("float32", "float16", None):
         assert p.matmul_s(1e9, 0.0, other) == BUILTIN["gloo-loopback"].matmul_s(1e9)
+    assert p.memory_op_s(0.0) == p.matmul_latency_s  # an op's call: a matmul's, unmeasured
+    assert dataclasses.replace(p, op_call_s=1.2e-5).memory_op_s(0.0) == 1.2e-5
     work = Work(GATHER, 2, 1e9, 1e6, matmul_class="bfloat16")
     assert (
         simulate(work, "ring", p).end_s
@@ -549,6 +551,7 @@ def _measurements_of(p: Profile, n: int) -> fit.Measurements:
             ]
             for rate_class in p.matmul_rates
         },
+        op_call_s=p.op_call_s,
     )
 
 
@@ -559,7 +562,7 @@ def test_profile_from_reproduces_the_constants_it_was_measured_on(profile, n):
     as a switched one, with the same constants. The machine's collectives run as the ring
     formula says (its call overhead is then what the step site shows)."""
     profile = dataclasses.replace(
-        profile, duplex_neighbours=False, collectives={}, matmul_rates=BF16_RATES
+        profile, duplex_neighbours=False, collectives={}, matmul_rates=BF16_RATES, op_call_s=1.2e-5
     )
     fitted = fit.profile_from(_measurements_of(profile, n), n, "fitted", "synthetic")
     for rate_class, rate in BF16_RATES.items():

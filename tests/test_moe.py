@@ -31,7 +31,7 @@ from torch.fx import GraphModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from commfuse_compile import Options
-from commfuse_compile.passes import rewrite_graph
+from commfuse_compile.passes import plan, rewrite_graph
 from commfuse_compile.passes.kinds.unclaimed import COLLECTIVES
 from commfuse_compile.tools.training import moe, moe_loop
 
@@ -105,24 +105,25 @@ def _paths(gm: GraphModule) -> list[tuple[str, str, list[str]]]:
     return rows
 
 
-def captured(kind: str) -> dict[str, dict]:
+def captured(kind: str, options: Options = RING) -> dict[str, dict]:
     """One block of ``kind`` compiled (fullgraph, scalars captured) with a backend that
     records, per graph, every collective's (kind, decision, decline code) from
-    ``rewrite_graph`` on a copy and the ops between the all-to-alls and the matmuls;
-    it runs the graph unchanged (the fake group moves no data)."""
+    ``rewrite_graph`` on a copy with ``options``, and the ops between the all-to-alls and
+    the matmuls; it runs the graph unchanged (the fake group moves no data)."""
     graphs: dict[str, dict] = {}
 
     def compiler(gm: GraphModule, example_inputs, role: str):
         copy = GraphModule(gm, __import__("copy").deepcopy(gm.graph))
         names = [n.name for n in _collectives(copy)]
         paths = _paths(copy)
-        records = rewrite_graph(copy, role, RING)
+        records = rewrite_graph(copy, role, options)
         named = collections.Counter(n for r in records for n in r.match["collectives"])
         graphs[role] = {
             "collectives": names,
             "named": named,
             "table": [(r.kind, r.decision, r.decline_code) for r in records],
             "reasons": [r.reason for r in records],
+            "planned": [(r.schedule, r.predicted_us) for r in records],
             "paths": paths,
         }
         return make_boxed_func(gm)
@@ -151,6 +152,11 @@ def captured(kind: str) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def graphs(fake_world) -> dict[str, dict[str, dict]]:
     return {kind: captured(kind) for kind in moe.MOES}
+
+
+@pytest.fixture(scope="module")
+def auto_graphs(fake_world) -> dict[str, dict[str, dict]]:
+    return {kind: captured(kind, Options(inner="eager")) for kind in moe.MOES}
 
 
 @pytest.mark.parametrize("kind", moe.MOES)
@@ -203,6 +209,29 @@ def test_dropless_dispatch_experts_combine_rewritten_as_one_site(graphs, role):
     assert graph["table"] == DROPLESS[role], list(
         zip(graph["table"], graph["reasons"], strict=True)
     )
+
+
+@pytest.mark.parametrize("kind", moe.MOES)
+@pytest.mark.parametrize("role", ["forward", "backward"])
+def test_auto_decides_each_moe_site_by_the_models_times(auto_graphs, graphs, kind, role):
+    """The default schedule (``auto``) on the blocks ``ring`` rewrites: the same sites,
+    each rewritten at a schedule whose predicted time pays against the collective's, or
+    kept, declined ``plan.not_profitable``, where none does; a record per collective."""
+    auto, ring = auto_graphs[kind][role], graphs[kind][role]
+    assert auto["named"] == collections.Counter(auto["collectives"])
+    assert [row[0] for row in auto["table"]] == [row[0] for row in ring["table"]]
+    for (_, decision, code), (schedule, predicted), ran in zip(
+        auto["table"], auto["planned"], ring["table"], strict=True
+    ):
+        if ran[1] != "rewritten":
+            assert (decision, code) == ran[1:]
+            continue
+        paying = [s for s, t in predicted.items() if plan.pays(t, predicted["collective"])]
+        assert "collective" in predicted and len(predicted) > 1, predicted
+        if decision == "rewritten":
+            assert schedule in paying, (schedule, predicted)
+        else:
+            assert (code, paying) == ("plan.not_profitable", []), (code, predicted)
 
 
 # ----------------------------------------------------------------------------------------

@@ -135,6 +135,10 @@ class Profile:
     # ``calibrate`` measures bfloat16 and its grouped form; a class not here runs as its
     # dtype does, else at ``matmul_latency_s`` and ``matmul_flops``.
     matmul_rates: dict[str, MatmulRate] = dataclasses.field(default_factory=dict)
+    # The fixed cost of one other op's call in a traced graph (an index, a sort, a cast):
+    # about 12 us on this project's CI machine, where a float32 matmul's fitted latency
+    # comes out 0-5. 0: not measured, a matmul call's latency.
+    op_call_s: float = 0.0
 
     def curve(self, collective: str, n: int) -> Curve | None:
         return self.collectives.get(collective, {}).get(n)
@@ -159,7 +163,12 @@ class Profile:
         """One call of an op whose time is its memory traffic (element-wise, indexing, a
         copy) reading and writing ``nbytes``: its call's fixed cost, then the bytes at the
         element-wise rate."""
-        return self.matmul_latency_s + nbytes / self.memory_bytes_per_s
+        return self.op_s + nbytes / self.memory_bytes_per_s
+
+    @property
+    def op_s(self) -> float:
+        """One op call's fixed cost (``op_call_s``)."""
+        return self.op_call_s or self.matmul_latency_s
 
     def message_s(self, nbytes: float, sharing: int = 1) -> float:
         """One message of ``nbytes`` while ``sharing`` messages leave the rank at once."""

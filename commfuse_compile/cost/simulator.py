@@ -43,7 +43,7 @@ class Work:
     # a round trip's way back: the bytes of one block's results (None: ``block_bytes``)
     back_bytes: float | None = None
     # other op calls per block (a round trip's sorting and indexing of each block's rows),
-    # each paying a call's fixed cost (``Profile.matmul_latency_s``); once for the
+    # each paying a call's fixed cost (``Profile.op_s``); once for the
     # collective, which runs them on all the rows at once
     block_ops: int = 0
     # bytes those ops read and write for one block (``Profile.memory_op_s``: a dropless
@@ -105,7 +105,7 @@ def predict(work: Work, profile: Profile, slices: int = 2) -> dict[str, Timeline
 
 def _block_compute_s(work: Work, profile: Profile, fraction: float = 1.0) -> float:
     """``fraction`` of a block's work: its matmuls, and its other ops' calls and bytes."""
-    ops = work.block_ops * profile.matmul_latency_s
+    ops = work.block_ops * profile.op_s
     moved = work.block_op_bytes * fraction / profile.memory_bytes_per_s
     return _matmul_calls_s(work, profile, work.block_flops * fraction) + ops + moved
 

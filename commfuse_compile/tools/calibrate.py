@@ -64,6 +64,7 @@ MAX_OVERLAP_MESSAGE_BYTES = 512 << 20
 # ten 3-8 ms; a median of 3 once came out 3.5 ms and ``auto`` then split a decode step's
 # all-reduce): timed ``SMALL_CALL_REPS`` times as often, at little cost.
 SMALL_CALL_BYTES = 1 << 20
+OP_CALLS = 64  # the ops of ``_op_call_s``'s graph (about)
 SMALL_CALL_REPS = 4
 FIXED_COST_ROUNDS = 3  # the fixed costs' probes, each on every rank (``FixedCostProbe``)
 
@@ -114,6 +115,7 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     message = link_points(rank, rings, reps)
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
     add_s = _median(lambda: torch.add(x, y), reps)
+    op_call_s = _op_call_s(reps)
     curves, group = collectivefitted_curves(rank, rings, reps)
     return Measurements(
         matmul,
@@ -123,7 +125,25 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
         curves,
         probe_fixed_costs(rank, rings, group, reps),
         rated,
+        op_call_s,
     )
+
+
+def _op_call_s(reps: int) -> float:
+    """One op's call in a traced graph (``Profile.op_call_s``): a graph of ``OP_CALLS``
+    ops on a few rows (an index, a cast, an add, a concatenation, as a dropless MoE's
+    routing runs them), timed whole, per op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def ops(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+        for _ in range(OP_CALLS // 4):
+            x = torch.cat([x[order].to(torch.float64).add(1).to(torch.float32)[:1], x[1:]])
+        return x
+
+    x, order = torch.randn(16, 8), torch.randperm(16)
+    gm = make_fx(ops)(x, order)
+    calls = sum(1 for node in gm.graph.nodes if node.op == "call_function")
+    return _median(functools.partial(gm, x, order), reps * SMALL_CALL_REPS) / calls
 
 
 def linear_operands(

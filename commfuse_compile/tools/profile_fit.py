@@ -48,6 +48,7 @@ class Measurements:
     fixed: FixedCostProbe
     # (FLOPs, seconds) of the other matmul classes (``Profile.matmul_rates``), by class
     rated: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    op_call_s: float = 0.0  # one op's call in a traced graph (``Profile.op_call_s``)
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -90,6 +91,7 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         overlap_slowdown=m.fixed.overlap_slowdown,
         matmul_bytes_per_s=_weight_rate(m.skinny, matmul_latency, s_per_flop),
         collectives=fitted_curves(with_small_calls(m.collectives, m.fixed, n)),
+        op_call_s=m.op_call_s,
         matmul_rates={
             rate_class: MatmulRate(latency, 1 / slope)
             for rate_class, points in m.rated.items()

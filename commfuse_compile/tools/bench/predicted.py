@@ -77,6 +77,7 @@ def at_compute_speed(p: Profile, factor: float) -> Profile:
         matmul_bytes_per_s=p.matmul_bytes_per_s / factor,
         memory_bytes_per_s=p.memory_bytes_per_s / factor,
         step_overhead_s=p.step_overhead_s * factor,
+        op_call_s=p.op_call_s * factor,
     )
 
 
