@@ -257,9 +257,9 @@ def _a2a_gmm_a2a(
     ``.view(n, -1).sum(1).tolist()``, the uneven dispatch all-to-all, the rows permuted
     from (source rank, expert) order to expert order (``argsort`` of the repeated
     expert ids), the SwiGLU experts (``torch._grouped_mm`` with ``w1``, ``w3 [E_local,
-    d, f]``, ``w2 [E_local, f, d]`` and ``offs`` the cumulative rows per expert), the
-    rows put back (``new_empty(...)[perm] = out``) and the combine all-to-all (splits
-    swapped). Routing: :func:`dropless_routing`. The pass makes it one ``moe`` site."""
+    f, d]``, ``w2 [E_local, d, f]``, each transposed, and ``offs`` the cumulative rows per
+    expert), the rows put back (``new_empty(...)[perm] = out``) and the combine all-to-all
+    (splits swapped). Routing: :func:`dropless_routing`. The pass makes it one ``moe`` site."""
     e = EXPERTS_PER_RANK
     rank, world = dist.get_rank(), dist.group.WORLD
     assert world is not None
@@ -270,8 +270,9 @@ def _a2a_gmm_a2a(
         return rand(*size).to(torch.bfloat16)
 
     x = bf16(s, d)
-    w1, w3 = bf16(e, d, f) / d**0.5, bf16(e, d, f) / d**0.5
-    w2 = bf16(e, f, d) / f**0.5
+    # torchtitan's weights: [E, out, in], read transposed (``_run_experts_grouped_mm``)
+    w1, w3 = ((bf16(e, f, d) / d**0.5).transpose(-2, -1) for _ in range(2))
+    w2 = (bf16(e, d, f) / f**0.5).transpose(-2, -1)
     # what this rank receives: rows per (source rank, expert), and per expert
     received = [c for src in range(n) for c in _per_expert(routing[src][rank], e)]
     per_expert = torch.tensor(received).view(n, e).sum(0)
