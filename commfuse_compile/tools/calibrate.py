@@ -64,8 +64,8 @@ MAX_OVERLAP_MESSAGE_BYTES = 512 << 20
 # ten 3-8 ms; a median of 3 once came out 3.5 ms and ``auto`` then split a decode step's
 # all-reduce): timed ``SMALL_CALL_REPS`` times as often, at little cost.
 SMALL_CALL_BYTES = 1 << 20
-OP_CALLS = 64  # the ops of ``_op_call_s``'s graph (about)
 SMALL_CALL_REPS = 4
+OP_CALLS = 64  # the ops of ``_op_call_s``'s graph (about)
 FIXED_COST_ROUNDS = 3  # the fixed costs' probes, each on every rank (``FixedCostProbe``)
 
 
@@ -110,7 +110,6 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
             (2.0 * m * k * n, _matmul_s(m, k, n, reps, dtype, grouped)) for m, k, n in MATMUL_SHAPES
         ]
         for rate_class, (dtype, grouped) in RATE_CLASSES.items()
-        if not grouped or hasattr(torch, "_grouped_mm")
     }
     message = link_points(rank, rings, reps)
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
@@ -146,7 +145,7 @@ def _op_call_s(reps: int) -> float:
     return _median(functools.partial(gm, x, order), reps * SMALL_CALL_REPS) / calls
 
 
-def linear_operands(
+def _linear_operands(
     m: int, k: int, n: int, dtype: torch.dtype = torch.float32, groups: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [m, k] and a weight as ``F.linear`` reads it: ``w.t()`` of w [n, k] (the layout of
@@ -162,9 +161,9 @@ def linear_operands(
 def _matmul_s(
     m: int, k: int, n: int, reps: int, dtype: torch.dtype = torch.float32, grouped: bool = False
 ) -> float:
-    """One x @ w call of ``linear_operands`` (``grouped``: two groups of m/2 rows, as an
+    """One x @ w call of ``_linear_operands`` (``grouped``: two groups of m/2 rows, as an
     MoE's ``_grouped_mm`` runs two experts)."""
-    x, w = linear_operands(m, k, n, dtype, 2 if grouped else 0)
+    x, w = _linear_operands(m, k, n, dtype, 2 if grouped else 0)
     if grouped:
         offs = torch.tensor([m // 2, m], dtype=torch.int32)
         return _median(functools.partial(torch._grouped_mm, x, w, offs=offs), reps)
@@ -320,7 +319,7 @@ def _step_site_times(
     def site(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.mm(c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)), w)
 
-    x, w = linear_operands(*STEP_SITE)
+    x, w = _linear_operands(*STEP_SITE)
     ring = apply(make_fx(site, tracing_mode="fake")(x, w), schedule="ring")
     collective = make_fx(site, tracing_mode="fake")(x, w)
     times: dict[str, list[float]] = {"ring": [], "collective": []}
