@@ -43,6 +43,7 @@ from commfuse_compile.tools.bench.figures import (
 from commfuse_compile.tools.bench.markdown import markdown
 from commfuse_compile.tools.bench.netns import PREFIX, can_throttle, remove_stale_namespaces
 from commfuse_compile.tools.bench.plot import plot_speedup
+from commfuse_compile.tools.bench.predicted import matmul_alone_s
 from commfuse_compile.tools.bench.run import FULL, QUICK, kind_rows, variants
 from commfuse_compile.tools.bench.sites import build_site, dropless_routing
 from commfuse_compile.tools.bench.targets import predicted_cells
@@ -462,11 +463,13 @@ def test_the_dropless_cells_site_is_priced_alike_on_every_compile():
     (``moe``'s ``work`` now takes the rows sent, static, both ways). Graph level, rank 0
     of 2 on the fake process group."""
     import copy
+    import dataclasses
 
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from commfuse_compile import apply, report
+    from commfuse_compile.cost.profiles import MatmulRate, for_device
 
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
@@ -480,6 +483,11 @@ def test_the_dropless_cells_site_is_priced_alike_on_every_compile():
     finally:
         dist.destroy_process_group()
     assert predicted[0] == predicted[1]
+    # its matmul alone (three grouped bfloat16 calls) at that class's rate, as the model
+    # prices the site's matmuls: the compute factor of the cell's at-speed column
+    rated = {"bfloat16 grouped": MatmulRate(1e-4, 1e12)}
+    p = dataclasses.replace(for_device("cpu"), matmul_rates=rated)
+    assert matmul_alone_s(site, p) == pytest.approx(3e-4 + site.flops / 1e12)
 
 
 def test_a_cell_whose_collective_is_fixed_cost_gets_a_rate_tc_takes():

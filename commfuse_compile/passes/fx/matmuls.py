@@ -162,8 +162,7 @@ class Matmul:
     def rate_class(self) -> str:
         """Its class as the cost model rates it (``Profile.matmul_rates``): A's dtype by
         name ("bfloat16"), " grouped" added for a grouped matmul."""
-        dtype = str(val(self.a).dtype).removeprefix("torch.")
-        return f"{dtype} grouped" if self.offs is not None else dtype
+        return rate_class(val(self.a).dtype, grouped=self.offs is not None)
 
     def whole_bytes(self, columns: bool) -> float:
         """Bytes of the operand a block of the product's rows (``columns``: of its
@@ -280,6 +279,12 @@ def weight_bytes_of(node: Node) -> float:
     """The bytes of a matmul node's B, which it reads whole (0 for any other node)."""
     matmul = Matmul.of(node, batched=True)
     return matmul.whole_bytes(columns=False) if matmul is not None else 0.0
+
+
+def rate_class(dtype: torch.dtype, grouped: bool) -> str:
+    """A matmul's class (``Profile.matmul_rates``): "bfloat16", "bfloat16 grouped"."""
+    name = str(dtype).removeprefix("torch.")
+    return f"{name} grouped" if grouped else name
 
 
 def rate_class_of(node: Node) -> str | None:

@@ -83,4 +83,5 @@ def at_compute_speed(p: Profile, factor: float) -> Profile:
 
 def matmul_alone_s(site: SiteProgram, p: Profile) -> float:
     """The model's time of a cell's matmul alone (``SiteProgram.matmul``)."""
-    return site.calls * p.matmul_s(site.flops / site.calls, site.weight_bytes / site.calls)
+    per_call = (site.flops / site.calls, site.weight_bytes / site.calls, site.matmul_class)
+    return site.calls * p.matmul_s(*per_call)

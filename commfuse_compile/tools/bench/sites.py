@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ...passes.fx.matmuls import rate_class
 from .config import DROPLESS_KIND, EXPERTS_PER_RANK, MOE_KIND, SiteShape
 
 c10d = torch.ops._c10d_functional
@@ -43,6 +44,7 @@ class SiteProgram:
     # the bytes of the operands its calls read whole (each B), and its calls
     weight_bytes: float = 0.0
     calls: int = 1
+    matmul_class: str | None = None  # ``Profile.matmul_rates``
 
 
 @dataclasses.dataclass
@@ -64,6 +66,7 @@ class _Parts:
     flops: float | None = None
     calls: int | None = None  # the matmul calls of ``matmul``
     message: torch.Tensor | None = None
+    grouped: bool = False  # ``matmul`` runs grouped matmuls (their rate class)
 
 
 def _exchanged(x: torch.Tensor, n: int, group: str) -> torch.Tensor:
@@ -319,13 +322,14 @@ def _a2a_gmm_a2a(
     return _Parts(
         program,
         [x, counts, w1, w3, w2],
-        (x, w1),  # unused: ``matmul`` given
+        (x, w1),  # ``matmul`` given: their dtype only
         collective,
         sent * d,
         rounds=2,
         captured=True,
         matmul=matmul,
         calls=3,  # w1, w3, w2
+        grouped=True,
         flops=3 * 2.0 * rows_in * d * f,
         message=bf16(2 * sent * d),
     )
@@ -406,4 +410,5 @@ def build_site(kind: str, shape: SiteShape, n: int, rank: int) -> SiteProgram:
         if parts.matmul
         else sum(b.numel() * b.element_size() for _, b in operands),
         calls=parts.calls or len(operands),
+        matmul_class=rate_class(parts.operands[0].dtype, parts.grouped),
     )
