@@ -9,7 +9,10 @@ all-to-all (``a2a_experts_a2a``: an ``a2a_mm`` and an ``mm_a2a`` site, ``bmm``),
 dropless MoE's token counts exchanged, ``.tolist()`` splits, uneven dispatch all-to-all
 -> grouped-GEMM SwiGLU experts -> combine all-to-all (``a2a_gmm_a2a``: one ``moe`` site),
 written as DTensor, Ulysses, DeepSpeed's ``MOELayer`` or torchtitan writes it and traced
-to aten (the dropless one by Dynamo and AOTAutograd, its scalars captured).
+to aten (the dropless one by Dynamo and AOTAutograd, its scalars captured). A linear's
+weight is ``[out, in]``, read transposed, as ``nn.Linear`` holds it and ``F.linear`` reads
+it (on this project's CI machine a few-row matmul reads a weight so laid out at half a
+row-major one's rate: the decode cells are bound by it).
 """
 
 from __future__ import annotations
@@ -76,32 +79,32 @@ def _exchanged(x: torch.Tensor, n: int, group: str) -> torch.Tensor:
 
 
 def _ag_mm(s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str) -> _Parts:
-    x, w = rand(1, s // n, d), rand(d, f // n)
+    x, w = rand(1, s // n, d), rand(f // n, d)
 
     def program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
         g = c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
         g = torch.cat(torch.split(g, 1), dim=1)  # DTensor's gather on the sequence dim
-        return (torch.mm(g.reshape(-1, d), w),)
+        return (torch.mm(g.reshape(-1, d), w.t()),)
 
     def collective() -> object:
         return c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group))
 
-    return _Parts(program, [x, w], (rand(s, d), w), collective, (s // n) * d)
+    return _Parts(program, [x, w], (rand(s, d), w.t()), collective, (s // n) * d)
 
 
 def _mm_rs(s: int, d: int, f: int, n: int, rand: Callable[..., torch.Tensor], group: str) -> _Parts:
-    a, w = rand(s, f // n), rand(f // n, d)
+    a, w = rand(s, f // n), rand(d, f // n)
     product = rand(n, s // n, d)
 
     def program(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
-        z = torch.mm(a, w).view(1, s, d)
+        z = torch.mm(a, w.t()).view(1, s, d)
         z = torch.cat(torch.split(z, s // n, dim=1), dim=0)  # DTensor's scatter on dim 1
         return (c10d.wait_tensor(c10d.reduce_scatter_tensor(z, "sum", n, group)),)
 
     def collective() -> object:
         return c10d.wait_tensor(c10d.reduce_scatter_tensor(product, "sum", n, group))
 
-    return _Parts(program, [a, w], (a, w), collective, (s // n) * d)
+    return _Parts(program, [a, w], (a, w.t()), collective, (s // n) * d)
 
 
 def _mm_a2a(
@@ -110,14 +113,15 @@ def _mm_a2a(
     """Ulysses' q projection: this rank's s/n tokens times W (d -> f = heads x head
     dim), its head groups sent one to each rank (heads scattered, the sequence whole)."""
     m = s // n
-    x, w = rand(m, d), rand(d, f)
+    x, w = rand(m, d), rand(f, d)
     heads = rand(n, m, f // n)
 
     def program(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
-        q = torch.mm(x, w).view(m, n, f // n).permute(1, 0, 2).contiguous()
+        q = torch.mm(x, w.t()).view(m, n, f // n).permute(1, 0, 2).contiguous()
         return (_exchanged(q, n, group).view(s, f // n),)
 
-    return _Parts(program, [x, w], (x, w), lambda: _exchanged(heads, n, group), m * (f // n))
+    exchange = functools.partial(_exchanged, heads, n, group)
+    return _Parts(program, [x, w], (x, w.t()), exchange, m * (f // n))
 
 
 def _a2a_mm(
@@ -127,16 +131,16 @@ def _a2a_mm(
     rank's heads, each rank's tokens sent to it (heads gathered), then @ Wo (f -> d),
     contracting over the heads."""
     m = s // n
-    a, w = rand(s, f // n), rand(f, d)
+    a, w = rand(s, f // n), rand(d, f)
 
     def program(a: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
         g = _exchanged(a.view(n, m, f // n), n, group)  # block j: rank j's heads
-        return (torch.mm(g.permute(1, 0, 2).reshape(m, f), w),)
+        return (torch.mm(g.permute(1, 0, 2).reshape(m, f), w.t()),)
 
     def collective() -> object:
         return _exchanged(a.view(n, m, f // n), n, group)
 
-    return _Parts(program, [a, w], (rand(m, f), w), collective, m * (f // n))
+    return _Parts(program, [a, w], (rand(m, f), w.t()), collective, m * (f // n))
 
 
 def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -155,7 +159,7 @@ def _mm_ar_mm(
     RMSNorm'd on every token, then the next up-projection (d -> f/n, column-parallel).
     The pass splits the all-reduce: reduce-scatter, add and norm on s/n tokens,
     all-gather into the next matmul (an ``mm_rs`` and an ``ag_mm`` site)."""
-    a, w_down, w_up = rand(s, f // n), rand(f // n, d), rand(d, f // n)
+    a, w_down, w_up = rand(s, f // n), rand(d, f // n), rand(f // n, d)
     residual, norm_w = rand(1, s, d), 1 + 0.1 * rand(d)
     product = rand(s, d)
 
@@ -166,16 +170,22 @@ def _mm_ar_mm(
         norm_w: torch.Tensor,
         w_up: torch.Tensor,
     ) -> tuple[torch.Tensor]:
-        z = c10d.wait_tensor(c10d.all_reduce(torch.mm(a, w_down), "sum", group))
+        z = c10d.wait_tensor(c10d.all_reduce(torch.mm(a, w_down.t()), "sum", group))
         h = residual + z.view(1, s, d)
-        return (torch.mm(_rms_norm(h, norm_w).view(s, d), w_up),)
+        return (torch.mm(_rms_norm(h, norm_w).view(s, d), w_up.t()),)
 
     def collective() -> object:
         return c10d.wait_tensor(c10d.all_reduce(product, "sum", group))
 
     inputs = [a, w_down, residual, norm_w, w_up]
     return _Parts(
-        program, inputs, (a, w_down), collective, (s // n) * d, more=((product, w_up),), rounds=2
+        program,
+        inputs,
+        (a, w_down.t()),
+        collective,
+        (s // n) * d,
+        more=((product, w_up.t()),),
+        rounds=2,
     )
 
 
