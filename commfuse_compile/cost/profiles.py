@@ -136,7 +136,7 @@ class Profile:
     # dtype does, else at ``matmul_latency_s`` and ``matmul_flops``.
     matmul_rates: dict[str, MatmulRate] = dataclasses.field(default_factory=dict)
     # The fixed cost of one other op's call in a traced graph (an index, a sort, a cast):
-    # about 12 us on this project's CI machine, where a float32 matmul's fitted latency
+    # 9-12 us on this project's CI machine, where a float32 matmul's fitted latency
     # comes out 0-5. 0: not measured, a matmul call's latency.
     op_call_s: float = 0.0
 

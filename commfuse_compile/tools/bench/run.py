@@ -231,13 +231,14 @@ MOE_SIZE = SiteShape(2048, 1024, 1024)
 # The MoE block: 512 tokens per rank, top-2 of 2 experts per rank (capacity 256 at n = 2)
 MOE_BLOCK = BlockShape(seq=512, dim=256, heads=1, hidden=1024, front="moe")
 # The dropless-MoE cell: 1024 rows per rank (tokens x top-k), D=256, every expert's
-# hidden F=128, bfloat16: the CPU's _grouped_mm runs about 1 GFLOP/s here, so this is
-# about 0.2 s of experts, the other cells' compute; balanced at the three ratios, and
-# skewed routing (one peer 2x the average rows) at comm/compute 1
+# hidden F=128, bfloat16; balanced at the three ratios, and skewed routing (one peer 2x
+# the average rows) at comm/compute 1. Sized when this machine's _grouped_mm ran at about
+# 1 GFLOP/s (0.2 s of experts, the other cells' compute); on its AMX cores now (0.3-1.2
+# TFLOP/s) the experts take about 1 ms, and the cell's fixed costs are most of its time
 DROPLESS_SIZE = SiteShape(1024, 256, 128)
 DROPLESS_SKEWED = dataclasses.replace(DROPLESS_SIZE, skew=DROPLESS_SKEW)
 # The dropless-MoE block (torchtitan's): 256 tokens per rank, top-2 of 2 experts per
-# rank, SwiGLU experts of hidden 256 in bfloat16 (grouped matmuls: slow on this CPU)
+# rank, SwiGLU experts of hidden 256 in bfloat16
 DROPLESS_BLOCK = BlockShape(seq=256, dim=256, heads=1, hidden=256, front="moe", moe="dropless")
 FULL = Preset(
     name="full",
