@@ -19,8 +19,6 @@ class ProfileError(ValueError):
     """A profile name or file that cannot be used."""
 
 
-# a ``Level``'s fixed costs: null is "as inside a node"
-LEVEL_OPTIONAL = ("step_overhead_s", "overlap_slowdown")
 # divisors: > 0
 RATES = (
     *("matmul_flops", "flops", "memory_bytes_per_s", "link_bytes_per_s", "bytes_per_s"),
@@ -28,9 +26,15 @@ RATES = (
 )
 
 
-def checked(cls: type, fields: object, where: str, skip: Sequence[str] = ()) -> dict[str, Any]:
-    """``fields`` as the keywords of dataclass ``cls``, each checked (but not converted);
-    those in ``skip`` are checked by the caller, or may be null (a level's fixed costs)."""
+def checked(
+    cls: type,
+    fields: object,
+    where: str,
+    by_caller: Sequence[str] = (),
+    nullable: Sequence[str] = (),
+) -> dict[str, Any]:
+    """``fields`` as the keywords of dataclass ``cls``, each checked (but not converted):
+    those in ``by_caller`` are checked by the caller, those in ``nullable`` may be null."""
     if not isinstance(fields, dict):
         raise ProfileError(f"{where} must hold a JSON object, got {type(fields).__name__}")
     known = {f.name: f for f in dataclasses.fields(cls)}
@@ -46,7 +50,7 @@ def checked(cls: type, fields: object, where: str, skip: Sequence[str] = ()) -> 
         parts += [f"unknown {unknown}"] if unknown else []
         raise ProfileError(f"{where}: fields {'; '.join(parts)}")
     for name, value in fields.items():
-        if name in skip and (name not in LEVEL_OPTIONAL or value is None):
+        if name in by_caller or (name in nullable and value is None):
             continue
         problem = (
             collectives_problem(value) if name == "collectives" else field_problem(name, value)

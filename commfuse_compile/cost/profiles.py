@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.topology import INSIDE, Topology
-from .profile_checks import LEVEL_OPTIONAL, ProfileError, checked
+from .profile_checks import ProfileError, checked
 
 CURVE_BLOCK_BYTES = (4 << 10, 256 << 10, 1 << 20, 4 << 20)  # one rank's block, calibrated
 
@@ -94,6 +94,10 @@ class Level:
     # under one through the NIC, in ten calibrations.
     step_overhead_s: float | None = None
     overlap_slowdown: float | None = None
+
+
+# a ``Level``'s fixed costs: null is "as inside a node"
+LEVEL_NULLABLE = ("step_overhead_s", "overlap_slowdown")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,7 +398,7 @@ def load(name_or_path: str | os.PathLike[str]) -> Profile:
 def from_json(fields: object, where: str = "profile") -> Profile:
     """A profile from its JSON form, every field checked: a wrong file says which fields
     are missing, unknown or of the wrong kind (``where`` names it in the message)."""
-    values = checked(Profile, fields, where, skip=("across_nodes", "matmul_rates"))
+    values = checked(Profile, fields, where, by_caller=("across_nodes", "matmul_rates"))
     values["collectives"] = _curves(values.get("collectives", {}))
     rates = values.get("matmul_rates", {})
     if not isinstance(rates, dict):
@@ -404,7 +408,8 @@ def from_json(fields: object, where: str = "profile") -> Profile:
         for c, rate in rates.items()
     }
     if values.get("across_nodes") is not None:
-        level = checked(Level, values["across_nodes"], f"{where}: across_nodes", LEVEL_OPTIONAL)
+        where_level = f"{where}: across_nodes"
+        level = checked(Level, values["across_nodes"], where_level, nullable=LEVEL_NULLABLE)
         level["collectives"] = _curves(level.get("collectives", {}))
         values["across_nodes"] = Level(**level)
     return Profile(**values)

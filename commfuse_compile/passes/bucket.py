@@ -238,15 +238,13 @@ class _Timing:
 
     def __init__(self, gm: GraphModule) -> None:
         self.order = {node: i for i, node in enumerate(gm.graph.nodes)}
-        nodes = gm.graph.nodes
         # the matmuls' FLOPs before each node, by class (each has its rate)
+        rated = [(flops_of(n), rate_class_of(n)) for n in gm.graph.nodes]
         self.flops = {
-            form: list(
-                itertools.accumulate(
-                    (flops_of(n) if rate_class_of(n) == form else 0.0 for n in nodes), initial=0.0
-                )
+            rate_class: list(
+                itertools.accumulate((f if c == rate_class else 0.0 for f, c in rated), initial=0.0)
             )
-            for form in {rate_class_of(n) for n in nodes if flops_of(n)}
+            for rate_class in {c for f, c in rated if f}
         }
 
     def exposed_s(self, bucket: list[_Member], profile: Profile) -> float:
@@ -262,10 +260,10 @@ class _Timing:
         nbytes = sum(m.nbytes for m in bucket)
         took = plan.collective_seconds(start, nbytes, profile) + copy_s
         between = {
-            form: flops[self.order[end]] - flops[self.order[start]]
-            for form, flops in self.flops.items()
+            rate_class: flops[self.order[end]] - flops[self.order[start]]
+            for rate_class, flops in self.flops.items()
         }
-        hidden = sum(profile.matmul_s(f, matmul_class=form) for form, f in between.items() if f)
+        hidden = sum(profile.matmul_s(f, matmul_class=c) for c, f in between.items() if f)
         return max(0.0, took - hidden)
 
 

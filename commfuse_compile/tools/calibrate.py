@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..cost.profile_checks import COLLECTIVES
 from ..cost.profiles import CURVE_BLOCK_BYTES, Level, Profile
+from ..passes.fx.matmuls import rate_class
 from ..runtime import topology
 from .profile_fit import (
     STEP_SITE,
@@ -50,10 +51,7 @@ MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 51
 # a decode step's: few rows, a whole weight read per call (``Profile.matmul_bytes_per_s``)
 SKINNY_SHAPES = ((2, 1024, 1024), (4, 1024, 1024), (8, 1024, 1024), (16, 1024, 1024))
 # the matmul classes measured besides float32 (``Profile.matmul_rates``): (dtype, grouped)
-RATE_CLASSES = {
-    "bfloat16": (torch.bfloat16, False),
-    "bfloat16 grouped": (torch.bfloat16, True),
-}
+RATE_CLASSES = ((torch.bfloat16, False), (torch.bfloat16, True))
 MESSAGE_BYTES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 # the matmul timed alone and under a transfer that outlasts it (the slowdown's probe)
 OVERLAP_MATMUL = (1024, 1024, 1024)
@@ -106,10 +104,10 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     matmul = [(2.0 * m * k * n, _matmul_s(m, k, n, reps)) for m, k, n in MATMUL_SHAPES]
     skinny = [(2.0 * m * k * n, 4.0 * k * n, _matmul_s(m, k, n, reps)) for m, k, n in SKINNY_SHAPES]
     rated = {
-        rate_class: [
+        rate_class(dtype, grouped): [
             (2.0 * m * k * n, _matmul_s(m, k, n, reps, dtype, grouped)) for m, k, n in MATMUL_SHAPES
         ]
-        for rate_class, (dtype, grouped) in RATE_CLASSES.items()
+        for dtype, grouped in RATE_CLASSES
     }
     message = link_points(rank, rings, reps)
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)

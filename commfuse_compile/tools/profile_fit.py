@@ -92,11 +92,7 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         matmul_bytes_per_s=_weight_rate(m.skinny, matmul_latency, s_per_flop),
         collectives=fitted_curves(with_small_calls(m.collectives, m.fixed, n)),
         op_call_s=m.op_call_s,
-        matmul_rates={
-            rate_class: MatmulRate(latency, 1 / slope)
-            for rate_class, points in m.rated.items()
-            for latency, slope in [fit_line(points)]
-        },
+        matmul_rates={rate_class: _rate(points) for rate_class, points in m.rated.items()},
     )
     # The fixed costs are what the simulation of the step site lacks without them: the
     # collective pays its overhead once (the call overhead of the ring formula, used for
@@ -131,6 +127,12 @@ def step_site_work(n: int) -> Work:
     return Work(
         Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k, whole_bytes=4.0 * k * cols
     )
+
+
+def _rate(points: Sequence[tuple[float, float]]) -> MatmulRate:
+    """A matmul class's rate from its (FLOPs, seconds) points: the fitted line."""
+    latency, s_per_flop = fit_line(points)
+    return MatmulRate(latency, 1 / s_per_flop)
 
 
 def _weight_rate(

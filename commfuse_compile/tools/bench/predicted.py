@@ -70,8 +70,8 @@ def at_compute_speed(p: Profile, factor: float) -> Profile:
         name=f"{p.name} at {factor:.2f}x its compute time",
         matmul_flops=p.matmul_flops / factor,
         matmul_rates={
-            form: MatmulRate(rate.latency_s * factor, rate.flops / factor)
-            for form, rate in p.matmul_rates.items()
+            rate_class: MatmulRate(rate.latency_s * factor, rate.flops / factor)
+            for rate_class, rate in p.matmul_rates.items()
         },
         matmul_latency_s=p.matmul_latency_s * factor,
         matmul_bytes_per_s=p.matmul_bytes_per_s / factor,
@@ -83,5 +83,5 @@ def at_compute_speed(p: Profile, factor: float) -> Profile:
 
 def matmul_alone_s(site: SiteProgram, p: Profile) -> float:
     """The model's time of a cell's matmul alone (``SiteProgram.matmul``)."""
-    per_call = (site.flops / site.calls, site.weight_bytes / site.calls, site.matmul_class)
-    return site.calls * p.matmul_s(*per_call)
+    calls = site.calls
+    return calls * p.matmul_s(site.flops / calls, site.weight_bytes / calls, site.matmul_class)
