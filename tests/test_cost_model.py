@@ -758,6 +758,37 @@ def test_a_round_trips_row_ops_cost_their_bytes_on_every_block(profile):
     assert after["round_trip"].end_s <= before["round_trip"].end_s + extra * (1 + 1e-9)
 
 
+def test_a_curves_calls_are_spread_over_rounds_of_every_point(monkeypatch):
+    """``calibrate.collective_curves`` times each (collective, size) in
+    ``CURVE_ROUNDS`` rounds that each visit every point once, its calls split among them
+    and warmed up once; a point's time is the median of all its calls. A slow spell then
+    lands on a few calls of many points: here every call of one round is 100x slower,
+    and no point moves. Rank 0 of 2 on the fake process group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    order: list[tuple[str, int, int, bool]] = []
+
+    def timed(collective, nbytes, g, group, calls, warm_up=True):
+        order.append((collective, nbytes, calls, warm_up))
+        slow = 100.0 if len(order) <= len(COLLECTIVES) * len(cal.CURVE_BLOCK_BYTES) else 1.0
+        return [slow * nbytes * 1e-9] * calls
+
+    monkeypatch.setattr(cal, "_collective_times", timed)
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        curves, _ = cal.collective_curves(0, cal.one_ring(2), reps=5)
+    finally:
+        dist.destroy_process_group()
+    points = [(c, b) for c in COLLECTIVES for b in cal.CURVE_BLOCK_BYTES]
+    assert [(c, b) for c, b, _, _ in order] == points * cal.CURVE_ROUNDS
+    assert [w for *_, w in order] == [True] * len(points) + [False] * (len(order) - len(points))
+    for c, b, calls, _ in order:
+        assert calls == -(-cal._reps(b, 5) // cal.CURVE_ROUNDS)
+    for collective in COLLECTIVES:
+        assert curves[collective][2] == [(float(b), b * 1e-9) for b in cal.CURVE_BLOCK_BYTES]
+
+
 def test_the_smallest_collectives_are_taken_from_the_step_sites_rounds():
     """``calibrate.with_small_calls``: each collective's smallest block on the whole ring
     is the one timed beside the step site (``FixedCostProbe.small_calls_s``), so that a

@@ -65,6 +65,11 @@ SMALL_CALL_BYTES = 1 << 20
 SMALL_CALL_REPS = 4
 OP_CALLS = 64  # the ops of ``_op_call_s``'s graph (about)
 FIXED_COST_ROUNDS = 3  # the fixed costs' probes, each on every rank (``FixedCostProbe``)
+# A curve's point is timed in this many rounds of every point, its calls split among
+# them: a slow spell of the machine (gloo's 4 KiB all-reduce at 1.0, 0.3 and 1.7 ms in
+# three calibrations a minute apart here, its 256 KiB all-to-all 2.0 ms against 0.4)
+# then lands on a few calls of many points, not on all the calls of one
+CURVE_ROUNDS = 4
 
 
 Rings = Sequence[Sequence[int]]  # the job's ranks split into rings of one level, alike
@@ -113,7 +118,7 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     x, y = torch.randn(1 << 20), torch.randn(1 << 20)
     add_s = _median(lambda: torch.add(x, y), reps)
     op_call_s = _op_call_s(reps)
-    curves, group = collectivefitted_curves(rank, rings, reps)
+    curves, group = collective_curves(rank, rings, reps)
     return Measurements(
         matmul,
         skinny,
@@ -194,37 +199,54 @@ def link_points(rank: int, rings: Rings, reps: int) -> list[tuple[float, float]]
     return [(float(size), _one_way(peers, size, reps)) for size in MESSAGE_BYTES]
 
 
-def collectivefitted_curves(
+def collective_curves(
     rank: int, rings: Rings, reps: int, smallest: int = 2
 ) -> tuple[dict[str, dict[int, list[tuple[float, float]]]], str]:
     """The backend's collectives (``COLLECTIVES``), timed by block size on the groups of
     the first g ranks of every ring at once, for every g from ``smallest`` to the ring's
-    size (the others wait); and the group name of this rank's whole ring."""
+    size (the others wait); and the group name of this rank's whole ring. Each point's
+    calls are spread over ``CURVE_ROUNDS`` rounds of every point, its time their median."""
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
     mine = _mine(rank, rings)
     whole = dist.group.WORLD
+    points = [(c, nbytes) for c in COLLECTIVES for nbytes in CURVE_BLOCK_BYTES]
     for g in range(smallest, len(mine) + 1):
         for ring in rings:  # every rank makes every group, in one order
             members = list(ring)[:g]
             made = whole if len(members) == dist.get_world_size() else dist.new_group(members)
             if rank in members:
                 group = made
-        for collective, by_size in curves.items():
-            points = []
-            for nbytes in CURVE_BLOCK_BYTES:
+        times: dict[tuple[str, int], list[float]] = {point: [] for point in points}
+        for turn in range(CURVE_ROUNDS):
+            for collective, nbytes in points:
                 if rank in mine[:g]:  # the others only wait (new_group gives them no group)
-                    seconds = _collective_s(collective, nbytes, g, group, reps)
-                    points.append((float(nbytes), seconds))
+                    calls = -(-_reps(nbytes, reps) // CURVE_ROUNDS)
+                    times[collective, nbytes] += _collective_times(
+                        collective, nbytes, g, group, calls, warm_up=turn == 0
+                    )
                 dist.barrier()
-            if rank in mine[:g]:
-                by_size[g] = points
+        if rank in mine[:g]:
+            for collective, by_size in curves.items():
+                by_size[g] = [
+                    (float(nbytes), statistics.median(times[collective, nbytes]))
+                    for nbytes in CURVE_BLOCK_BYTES
+                ]
     return curves, group.group_name  # type: ignore[union-attr]
 
 
 def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: int) -> float:
-    """The median time of one all-gather of ``block_bytes`` blocks (or the reduce-scatter
-    down to them, the all-to-all of one such block to each rank, the all-reduce of g of
-    them) on ``group`` of ``g`` ranks, as the functional collectives run it."""
+    """The median time of one call of ``_collective_times``."""
+    calls = _reps(block_bytes, reps)
+    return statistics.median(_collective_times(collective, block_bytes, g, group, calls))
+
+
+def _collective_times(
+    collective: str, block_bytes: int, g: int, group: Any, calls: int, warm_up: bool = True
+) -> list[float]:
+    """``calls`` timed calls of one all-gather of ``block_bytes`` blocks (or the
+    reduce-scatter down to them, the all-to-all of one such block to each rank, the
+    all-reduce of g of them) on ``group`` of ``g`` ranks, as the functional collectives
+    run it."""
     c10d = torch.ops._c10d_functional
     block = torch.randn(block_bytes // 4)
     whole = torch.randn(g * block.numel())
@@ -239,7 +261,7 @@ def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: i
         splits = [block.numel()] * g
         call = functools.partial(c10d.all_to_all_single, whole, splits, splits, group.group_name)
     dist.barrier(group)
-    return _median(lambda: c10d.wait_tensor(call()), _reps(block_bytes, reps))
+    return _times(lambda: c10d.wait_tensor(call()), calls, warm_up)
 
 
 def _overlap_slowdown(rank: int, rings: Rings, reps: int) -> float:
@@ -277,13 +299,18 @@ def _reps(nbytes: int, reps: int) -> int:
 
 
 def _median(fn: Callable[[], object], reps: int) -> float:
-    fn()
+    return statistics.median(_times(fn, reps))
+
+
+def _times(fn: Callable[[], object], reps: int, warm_up: bool = True) -> list[float]:
+    if warm_up:
+        fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def _one_way(peers: tuple[int, int], nbytes: int, reps: int) -> float:
@@ -391,7 +418,7 @@ def measure_levels(
     nodes = world_size // per_node
     if nodes > 1:
         link = link_points(rank, across, reps)
-        curves, group = collectivefitted_curves(rank, across, reps)
+        curves, group = collective_curves(rank, across, reps)
         # the step site one ring at a time: with every local rank's ring at once their
         # messages share the NIC unevenly, and the model's even share over-prices them
         # (on 2 nodes x 2 ranks, a 512 KiB step took 10.4-11.2 ms, predicted 12.6): what
@@ -402,7 +429,7 @@ def measure_levels(
         # groups of several ranks per node that span nodes (TP across nodes): the job's
         # first g ranks, node by node, for every g beyond one node (where a size is
         # measured both ways, one rank per node is kept)
-        spanning, _ = collectivefitted_curves(rank, one_ring(world_size), reps, per_node + 1)
+        spanning, _ = collective_curves(rank, one_ring(world_size), reps, per_node + 1)
         for collective, by_size in spanning.items():
             for g, points in by_size.items():
                 curves[collective].setdefault(g, points)
