@@ -320,12 +320,20 @@ def test_site_work_counts_a_sites_flops_bytes_and_matmul_calls(fake_world_of_4):
     gather = AgMm(shard=(4, 8), dim=0, n_out=6, consumers=2, bias=False)
     (site,) = match.find_sites(trace(gather, 4, gather.inputs(1, seed=0, n=4)).graph)
     flops, weights = (2 * 16 * 8 * (6 + 7)) / 4, 4 * 8 * (6 + 7)
-    expected = Work(GATHER, 4, flops, 4 * 8 * 4, 2, whole_bytes=weights, matmul_class="float32")
+    products = 16 * (6 + 7) * 4  # the rows of both products, concatenated
+    expected = Work(
+        GATHER, 4, flops, 4 * 8 * 4, 2, whole_bytes=weights, matmul_class="float32",
+        concatenated_bytes=products,
+    )  # fmt: skip
     assert site_work(site, 4) == expected
     bf16 = [t.to(torch.bfloat16) for t in gather.inputs(1, seed=0, n=4)]
     (site,) = match.find_sites(trace(gather, 4, bf16).graph)
     assert site_work(site, 4) == dataclasses.replace(
-        expected, block_bytes=4 * 8 * 2, whole_bytes=weights / 2, matmul_class="bfloat16"
+        expected,
+        block_bytes=4 * 8 * 2,
+        whole_bytes=weights / 2,
+        matmul_class="bfloat16",
+        concatenated_bytes=products / 2,
     )
     reduce = MmRs(lead=(2, 8), k=8, n_out=6, dim=1, bias=False)
     (site,) = match.find_sites(trace(reduce, 4, reduce.inputs(1, seed=0)).graph)
@@ -758,6 +766,26 @@ def test_a_round_trips_row_ops_cost_their_bytes_on_every_block(profile):
     assert after["round_trip"].end_s <= before["round_trip"].end_s + extra * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("profile", PROFILES)
+@pytest.mark.parametrize("direction", [GATHER, Direction.EXCHANGE_IN])
+def test_a_gathers_rewrite_pays_one_copy_of_what_it_concatenates(profile, direction):
+    """``Work.concatenated_bytes`` (the products' blocks, and the collected tensor where
+    the program reads it after the site): every decomposed schedule copies them once on
+    each rank after its last block (read and written), the collective never (it writes
+    them in place)."""
+    work = Work(direction, 4, 1e8, 1e6, 2)
+    cat = dataclasses.replace(work, concatenated_bytes=3e6)
+    before, after = predict(work, profile, slices=2), predict(cat, profile, slices=2)
+    assert after["collective"] == before["collective"]
+    copy = profile.memory_op_s(2 * 3e6)
+    for schedule in set(before) - {"collective"}:
+        assert after[schedule].end_s == pytest.approx(before[schedule].end_s + copy)
+        for r in range(4):
+            last = after[schedule].on_rank(r)[-1]
+            assert last.name == "concatenate the blocks"
+            assert last.start_s == pytest.approx(max(e.end_s for e in before[schedule].on_rank(r)))
+
+
 def test_a_curves_calls_are_spread_over_rounds_of_every_point(monkeypatch):
     """``calibrate.collective_curves`` times each (collective, size) in
     ``CURVE_ROUNDS`` rounds that each visit every point once, its calls split among them
@@ -783,8 +811,9 @@ def test_a_curves_calls_are_spread_over_rounds_of_every_point(monkeypatch):
     points = [(c, b) for c in COLLECTIVES for b in cal.CURVE_BLOCK_BYTES]
     assert [(c, b) for c, b, _, _ in order] == points * cal.CURVE_ROUNDS
     assert [w for *_, w in order] == [True] * len(points) + [False] * (len(order) - len(points))
-    for c, b, calls, _ in order:
-        assert calls == -(-cal._reps(b, 5) // cal.CURVE_ROUNDS)
+    assert [calls for _, _, calls, _ in order] == [
+        -(-cal._reps(b, 5) // cal.CURVE_ROUNDS) for _, b in points * cal.CURVE_ROUNDS
+    ]
     for collective in COLLECTIVES:
         assert curves[collective][2] == [(float(b), b * 1e-9) for b in cal.CURVE_BLOCK_BYTES]
 

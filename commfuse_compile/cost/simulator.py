@@ -56,6 +56,11 @@ class Work:
     # the matmuls' class ("bfloat16", "bfloat16 grouped": ``Profile.matmul_rates``),
     # None: the profile's own
     matmul_class: str | None = None
+    # bytes a decomposed gather's rewrite concatenates once its blocks are in: the
+    # products cut into blocks of rows or columns, and the collected tensor itself where
+    # the program reads it after the site (``Profile.memory_op_s`` of a copy); the
+    # collective writes both in place
+    concatenated_bytes: float = 0.0
 
     @property
     def returned_bytes(self) -> float:
@@ -85,9 +90,9 @@ def _simulate(work: Work, schedule: str, profile: Profile, slices: int) -> Timel
     if schedule == "collective":
         return _collective(work, profile)
     if schedule == "slicing":
-        return _sliced(work, profile, slices)
+        return _then_concatenated(work, _sliced(work, profile, slices), profile)
     if work.direction.collects_first:
-        return _p2p_gather(work, schedule, profile)
+        return _then_concatenated(work, _p2p_gather(work, schedule, profile), profile)
     return _p2p_reduce(work, schedule, profile)
 
 
@@ -150,7 +155,9 @@ def collective_s(work: Work, p: Profile) -> float:
     if curve is not None:
         return curve.seconds(work.block_bytes)
     messages_only = dataclasses.replace(p, matmul_latency_s=0.0, step_overhead_s=0.0)
-    no_matmul = dataclasses.replace(work, block_flops=0.0, block_op_bytes=0.0, then_gather=False)
+    no_matmul = dataclasses.replace(
+        work, block_flops=0.0, block_op_bytes=0.0, concatenated_bytes=0.0, then_gather=False
+    )
     algorithms = [s for s in ("ring", "bidir") if by_name(s).supports(work.direction)]
     rounds = min(simulate(no_matmul, s, messages_only).end_s for s in algorithms)
     return p.collective_overhead_s + rounds
@@ -228,6 +235,20 @@ def _then_gathered(work: Work, timeline: Timeline, p: Profile) -> Timeline:
     step = 1 + max((e.step for e in timeline.events), default=-1)
     events = [Event(r, "comm", step, "all_gather", start, start + took) for r in range(work.n)]
     return Timeline(timeline.schedule, [*timeline.events, *events])
+
+
+def _then_concatenated(work: Work, timeline: Timeline, p: Profile) -> Timeline:
+    """``timeline`` then, on each rank once its last block is in and computed, the copy of
+    ``work.concatenated_bytes`` (read and written) that puts the blocks together."""
+    if not work.concatenated_bytes:
+        return timeline
+    took = p.memory_op_s(2 * work.concatenated_bytes)
+    events = list(timeline.events)
+    step = 1 + max((e.step for e in events), default=-1)
+    for r in range(work.n):
+        start = max((e.end_s for e in timeline.on_rank(r)), default=0.0)
+        events.append(Event(r, "compute", step, "concatenate the blocks", start, start + took))
+    return Timeline(timeline.schedule, events)
 
 
 def _sliced(work: Work, p: Profile, k: int) -> Timeline:

@@ -122,11 +122,13 @@ def step_costs(probe: FixedCostProbe, n: int, link: Profile) -> tuple[float, flo
 
 
 def step_site_work(n: int) -> Work:
-    """``STEP_SITE`` on n ranks, as the cost model sees it (float32)."""
+    """``STEP_SITE`` on n ranks, as the cost model sees it (float32; its n blocks'
+    products concatenated)."""
     rows, k, cols = STEP_SITE
     return Work(
-        Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k, whole_bytes=4.0 * k * cols
-    )
+        Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k, whole_bytes=4.0 * k * cols,
+        concatenated_bytes=4.0 * n * rows * cols,
+    )  # fmt: skip
 
 
 def _rate(points: Sequence[tuple[float, float]]) -> MatmulRate:

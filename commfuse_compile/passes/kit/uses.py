@@ -14,7 +14,7 @@ from torch.fx import Node
 
 from ..fx.collectives import saved_unwaited
 from ..fx.declines import decline
-from ..fx.graph import data_users, position, writes_into
+from ..fx.graph import data_users, nbytes, position, writes_into
 from ..fx.matmuls import Matmul
 from .site import Site
 
@@ -63,6 +63,14 @@ class UsesSite(Site):
     def whole_bytes(self) -> float:
         """What every block's matmuls read whole (``Work.whole_bytes``)."""
         return sum(u.whole_bytes() for u in self.uses)
+
+    def concatenated_bytes(self, collected_bytes: float) -> float:
+        """What the rewrite copies to put its blocks together (``Work.concatenated_bytes``):
+        the products of the uses whose blocks are their rows or columns (a contracting
+        use sums its blocks instead), and the collected tensor, of ``collected_bytes``,
+        where it outlives the site."""
+        products = sum(nbytes(u.mm.node) for u in self.uses if u.role in ("rows", "columns"))
+        return products + (collected_bytes if self.outlives() else 0.0)
 
     @property
     @abc.abstractmethod

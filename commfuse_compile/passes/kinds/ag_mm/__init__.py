@@ -58,10 +58,10 @@ class AgMm(SiteKind[AgMmSite]):
         flops = sum(u.mm.flops() for u in site.uses)
         shards = (site.shard, *((site.beside.shard,) if site.beside else ()))
         shard_bytes = sum(numel(shard) * val(shard).element_size() for shard in shards)
-        whole = site.whole_bytes()
         return Work(
             self.direction, n, flops / n, shard_bytes, len(site.uses),
-            whole_bytes=whole, matmul_class=site.uses[0].mm.rate_class,
+            whole_bytes=site.whole_bytes(), matmul_class=site.uses[0].mm.rate_class,
+            concatenated_bytes=site.concatenated_bytes(n * shard_bytes),
         )  # fmt: skip
 
     def start(self, site: AgMmSite, taken: Taken) -> tuple[AgMmSite, Node]:
