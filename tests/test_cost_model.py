@@ -323,9 +323,11 @@ def test_site_work_counts_a_sites_flops_bytes_and_matmul_calls(fake_world_of_4):
     products = 16 * (6 + 7) * 4  # the rows of both products, concatenated
     expected = Work(
         GATHER, 4, flops, 4 * 8 * 4, 2, whole_bytes=weights, matmul_class="float32",
-        concatenated_bytes=products,
+        product_bytes=products,
     )  # fmt: skip
     assert site_work(site, 4) == expected
+    # Inductor has each block's matmul write into its slice of the concatenation
+    assert site_work(site, 4, "inductor") == dataclasses.replace(expected, product_bytes=0.0)
     bf16 = [t.to(torch.bfloat16) for t in gather.inputs(1, seed=0, n=4)]
     (site,) = match.find_sites(trace(gather, 4, bf16).graph)
     assert site_work(site, 4) == dataclasses.replace(
@@ -333,7 +335,7 @@ def test_site_work_counts_a_sites_flops_bytes_and_matmul_calls(fake_world_of_4):
         block_bytes=4 * 8 * 2,
         whole_bytes=weights / 2,
         matmul_class="bfloat16",
-        concatenated_bytes=products / 2,
+        product_bytes=products / 2,
     )
     reduce = MmRs(lead=(2, 8), k=8, n_out=6, dim=1, bias=False)
     (site,) = match.find_sites(trace(reduce, 4, reduce.inputs(1, seed=0)).graph)
@@ -769,12 +771,12 @@ def test_a_round_trips_row_ops_cost_their_bytes_on_every_block(profile):
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("direction", [GATHER, Direction.EXCHANGE_IN])
 def test_a_gathers_rewrite_pays_one_copy_of_what_it_concatenates(profile, direction):
-    """``Work.concatenated_bytes`` (the products' blocks, and the collected tensor where
-    the program reads it after the site): every decomposed schedule copies them once on
-    each rank after its last block (read and written), the collective never (it writes
-    them in place)."""
+    """``Work.product_bytes`` and ``rebuilt_bytes`` (the products' blocks, and the
+    collected tensor where the program reads it after the site): every decomposed schedule
+    copies them once on each rank after its last block (read and written), the collective
+    never (it writes them in place)."""
     work = Work(direction, 4, 1e8, 1e6, 2)
-    cat = dataclasses.replace(work, concatenated_bytes=3e6)
+    cat = dataclasses.replace(work, product_bytes=2e6, rebuilt_bytes=1e6)
     before, after = predict(work, profile, slices=2), predict(cat, profile, slices=2)
     assert after["collective"] == before["collective"]
     copy = profile.memory_op_s(2 * 3e6)

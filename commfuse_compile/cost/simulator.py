@@ -56,11 +56,13 @@ class Work:
     # the matmuls' class ("bfloat16", "bfloat16 grouped": ``Profile.matmul_rates``),
     # None: the profile's own
     matmul_class: str | None = None
-    # bytes a decomposed gather's rewrite concatenates once its blocks are in: the
-    # products cut into blocks of rows or columns, and the collected tensor itself where
-    # the program reads it after the site (``Profile.memory_op_s`` of a copy); the
-    # collective writes both in place
-    concatenated_bytes: float = 0.0
+    # what a decomposed gather's rewrite concatenates once its blocks are in, where the
+    # collective wrote it in place (``Profile.memory_op_s`` of a copy): the products cut
+    # into blocks of rows or columns (Inductor has each block's matmul write into its
+    # slice of the concatenation: ``plan.site_work`` leaves them out there), and the
+    # collected tensor rebuilt where the program reads it after the site
+    product_bytes: float = 0.0
+    rebuilt_bytes: float = 0.0
 
     @property
     def returned_bytes(self) -> float:
@@ -156,8 +158,9 @@ def collective_s(work: Work, p: Profile) -> float:
         return curve.seconds(work.block_bytes)
     messages_only = dataclasses.replace(p, matmul_latency_s=0.0, step_overhead_s=0.0)
     no_matmul = dataclasses.replace(
-        work, block_flops=0.0, block_op_bytes=0.0, concatenated_bytes=0.0, then_gather=False
-    )
+        work, block_flops=0.0, block_op_bytes=0.0, product_bytes=0.0, rebuilt_bytes=0.0,
+        then_gather=False,
+    )  # fmt: skip
     algorithms = [s for s in ("ring", "bidir") if by_name(s).supports(work.direction)]
     rounds = min(simulate(no_matmul, s, messages_only).end_s for s in algorithms)
     return p.collective_overhead_s + rounds
@@ -238,11 +241,12 @@ def _then_gathered(work: Work, timeline: Timeline, p: Profile) -> Timeline:
 
 
 def _then_concatenated(work: Work, timeline: Timeline, p: Profile) -> Timeline:
-    """``timeline`` then, on each rank once its last block is in and computed, the copy of
-    ``work.concatenated_bytes`` (read and written) that puts the blocks together."""
-    if not work.concatenated_bytes:
+    """``timeline`` then, on each rank once its last block is in and computed, the copy
+    (read and written) that puts the blocks together."""
+    concatenated = work.product_bytes + work.rebuilt_bytes
+    if not concatenated:
         return timeline
-    took = p.memory_op_s(2 * work.concatenated_bytes)
+    took = p.memory_op_s(2 * concatenated)
     events = list(timeline.events)
     step = 1 + max((e.step for e in events), default=-1)
     for r in range(work.n):

@@ -139,10 +139,14 @@ def collective_seconds(collective: Node, nbytes: float, profile: Profile) -> flo
     return collective_call_s(Work(direction, n, 0.0, block, then_gather=then_gather), profile)
 
 
-def site_work(site: Site, n: int) -> Work:
+def site_work(site: Site, n: int, inner: str = "eager") -> Work:
     """Per-block matmul FLOPs and message bytes of a matched site; symbolic sizes are
-    evaluated at their hints (the sizes of the example inputs the graph was traced with)."""
-    return of(site).work(site, n)
+    evaluated at their hints (the sizes of the example inputs the graph was traced with).
+    Compiled by Inductor (``inner``), each block's matmul writes its product into its slice
+    of the concatenation (``extern_kernels.mm(..., out=...)`` on an alias of the
+    concatenation's buffer), so the products cost no copy."""
+    work = of(site).work(site, n)
+    return dataclasses.replace(work, product_bytes=0.0) if inner == "inductor" else work
 
 
 def profile_for(site: Site, options: Options) -> Profile:
@@ -203,7 +207,7 @@ def predict_site(
     model said goes into ``record``."""
     site = without_disabled(site, options.disable)
     plan_options(options)
-    work = site_work(site, group.size)
+    work = site_work(site, group.size, options.inner)
     profile = group_profile(site, group, options, profile)
     timelines = predict(work, profile, options.slices)
     if record is not None:

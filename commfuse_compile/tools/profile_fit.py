@@ -127,7 +127,7 @@ def step_site_work(n: int) -> Work:
     rows, k, cols = STEP_SITE
     return Work(
         Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k, whole_bytes=4.0 * k * cols,
-        concatenated_bytes=4.0 * n * rows * cols,
+        product_bytes=4.0 * n * rows * cols,
     )  # fmt: skip
 
 

@@ -136,10 +136,11 @@ class A2aMm(AtCollective[A2aMmSite]):
     def work(self, site: A2aMmSite, n: int) -> Work:
         flops = sum(2 * numel(u.mm.node) * dims.hint(u.mm.contracted) for u in site.uses)
         message = numel(site.all_to_all) * val(site.all_to_all).element_size()
+        products, rebuilt = site.concatenated(message)
         return Work(
             self.direction, n, flops / n, message / n, len(site.uses),
             whole_bytes=site.whole_bytes(), matmul_class=site.uses[0].mm.rate_class,
-            concatenated_bytes=site.concatenated_bytes(message),
+            product_bytes=products, rebuilt_bytes=rebuilt,
         )  # fmt: skip
 
     def start(self, site: A2aMmSite, taken: Taken) -> tuple[A2aMmSite, Node]:

@@ -64,13 +64,14 @@ class UsesSite(Site):
         """What every block's matmuls read whole (``Work.whole_bytes``)."""
         return sum(u.whole_bytes() for u in self.uses)
 
-    def concatenated_bytes(self, collected_bytes: float) -> float:
-        """What the rewrite copies to put its blocks together (``Work.concatenated_bytes``):
-        the products of the uses whose blocks are their rows or columns (a contracting
-        use sums its blocks instead), and the collected tensor, of ``collected_bytes``,
-        where it outlives the site."""
+    def concatenated(self, collected_bytes: float) -> tuple[float, float]:
+        """What the rewrite concatenates from its blocks (``Work.product_bytes`` and
+        ``rebuilt_bytes``): the products of the uses whose blocks are their rows or columns
+        (a contracting use sums its blocks instead), and the collected tensor, of
+        ``collected_bytes``, where it outlives the site."""
         products = sum(nbytes(u.mm.node) for u in self.uses if u.role in ("rows", "columns"))
-        return products + (collected_bytes if self.outlives() else 0.0)
+        rebuilt = collected_bytes if self.outlives() else 0.0
+        return products, rebuilt
 
     @property
     @abc.abstractmethod

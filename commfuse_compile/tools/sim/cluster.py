@@ -74,13 +74,9 @@ def fsdp_sites(model: ModelShape, tp: int, n: int) -> list[tuple[str, Work]]:
     sites = []
     for name, (d_in, d_out) in weights.items():
         flops, nbytes = 2 * t * d_in * d_out / n, d_in * d_out / n * e
-        # a block is a weight shard: the forward reads the input x whole (its product's
-        # column blocks concatenated), the gradient dY; the backward's dX = dY @ W^T
-        # contracts over the shards (nothing whole)
-        forward = Work(
-            Direction.GATHER, n, flops, nbytes, whole_bytes=t * d_in * e,
-            concatenated_bytes=t * d_out * e,
-        )  # fmt: skip
+        # a block is a weight shard: the forward reads the input x whole, the gradient
+        # dY; the backward's dX = dY @ W^T contracts over the shards (nothing whole)
+        forward = Work(Direction.GATHER, n, flops, nbytes, whole_bytes=t * d_in * e)
         gradient = Work(Direction.REDUCE, n, flops, nbytes, whole_bytes=t * d_out * e)
         sites += [
             (f"forward {name} weight gather", forward),

@@ -117,13 +117,9 @@ def layer_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
     projections = 2 if model.gated else 1
 
     def gather(out_features: float, matmuls: int) -> Work:
-        # block: t/n rows of the gathered input times the local weight columns (read whole);
-        # the products' blocks of rows concatenated
+        # block: t/n rows of the gathered input times the local weight columns (read whole)
         flops, weights = 2 * (t / n) * d * out_features / n, d * out_features / n * e
-        return Work(
-            Direction.GATHER, n, flops, t / n * d * e, matmuls, whole_bytes=weights,
-            concatenated_bytes=t * out_features / n * e,
-        )  # fmt: skip
+        return Work(Direction.GATHER, n, flops, t / n * d * e, matmuls, whole_bytes=weights)
 
     def reduce(in_features: float, terms: int) -> Work:
         # block: t/n rows of the local product, contracted over the local features
@@ -131,13 +127,9 @@ def layer_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
         return Work(Direction.REDUCE, n, flops, t / n * d * e, terms, whole_bytes=weights)
 
     def grad_gather(features: float) -> Work:
-        # dY gathered into dX = dY @ W (rows: W read whole, dX's rows concatenated) and
-        # dW = dY^T @ X (contracted)
+        # dY gathered into dX = dY @ W (rows: W read whole) and dW = dY^T @ X (contracted)
         flops, weights = 2 * 2 * (t / n) * d * features / n, d * features / n * e
-        return Work(
-            Direction.GATHER, n, flops, t / n * d * e, 2, whole_bytes=weights,
-            concatenated_bytes=t * d * e,
-        )  # fmt: skip
+        return Work(Direction.GATHER, n, flops, t / n * d * e, 2, whole_bytes=weights)
 
     return [
         ("forward attention q/k/v", gather(qkv, 3)),
@@ -181,12 +173,11 @@ def ulysses_sites(model: ModelShape, n: int) -> list[tuple[str, Work]]:
         # a2a_mm: the all-to-all's output [S/n, columns] (every head of this rank's tokens);
         # each matmul reading it, 2 x S/n x columns x hidden FLOPs: times the weight
         # (contract, over the heads: nothing read whole) or, backward, x^T times it (dW,
-        # columns: x^T, ``whole``, read whole; its [hidden, columns] blocks concatenated)
+        # columns: x^T, ``whole``, read whole)
         flops = matmuls * 2 * rows * columns * d
         return Work(
-            Direction.EXCHANGE_IN, n, flops / n, rows * columns * e / n, matmuls,
-            whole_bytes=whole, concatenated_bytes=d * columns * e if whole else 0.0,
-        )  # fmt: skip
+            Direction.EXCHANGE_IN, n, flops / n, rows * columns * e / n, matmuls, whole_bytes=whole
+        )
 
     return [
         ("forward q projection", scatter_heads(q)),

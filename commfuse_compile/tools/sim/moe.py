@@ -119,13 +119,8 @@ def moe_sites(model: MoeShape, n: int, rows_per_block: float | None = None) -> l
     FLOPs. ``rows_per_block``: another block size (the padded skewed rows)."""
     block = model.rows / n if rows_per_block is None else rows_per_block
     nbytes = block * model.hidden * model.dtype_bytes
-    products = n * block * 2 * model.ffn * model.dtype_bytes  # its blocks of rows, concatenated
-    gate_up = Work(
-        Direction.EXCHANGE_IN, n, _gate_up_flops(model, block), nbytes,
-        concatenated_bytes=products,
-    )  # fmt: skip
     return [
-        gate_up,
+        Work(Direction.EXCHANGE_IN, n, _gate_up_flops(model, block), nbytes),
         Work(Direction.EXCHANGE_OUT, n, _down_flops(model, block), nbytes),
     ]
 

@@ -58,10 +58,11 @@ class AgMm(SiteKind[AgMmSite]):
         flops = sum(u.mm.flops() for u in site.uses)
         shards = (site.shard, *((site.beside.shard,) if site.beside else ()))
         shard_bytes = sum(numel(shard) * val(shard).element_size() for shard in shards)
+        products, rebuilt = site.concatenated(n * shard_bytes)
         return Work(
             self.direction, n, flops / n, shard_bytes, len(site.uses),
             whole_bytes=site.whole_bytes(), matmul_class=site.uses[0].mm.rate_class,
-            concatenated_bytes=site.concatenated_bytes(n * shard_bytes),
+            product_bytes=products, rebuilt_bytes=rebuilt,
         )  # fmt: skip
 
     def start(self, site: AgMmSite, taken: Taken) -> tuple[AgMmSite, Node]:
