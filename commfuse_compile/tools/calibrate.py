@@ -235,7 +235,7 @@ def collective_curves(
 
 
 def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: int) -> float:
-    """The median time of one call of ``_collective_times``."""
+    """One call's median time, over ``_reps`` calls of ``_collective_times``."""
     calls = _reps(block_bytes, reps)
     return statistics.median(_collective_times(collective, block_bytes, g, group, calls))
 
