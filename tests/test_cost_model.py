@@ -184,6 +184,53 @@ def test_slicing_is_no_faster_than_ring_when_comm_matches_compute(profile, kind)
             assert simulate(work, "slicing", profile, slices=k).end_s >= ring, (n, k)
 
 
+def _chunk_times(work: Work, p: Profile, k: int) -> tuple[float, float]:
+    """(a chunk's collective, a chunk's matmuls) in ``work``'s slicing on rank 0."""
+    events = simulate(work, "slicing", p, slices=k).on_rank(0)
+    comm = {e.end_s - e.start_s for e in events if e.lane == "comm"}
+    compute = {e.end_s - e.start_s for e in events if e.lane == "compute"}
+    return max(comm), max(compute)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_slicing_pays_each_collectives_start_and_its_stall_under_matmuls(kind):
+    """As the lowering runs it, step by step: the compute thread starts a chunk's
+    collective (``collective_issue_s``), runs the matmuls under it, then waits for it.
+    Compute-bound, each start but the one with nothing to compute under it adds to the
+    time and the stall hides under the matmuls; comm-bound, the starts hide under the
+    collectives and each collective under matmuls ends the stall later."""
+    p = dataclasses.replace(BUILTIN["gloo-loopback"], overlap_slowdown=0.0)
+    k = 3
+    compute_bound, comm_bound = Work(kind, 4, 1e10, 1e4), Work(kind, 4, 1e6, 1e7)
+    for work, hides in ((compute_bound, "stall"), (comm_bound, "start")):
+        comm, compute = _chunk_times(work, p, k)
+        short = min(comm, compute)
+        assert max(comm, compute) >= 4 * short  # bound by one side
+        paid = dataclasses.replace(p, collective_issue_s=short / 2, collective_stall_s=short / 2)
+        added = simulate(work, "slicing", paid, slices=k).end_s
+        added -= simulate(work, "slicing", p, slices=k).end_s
+        assert added == pytest.approx((k - 1) * short / 2), hides
+        stall_over = dataclasses.replace(paid, collective_stall_s=10 * compute)
+        over = simulate(work, "slicing", stall_over, slices=k).end_s
+        if hides == "start":  # never later than the matmuls it ran under
+            assert over - simulate(work, "slicing", p, slices=k).end_s == pytest.approx(
+                (k - 1) * compute
+            )
+
+
+def test_a_sliced_collective_starts_once_the_program_reaches_it():
+    """Chunk i+1's all-gather starts only after chunk i's was waited and the matmuls of
+    chunk i-1 ran: the compute thread starts it, between the two (not on a comm lane of
+    its own, back to back, as the model had it)."""
+    p = BUILTIN["gloo-loopback"]
+    events = simulate(Work(GATHER, 4, 1e10, 1e4), "slicing", p, slices=3).on_rank(0)
+    comm = sorted((e for e in events if e.lane == "comm"), key=lambda e: e.start_s)
+    compute = sorted((e for e in events if e.lane == "compute"), key=lambda e: e.start_s)
+    for i in range(1, len(comm)):
+        assert comm[i].start_s >= max(comm[i - 1].end_s, compute[i - 2].end_s if i > 1 else 0)
+        assert comm[i].start_s == pytest.approx(compute[i - 1].start_s)
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_lane_runs_one_thing_at_a_time(profile, schedule):

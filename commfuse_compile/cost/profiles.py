@@ -143,6 +143,15 @@ class Profile:
     # 9-12 us on this project's CI machine, where a float32 matmul's fitted latency
     # comes out 0-5. 0: not measured, a matmul call's latency.
     op_call_s: float = 0.0
+    # A collective started under a matmul (``slicing``'s chunks): the compute thread's
+    # time to start it, and how much later it ends while the matmul holds the rank's core
+    # (at most the matmul's time meanwhile). gloo runs a collective's rounds on a thread
+    # of its own: on this project's CI machine (a core per rank) starting one takes
+    # 0.2 ms and a matmul beside it delays it by 2-4 ms, where a P2P transfer, moved by
+    # the kernel, goes on. 0: not measured, or a collective that runs on its own (NCCL's
+    # kernels). ``calibrate`` measures the first and fits the second on a sliced site.
+    collective_issue_s: float = 0.0
+    collective_stall_s: float = 0.0
 
     def curve(self, collective: str, n: int) -> Curve | None:
         return self.collectives.get(collective, {}).get(n)
@@ -234,6 +243,32 @@ class Profile:
         numbers, not of the name)."""
         numbers = {k: v for k, v in self.as_json().items() if k not in ("name", "source")}
         return hashlib.sha256(json.dumps(numbers, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def at_compute_speed(p: Profile, factor: float) -> Profile:
+    """``p`` on the machine as it ran while a matmul alone took ``factor`` times the
+    model's time of it (a ``commfuse bench`` cell's, ``calibrate``'s sliced site's):
+    every compute term ``factor`` times slower (the matmul's rate and call, the weight's
+    and the element-wise rates, a P2P step's fixed cost and a collective's start: CPU
+    work here), the link and the collectives (their stall too) as calibrated. This
+    machine's compute drifts within seconds: in one full run a 4096x1024x1024 matmul
+    alone took 59 to 131 ms inside one cell, and its three cells' medians were 65, 71
+    and 114 ms."""
+    return dataclasses.replace(
+        p,
+        name=f"{p.name} at {factor:.2f}x its compute time",
+        matmul_flops=p.matmul_flops / factor,
+        matmul_rates={
+            rate_class: MatmulRate(rate.latency_s * factor, rate.flops / factor)
+            for rate_class, rate in p.matmul_rates.items()
+        },
+        matmul_latency_s=p.matmul_latency_s * factor,
+        matmul_bytes_per_s=p.matmul_bytes_per_s / factor,
+        memory_bytes_per_s=p.memory_bytes_per_s / factor,
+        step_overhead_s=p.step_overhead_s * factor,
+        op_call_s=p.op_call_s * factor,
+        collective_issue_s=p.collective_issue_s * factor,
+    )
 
 
 def _or(value: float | None, inside: float) -> float:

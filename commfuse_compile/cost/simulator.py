@@ -256,33 +256,39 @@ def _then_concatenated(work: Work, timeline: Timeline, p: Profile) -> Timeline:
 
 
 def _sliced(work: Work, p: Profile, k: int) -> Timeline:
-    """k chunk collectives on the comm lane, k chunk matmuls (n blocks each) on compute;
-    a chunk's matmuls run while the next (gather) or previous (reduce) chunk's
-    collective is in flight."""
+    """The lowering's program on each rank, step by step in its order: start ``issue``'s
+    chunk collective (the compute thread's ``collective_issue_s``), run ``compute``'s
+    chunk matmuls (n blocks each) under it, then wait for it. A collective in flight
+    while the matmuls hold the rank's core ends up to ``collective_stall_s`` later."""
     n, events = work.n, list[Event]()
     chunk_compute = n * _block_compute_s(work, p, 1 / k)
     chunk_comm = collective_s(dataclasses.replace(work, block_bytes=work.block_bytes / k), p)
     gather = work.direction == Direction.GATHER
     steps = slicing.gather_steps(k) if gather else slicing.reduce_steps(k)
+    name = "all_gather" if gather else "reduce_scatter"
     for r in range(n):
-        comm_free = compute_free = 0.0
-        comm_end: dict[int, float] = {}
-        compute_end: dict[int, float] = {}
+        now, ends = 0.0, dict[int, float]()
         for s, step in enumerate(steps):
+            started = now
             if step.issue is not None:
-                ready = 0.0 if gather else compute_end[step.issue]
-                start = max(comm_free, ready)
-                comm_free = comm_end[step.issue] = start + chunk_comm
-                name = "all_gather" if gather else "reduce_scatter"
-                events.append(Event(r, "comm", s, f"{name} chunk {step.issue}", start, comm_free))
+                now += p.collective_issue_s
+                ends[step.issue] = started + chunk_comm
             if step.compute is not None:
-                start = max(compute_free, comm_end.get(step.compute, 0.0) if gather else 0.0)
-                in_flight = comm_free - start if step.issue is not None else 0.0
-                took = overlapped(chunk_compute, in_flight, p.overlap_slowdown)
-                compute_free = compute_end[step.compute] = start + took
+                in_flight = ends[step.issue] if step.issue is not None else now
+                took = overlapped(chunk_compute, in_flight - now, p.overlap_slowdown)
                 events.append(
-                    Event(r, "compute", s, f"matmul chunk {step.compute}", start, compute_free)
+                    Event(r, "compute", s, f"matmul chunk {step.compute}", now, now + took)
                 )
+                if step.issue is not None:  # the matmuls held the core meanwhile
+                    held = max(min(in_flight, now + took) - now, 0.0)
+                    ends[step.issue] += min(p.collective_stall_s, held)
+                now += took
+            if step.issue is not None:
+                events.append(
+                    Event(r, "comm", s, f"{name} chunk {step.issue}", started, ends[step.issue])
+                )
+            if step.wait is not None:
+                now = max(now, ends[step.wait])
     return Timeline("slicing", events)
 
 

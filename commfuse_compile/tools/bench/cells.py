@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ... import report
-from ...cost.profiles import load, save
+from ...cost.profiles import at_compute_speed, load, save
 from .config import MAX_ROUNDS, OVERLAP_PROBE, SiteShape, Variant
-from .predicted import at_compute_speed, matmul_alone_s, program_us
+from .predicted import matmul_alone_s, program_us
 from .sites import GROUPED_MM, SiteProgram, build_site
 
 c10d = torch.ops._c10d_functional
@@ -192,7 +192,7 @@ def _predict_at_cell_speed(
     site: SiteProgram, job: SiteJob, rows: dict[str, Any], matmul_s: list[float]
 ) -> None:
     """Each row's program as the model times it at the compute speed the cell ran at
-    (``predicted.at_compute_speed``: the matmul alone of the rank slowest at it, its
+    (``profiles.at_compute_speed``: the matmul alone of the rank slowest at it, its
     median against the model's time of it, one factor on every rank: a rank's own work
     differs under skewed routing, and ranks given different profiles refuse to run):
     the row's program planned again on that profile with the schedule it ran (None where

@@ -44,7 +44,7 @@ CELL_KINDS = (
 CELL_TIMED_S = 1.5
 MAX_ROUNDS = 60
 # a row's model error with the cell's compute at the speed it ran at
-# (``predicted.at_compute_speed``), and the results' distribution of it
+# (``profiles.at_compute_speed``), and the results' distribution of it
 AT_CELL_SPEED = "model_error_at_cell_speed"
 AT_CELL_SPEED_TITLE = "model error at each cell's compute speed"
 

@@ -114,7 +114,7 @@ def _cell_row(
         "model_error": (
             predicted_us / 1e6 / took["median"] - 1 if predicted_us is not None else None
         ),
-        # the same at the compute speed the cell ran at (``predicted.at_compute_speed``)
+        # the same at the compute speed the cell ran at (``profiles.at_compute_speed``)
         "compute_factor": record.get("compute_factor"),
         AT_CELL_SPEED: (
             at_speed / 1e6 / took["median"] - 1

@@ -14,13 +14,12 @@ the model left out (-37 to -50 %).
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from ... import report
-from ...cost.profiles import MatmulRate, Profile, for_device, load
+from ...cost.profiles import Profile, for_device, load
 from ...options import Options
 from ...passes import match, plan
 from ...passes.fx.graph import moved_bytes, nbytes
@@ -56,29 +55,6 @@ def program_us(
             outside += p.memory_op_s(moved_bytes(node))
     kept_s = sum(t.written_s for _, t in kept)
     return sum(r or 0.0 for r in rewritten) + (kept_s + outside) * 1e6
-
-
-def at_compute_speed(p: Profile, factor: float) -> Profile:
-    """``p`` on the machine as it ran while a cell's matmul alone took ``factor`` times
-    the model's time of it: every compute term ``factor`` times slower (the matmul's rate
-    and call, the weight's and the element-wise rates, a P2P step's fixed cost: CPU work
-    here), the link and the collectives as calibrated. This machine's compute drifts
-    within seconds: in one full run a 4096x1024x1024 matmul alone took 59 to 131 ms
-    inside one cell, and its three cells' medians were 65, 71 and 114 ms."""
-    return dataclasses.replace(
-        p,
-        name=f"{p.name} at {factor:.2f}x its compute time",
-        matmul_flops=p.matmul_flops / factor,
-        matmul_rates={
-            rate_class: MatmulRate(rate.latency_s * factor, rate.flops / factor)
-            for rate_class, rate in p.matmul_rates.items()
-        },
-        matmul_latency_s=p.matmul_latency_s * factor,
-        matmul_bytes_per_s=p.matmul_bytes_per_s / factor,
-        memory_bytes_per_s=p.memory_bytes_per_s / factor,
-        step_overhead_s=p.step_overhead_s * factor,
-        op_call_s=p.op_call_s * factor,
-    )
 
 
 def matmul_alone_s(site: SiteProgram, p: Profile) -> float:
