@@ -579,8 +579,20 @@ def _collective_s(p: Profile, kind: str, g: int, block_bytes: float) -> float:
 
 def _measurements_of(p: Profile, n: int) -> fit.Measurements:
     """What ``calibrate.measure`` would return on a machine that is exactly ``p`` (its
-    collectives run as the ring formula says)."""
-    site = fit.step_site_work(n)
+    collectives run as the ring formula says, each call as timed: the sliced site's
+    chunk collectives too)."""
+    site = fit.gather_site_work(fit.STEP_SITE, n)
+    collectives = {
+        kind: {
+            g: [(float(b), _collective_s(p, kind, g, b)) for b in cal.CURVE_BLOCK_BYTES]
+            for g in range(2, n + 1)
+        }
+        for kind in COLLECTIVES
+    }
+    as_timed = dataclasses.replace(p, collectives=fit.fitted_curves(collectives))
+    gather = as_timed.curve("all_gather", n)
+    shape = fit.sliced_site_shape(gather, p.matmul_latency_s, p.matmul_flops, n)  # type: ignore[arg-type]
+    sliced = fit.gather_site_work(shape, n)
     return fit.Measurements(
         matmul=[(2.0 * a * b * c, p.matmul_s(2.0 * a * b * c)) for a, b, c in cal.MATMUL_SHAPES],
         skinny=[
@@ -589,13 +601,7 @@ def _measurements_of(p: Profile, n: int) -> fit.Measurements:
         ],
         message=[(float(size), p.message_s(size)) for size in cal.MESSAGE_BYTES],
         add_bytes_per_s=p.memory_bytes_per_s,
-        collectives={
-            kind: {
-                g: [(float(b), _collective_s(p, kind, g, b)) for b in cal.CURVE_BLOCK_BYTES]
-                for g in range(2, n + 1)
-            }
-            for kind in COLLECTIVES
-        },
+        collectives=collectives,
         fixed=fit.FixedCostProbe(
             ring_site_s=simulate(site, "ring", p).end_s,
             collective_site_s=simulate(site, "collective", p).end_s,
@@ -609,6 +615,12 @@ def _measurements_of(p: Profile, n: int) -> fit.Measurements:
             for rate_class in p.matmul_rates
         },
         op_call_s=p.op_call_s,
+        sliced=fit.SlicedProbe(
+            shape=shape,
+            site_s=simulate(sliced, "slicing", as_timed, fit.SLICED_SITE_CHUNKS).end_s,
+            matmul_s=matmuls_s(sliced, p),
+            issue_s=p.collective_issue_s,
+        ),
     )
 
 
@@ -617,9 +629,18 @@ def _measurements_of(p: Profile, n: int) -> fit.Measurements:
 def test_profile_from_reproduces_the_constants_it_was_measured_on(profile, n):
     """Duplex links are not measured (two ranks cannot tell): a duplex profile comes back
     as a switched one, with the same constants. The machine's collectives run as the ring
-    formula says (its call overhead is then what the step site shows)."""
+    formula says (its call overhead is then what the step site shows). A collective's
+    start and its stall come back from the sliced site (the stall where the site's
+    matmuls outlast it)."""
     profile = dataclasses.replace(
         profile, duplex_neighbours=False, collectives={}, matmul_rates=BF16_RATES, op_call_s=1.2e-5
+    )
+    # a skinny matmul's weight read left out: the site's K and N are chosen by the line
+    profile = dataclasses.replace(profile, matmul_bytes_per_s=0.0)
+    sliced = fit.gather_site_work(_measurements_of(profile, n).sliced.shape, n)
+    short = min(_chunk_times(sliced, profile, 2))
+    profile = dataclasses.replace(
+        profile, collective_issue_s=short / 10, collective_stall_s=short / 3
     )
     fitted = fit.profile_from(_measurements_of(profile, n), n, "fitted", "synthetic")
     for rate_class, rate in BF16_RATES.items():

@@ -74,7 +74,7 @@ def test_a_ring_across_nodes_pays_the_nics_fixed_costs_where_measured():
     assert (across.step_overhead_s, across.overlap_slowdown) == (4e-4, 0.0)
     # what calibrate derives it from: the step site's ring on the nodes' ranks
     probe = fit.FixedCostProbe(
-        ring_site_s=simulate(fit.step_site_work(3), "ring", across).end_s,
+        ring_site_s=simulate(fit.gather_site_work(fit.STEP_SITE, 3), "ring", across).end_s,
         collective_site_s=0.0,
         overlap_slowdown=0.0,
     )

@@ -11,8 +11,10 @@ formula), how much a matmul slows while a transfer is in flight, and the fixed c
 one P2P step of a rewritten graph, from a decode-sized all-gather -> matmul site run both
 ways (these two fixed costs: the median over every rank, ``FixedCostProbe``, whose rounds
 also time each collective's smallest block: the curves take those, so that a decode
-step's collective and a ring's steps are priced from one machine state). The fits are
-``profile_fit``'s. The result loads with ``options={"profile": path}``.
+step's collective and a ring's steps are priced from one machine state), and a
+collective's start and its stall under matmuls, from a larger site run sliced
+(``SlicedProbe``; the sites are ``site_probes``'). The fits are ``profile_fit``'s.
+The result loads with ``options={"profile": path}``.
 
 Under a multi-node torchrun launch it measures every level: the above on each node's
 ranks (all nodes at once), and the link, the collectives and the fixed costs between
@@ -40,12 +42,15 @@ from .profile_fit import (
     STEP_SITE,
     FixedCostProbe,
     Measurements,
+    SlicedProbe,
     fit_line,
     fitted_curves,
     profile_from,
+    sliced_site_shape,
     step_costs,
     with_small_calls,
 )
+from .site_probes import issue_s, linear_operands, sliced_site_times, step_site_times
 
 MATMUL_SHAPES = ((64, 64, 64), (256, 256, 256), (512, 512, 512), (1024, 1024, 512))
 # a decode step's: few rows, a whole weight read per call (``Profile.matmul_bytes_per_s``)
@@ -128,6 +133,7 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
         probe_fixed_costs(rank, rings, group, reps),
         rated,
         op_call_s,
+        probe_sliced(rank, rings, group, reps, _sliced_shape(rank, rings, matmul, curves)),
     )
 
 
@@ -148,25 +154,12 @@ def _op_call_s(reps: int) -> float:
     return _median(functools.partial(gm, x, order), reps * SMALL_CALL_REPS) / calls
 
 
-def _linear_operands(
-    m: int, k: int, n: int, dtype: torch.dtype = torch.float32, groups: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [m, k] and a weight as ``F.linear`` reads it: ``w.t()`` of w [n, k] (the layout of
-    every framework's linear layers; a skinny matmul on this project's CI machine reads it
-    at half the rate of a row-major [k, n]: 8 rows of 1024x1024 take 0.55 ms, not 0.24),
-    or with ``groups`` one such weight per group, [groups, k, n]."""
-    x = torch.randn(m, k, dtype=dtype)
-    if groups:
-        return x, torch.randn(groups, n, k, dtype=dtype).transpose(-2, -1)
-    return x, torch.randn(n, k, dtype=dtype).t()
-
-
 def _matmul_s(
     m: int, k: int, n: int, reps: int, dtype: torch.dtype = torch.float32, grouped: bool = False
 ) -> float:
-    """One x @ w call of ``_linear_operands`` (``grouped``: two groups of m/2 rows, as an
+    """One x @ w call of ``linear_operands`` (``grouped``: two groups of m/2 rows, as an
     MoE's ``_grouped_mm`` runs two experts)."""
-    x, w = _linear_operands(m, k, n, dtype, 2 if grouped else 0)
+    x, w = linear_operands(m, k, n, dtype, 2 if grouped else 0)
     if grouped:
         offs = torch.tensor([m // 2, m], dtype=torch.int32)
         return _median(functools.partial(torch._grouped_mm, x, w, offs=offs), reps)
@@ -182,15 +175,51 @@ def probe_fixed_costs(
     rounds = []
     n = len(_mine(rank, rings))
     made = dist.distributed_c10d._resolve_process_group(group)  # type: ignore[arg-type]
+    turns = [rank in ring for ring in rings] if one_at_a_time else [True]
+    calls = _reps(4 * STEP_SITE[0] * STEP_SITE[1], reps)
     for _ in range(FIXED_COST_ROUNDS):
-        ring, collective = _step_site_times(rank, rings, group, reps, one_at_a_time)
+        ring, collective = step_site_times(n, group, calls, turns)
         small = [_collective_s(c, CURVE_BLOCK_BYTES[0], n, made, reps) for c in COLLECTIVES]
         rounds.append([ring, collective, _overlap_slowdown(rank, rings, reps), *small])
+    ring, collective, slowdown, *small = _median_over_ranks(rounds)
+    return FixedCostProbe(ring, collective, slowdown, tuple(small))
+
+
+def probe_sliced(
+    rank: int, rings: Rings, group: str, reps: int, shape: tuple[int, int, int]
+) -> SlicedProbe:
+    """The sliced site of ``shape`` and its matmul alone, and a collective's start, on
+    ``rings`` (``group``: this rank's), every ring at once, each the median over
+    ``FIXED_COST_ROUNDS`` rounds on every rank of the job."""
+    rounds = []
+    n = len(_mine(rank, rings))
+    made = dist.distributed_c10d._resolve_process_group(group)  # type: ignore[arg-type]
+    calls = _reps(4 * shape[0] * shape[1], reps)
+    for _ in range(FIXED_COST_ROUNDS):
+        site, matmul = sliced_site_times(n, group, shape, calls)
+        rounds.append([site, matmul, issue_s(made, n, _reps(CURVE_BLOCK_BYTES[0], reps))])
+    return SlicedProbe(shape, *_median_over_ranks(rounds))
+
+
+def _sliced_shape(
+    rank: int, rings: Rings, matmul: list[tuple[float, float]], curves: Any
+) -> tuple[int, int, int]:
+    """``sliced_site_shape`` on rank 0's measurements, for every rank (they run one site)."""
+    n = len(_mine(rank, rings))
+    latency, s_per_flop = fit_line(matmul)
+    gather = fitted_curves({"all_gather": {n: curves["all_gather"][n]}})["all_gather"][n]
+    shape = torch.tensor(sliced_site_shape(gather, latency, 1 / s_per_flop, n))
+    dist.broadcast(shape, 0)
+    rows, k, cols = shape.tolist()
+    return rows, k, cols
+
+
+def _median_over_ranks(rounds: list[list[float]]) -> list[float]:
+    """Each column of this rank's ``rounds``, the median over every rank's rounds."""
     mine = torch.tensor(rounds, dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    ring, collective, slowdown, *small = torch.cat(every).quantile(0.5, dim=0).tolist()
-    return FixedCostProbe(ring, collective, slowdown, tuple(small))
+    return torch.cat(every).quantile(0.5, dim=0).tolist()
 
 
 def link_points(rank: int, rings: Rings, reps: int) -> list[tuple[float, float]]:
@@ -326,39 +355,6 @@ def _one_way(peers: tuple[int, int], nbytes: int, reps: int) -> float:
 
     dist.barrier()
     return _median(exchange, _reps(nbytes, reps))
-
-
-def _step_site_times(
-    rank: int, rings: Rings, group: str, reps: int, one_at_a_time: bool
-) -> tuple[float, float]:
-    """A float32 ``STEP_SITE`` shard all-gathered into a matmul on this rank's ring of
-    ``rings`` (``group``): (as a ring, with its collective); every ring at once, or
-    ``one_at_a_time`` while the others wait."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from ..api import apply
-
-    c10d = torch.ops._c10d_functional
-    n = len(_mine(rank, rings))
-
-    def site(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.mm(c10d.wait_tensor(c10d.all_gather_into_tensor(x, n, group)), w)
-
-    x, w = _linear_operands(*STEP_SITE)
-    ring = apply(make_fx(site, tracing_mode="fake")(x, w), schedule="ring")
-    collective = make_fx(site, tracing_mode="fake")(x, w)
-    times: dict[str, list[float]] = {"ring": [], "collective": []}
-    for turn in rings if one_at_a_time else [None]:
-        runs = turn is None or rank in turn
-        for i in range(_reps(x.nbytes, reps) + 1):  # interleaved: both see the same machine
-            for name, gm in (("ring", ring), ("collective", collective)):
-                dist.barrier()
-                start = time.perf_counter()
-                if runs:
-                    gm(x, w)
-                if runs and i:  # after a warm-up
-                    times[name].append(time.perf_counter() - start)
-    return statistics.median(times["ring"]), statistics.median(times["collective"])
 
 
 def run(world_size: int, out: str, reps: int) -> Profile:

@@ -1,7 +1,8 @@
 """From ``commfuse calibrate``'s measurements to a profile: what was measured
 (``Measurements``, ``FixedCostProbe``), the fits (Theil-Sen lines, the skinny matmuls'
-weight rate, the fixed costs a step site shows beyond the simulation), and the small
-collectives taken from the step site's rounds. Pure functions: no process group."""
+weight rate, the fixed costs a step site shows beyond the simulation, a collective's
+stall that a sliced site shows beyond it), and the small collectives taken from the step
+site's rounds. Pure functions: no process group."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import statistics
 from collections.abc import Sequence
 
 from ..cost.profile_checks import COLLECTIVES
-from ..cost.profiles import CURVE_BLOCK_BYTES, Curve, MatmulRate, Profile
-from ..cost.simulator import Work, simulate
+from ..cost.profiles import CURVE_BLOCK_BYTES, Curve, MatmulRate, Profile, at_compute_speed
+from ..cost.simulator import Work, matmuls_s, simulate
 from ..schedules import Direction
 
 # Shard rows, K, N of the site that measures the fixed costs: a decode step's matmul. A
@@ -20,6 +21,13 @@ from ..schedules import Direction
 # gloo ranks on the CI machine: 0.26 ms per step on a 2x8x8 site, 0.6-0.9 ms on 2, 8 and
 # 32 rows of a 1024x1024 weight), and it is inside programs that the model prices it.
 STEP_SITE = (8, 1024, 1024)
+# The site whose sliced form (in ``SLICED_SITE_CHUNKS`` chunks) shows a collective's stall
+# under matmuls (``Profile.collective_stall_s``): a shard of ``SLICED_SITE_ROWS`` rows, K
+# and N chosen on the machine (``sliced_site_shape``).
+SLICED_SITE_ROWS = 256
+SLICED_SITE_CHUNKS = 2
+SLICED_SITE_COMM_S = 8e-3  # a chunk's all-gather about this long, where the K allowed reach
+SLICED_SITE_K = (1024, 2048, 4096, 8192, 16384)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +46,20 @@ class FixedCostProbe:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlicedProbe:
+    """What ``Profile.collective_issue_s`` and ``collective_stall_s`` are read from, each
+    the median over the job's ranks and rounds: the sliced site as ``slicing`` lowers it
+    and the site's matmul alone, timed interleaved (the site is priced at the compute
+    speed its matmul ran at: the CI machine's drifts by 1.5x within seconds), and the
+    compute thread's time to start one all-gather (its call, before its wait)."""
+
+    shape: tuple[int, int, int]  # rows, K, N (``sliced_site_shape``)
+    site_s: float
+    matmul_s: float
+    issue_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Measurements:
     matmul: list[tuple[float, float]]  # (FLOPs, seconds)
     skinny: list[tuple[float, float, float]]  # (FLOPs, bytes of B, seconds)
@@ -49,6 +71,7 @@ class Measurements:
     # (FLOPs, seconds) of the other matmul classes (``Profile.matmul_rates``), by class
     rated: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     op_call_s: float = 0.0  # one op's call in a traced graph (``Profile.op_call_s``)
+    sliced: SlicedProbe | None = None  # None: not probed (the collective's stall is 0)
 
 
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -98,15 +121,53 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
     # collective pays its overhead once (the call overhead of the ring formula, used for
     # group sizes without a curve).
     formula = dataclasses.replace(measured, collectives={})
-    site = step_site_work(n)
+    site = gather_site_work(STEP_SITE, n)
     collective = m.fixed.collective_site_s - simulate(site, "collective", formula).end_s
     alpha, step = step_costs(m.fixed, n, measured)
-    return dataclasses.replace(
+    fitted = dataclasses.replace(
         measured,
         link_alpha_s=alpha,
         step_overhead_s=step,
         collective_overhead_s=max(collective, 0.0),
     )
+    if m.sliced is None:
+        return fitted
+    return dataclasses.replace(
+        fitted,
+        collective_issue_s=m.sliced.issue_s,
+        collective_stall_s=collective_stall_s(m.sliced, n, fitted),
+    )
+
+
+def collective_stall_s(probe: SlicedProbe, n: int, p: Profile) -> float:
+    """What the simulation of ``probe``'s sliced site on ``p`` lacks (at the compute
+    speed its matmul alone ran at, each collective's start paid), per chunk collective
+    that ran under matmuls: how much later such a collective ends."""
+    site = gather_site_work(probe.shape, n)
+    at_speed = at_compute_speed(p, probe.matmul_s / matmuls_s(site, p))
+    at_speed = dataclasses.replace(
+        at_speed, collective_issue_s=probe.issue_s, collective_stall_s=0.0
+    )
+    simulated = simulate(site, "slicing", at_speed, SLICED_SITE_CHUNKS).end_s
+    return max((probe.site_s - simulated) / (SLICED_SITE_CHUNKS - 1), 0.0)
+
+
+def sliced_site_shape(
+    gather: Curve, matmul_latency_s: float, matmul_flops: float, n: int
+) -> tuple[int, int, int]:
+    """(rows, K, N) of the sliced site on n ranks, by the all-gather's ``gather`` curve
+    and the matmul's fitted line: K (of ``SLICED_SITE_K``) for a chunk's all-gather of
+    about ``SLICED_SITE_COMM_S``, and N for a chunk's matmuls of half that (at least 8
+    columns). The collective outlasts matmuls that outlast its stall: under matmuls
+    that outlast the collective the stall hides, and the site shows nothing of it."""
+    rows = SLICED_SITE_ROWS // SLICED_SITE_CHUNKS  # of a chunk
+
+    def chunk_comm_s(k: int) -> float:
+        return gather.seconds(4.0 * rows * k)
+
+    k = next((k for k in SLICED_SITE_K if chunk_comm_s(k) >= SLICED_SITE_COMM_S), SLICED_SITE_K[-1])
+    cols = (chunk_comm_s(k) / 2 - matmul_latency_s) * matmul_flops / (2.0 * n * rows * k)
+    return SLICED_SITE_ROWS, k, max(8, int(cols))
 
 
 def step_costs(probe: FixedCostProbe, n: int, link: Profile) -> tuple[float, float]:
@@ -115,16 +176,17 @@ def step_costs(probe: FixedCostProbe, n: int, link: Profile) -> tuple[float, flo
     n-1 steps, is the step overhead; where it has too much, the latency fitted from the
     ring exchanges is the one too high (a fit of five sizes: on 2 nodes x 2 ranks sharing
     2 cores, 0 to 2.8 ms inside a node, run to run) and gives the excess back."""
-    site = step_site_work(n)
+    site = gather_site_work(STEP_SITE, n)
     link = dataclasses.replace(link, step_overhead_s=0.0)
     lacks = (probe.ring_site_s - simulate(site, "ring", link).end_s) / (n - 1)
     return max(link.link_alpha_s + min(lacks, 0.0), 0.0), max(lacks, 0.0)
 
 
-def step_site_work(n: int) -> Work:
-    """``STEP_SITE`` on n ranks, as the cost model sees it (float32; its n blocks'
-    products concatenated)."""
-    rows, k, cols = STEP_SITE
+def gather_site_work(shape: tuple[int, int, int], n: int) -> Work:
+    """A float32 shard of ``shape`` (rows, K, N) all-gathered into a matmul on n ranks
+    (``STEP_SITE``, ``sliced_site_shape``), as the cost model sees it (its n blocks' products
+    concatenated)."""
+    rows, k, cols = shape
     return Work(
         Direction.GATHER, n, 2.0 * rows * k * cols, 4.0 * rows * k, whole_bytes=4.0 * k * cols,
         product_bytes=4.0 * n * rows * cols,
