@@ -888,6 +888,24 @@ def test_a_curves_calls_are_spread_over_rounds_of_every_point(monkeypatch):
         assert curves[collective][2] == [(float(b), b * 1e-9) for b in cal.CURVE_BLOCK_BYTES]
 
 
+def test_the_matmuls_the_add_and_the_op_graph_are_timed_in_rounds_too(monkeypatch):
+    """``calibrate._in_rounds``, which times the matmul shapes, the add and the op graph:
+    every call in each of ``CURVE_ROUNDS`` rounds, its calls split among them and warmed
+    up once; a slow round (every call 100x) moves no median."""
+    order: list[tuple[str, int, bool]] = []
+
+    def timed(fn, reps, warm_up=True):
+        order.append((fn(), reps, warm_up))
+        return [(100.0 if len(order) <= 2 else 1.0) * {"a": 1e-3, "b": 2e-3}[fn()]] * reps
+
+    monkeypatch.setattr(cal, "_times", timed)
+    times = cal._in_rounds({"a": (lambda: "a", 9), "b": (lambda: "b", 36)})
+    assert order == [("a", 3, True), ("b", 9, True)] + [("a", 3, False), ("b", 9, False)] * (
+        cal.CURVE_ROUNDS - 1
+    )
+    assert times == {"a": 1e-3, "b": 2e-3}
+
+
 def test_the_smallest_collectives_are_taken_from_the_step_sites_rounds():
     """``calibrate.with_small_calls``: each collective's smallest block on the whole ring
     is the one timed beside the step site (``FixedCostProbe.small_calls_s``), so that a

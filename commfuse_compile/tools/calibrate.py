@@ -70,10 +70,11 @@ SMALL_CALL_BYTES = 1 << 20
 SMALL_CALL_REPS = 4
 OP_CALLS = 64  # the ops of ``_op_call_s``'s graph (about)
 FIXED_COST_ROUNDS = 3  # the fixed costs' probes, each on every rank (``FixedCostProbe``)
-# A curve's point is timed in this many rounds of every point, its calls split among
-# them: a slow spell of the machine (gloo's 4 KiB all-reduce at 1.0, 0.3 and 1.7 ms in
-# three calibrations a minute apart here, its 256 KiB all-to-all 2.0 ms against 0.4)
-# then lands on a few calls of many points, not on all the calls of one
+# A curve's point, and each matmul shape, the add and the op graph (``_in_rounds``), is
+# timed in this many rounds of every point, its calls split among them: a slow spell of
+# the machine (gloo's 4 KiB all-reduce at 1.0, 0.3 and 1.7 ms in three calibrations a
+# minute apart here, its 256 KiB all-to-all 2.0 ms against 0.4) then lands on a few
+# calls of many points, not on all the calls of one
 CURVE_ROUNDS = 4
 
 
@@ -111,36 +112,53 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
     ring at once."""
     rings = rings or one_ring(world_size)
     torch.manual_seed(rank)
-    matmul = [(2.0 * m * k * n, _matmul_s(m, k, n, reps)) for m, k, n in MATMUL_SHAPES]
-    skinny = [(2.0 * m * k * n, 4.0 * k * n, _matmul_s(m, k, n, reps)) for m, k, n in SKINNY_SHAPES]
+    x, y = torch.randn(1 << 20), torch.randn(1 << 20)
+    op_calls, ops = _op_calls()
+    classes = [(rate_class(dtype, grouped), dtype, grouped) for dtype, grouped in RATE_CLASSES]
+    calls: dict[tuple[Any, ...], tuple[Callable[[], object], int]] = {
+        ("add",): (functools.partial(torch.add, x, y), reps),
+        ("ops",): (op_calls, reps * SMALL_CALL_REPS),
+        **{(None, s): (_matmul_call(*s), reps) for s in (*MATMUL_SHAPES, *SKINNY_SHAPES)},
+        **{(c, s): (_matmul_call(*s, d, g), reps) for c, d, g in classes for s in MATMUL_SHAPES},
+    }
+    t = _in_rounds(calls)
+    matmul = [(2.0 * m * k * n, t[None, (m, k, n)]) for m, k, n in MATMUL_SHAPES]
+    skinny = [(2.0 * m * k * n, 4.0 * k * n, t[None, (m, k, n)]) for m, k, n in SKINNY_SHAPES]
     rated = {
-        rate_class(dtype, grouped): [
-            (2.0 * m * k * n, _matmul_s(m, k, n, reps, dtype, grouped)) for m, k, n in MATMUL_SHAPES
-        ]
-        for dtype, grouped in RATE_CLASSES
+        c: [(2.0 * m * k * n, t[c, (m, k, n)]) for m, k, n in MATMUL_SHAPES] for c, _, _ in classes
     }
     message = link_points(rank, rings, reps)
-    x, y = torch.randn(1 << 20), torch.randn(1 << 20)
-    add_s = _median(lambda: torch.add(x, y), reps)
-    op_call_s = _op_call_s(reps)
     curves, group = collective_curves(rank, rings, reps)
     return Measurements(
         matmul,
         skinny,
         message,
-        3 * x.numel() * 4 / add_s,
+        3 * x.numel() * 4 / t[("add",)],
         curves,
         probe_fixed_costs(rank, rings, group, reps),
         rated,
-        op_call_s,
+        t[("ops",)] / ops,
         probe_sliced(rank, rings, group, reps, _sliced_shape(rank, rings, matmul, curves)),
     )
 
 
-def _op_call_s(reps: int) -> float:
-    """One op's call in a traced graph (``Profile.op_call_s``): a graph of ``OP_CALLS``
-    ops on a few rows (an index, a cast, an add, a concatenation, as a dropless MoE's
-    routing runs them), timed whole, per op."""
+def _in_rounds(calls: dict[Any, tuple[Callable[[], object], int]]) -> dict[Any, float]:
+    """Each call's median time over its ``reps``, spread over ``CURVE_ROUNDS`` rounds that
+    each visit every call, warmed up once: a slow spell of the machine then lands on a
+    few calls of many, not on all the calls of one (one calibration here timed the
+    element-wise add at 3.8 GB/s and float32 matmuls at 85 GFLOP/s, where the one before
+    had 13.3 and 149, and the bench's cells then ran up to 1.5x faster than it said)."""
+    times: dict[Any, list[float]] = {key: [] for key in calls}
+    for turn in range(CURVE_ROUNDS):
+        for key, (fn, reps) in calls.items():
+            times[key] += _times(fn, -(-reps // CURVE_ROUNDS), warm_up=turn == 0)
+    return {key: statistics.median(seconds) for key, seconds in times.items()}
+
+
+def _op_calls() -> tuple[Callable[[], object], int]:
+    """A traced graph of about ``OP_CALLS`` ops on a few rows (an index, a cast, an add,
+    a concatenation, as a dropless MoE's routing runs them), and its op calls: its time
+    per call is one op's call in a traced graph (``Profile.op_call_s``)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def ops(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
@@ -151,19 +169,19 @@ def _op_call_s(reps: int) -> float:
     x, order = torch.randn(16, 8), torch.randperm(16)
     gm = make_fx(ops)(x, order)
     calls = sum(1 for node in gm.graph.nodes if node.op == "call_function")
-    return _median(functools.partial(gm, x, order), reps * SMALL_CALL_REPS) / calls
+    return functools.partial(gm, x, order), calls
 
 
-def _matmul_s(
-    m: int, k: int, n: int, reps: int, dtype: torch.dtype = torch.float32, grouped: bool = False
-) -> float:
+def _matmul_call(
+    m: int, k: int, n: int, dtype: torch.dtype = torch.float32, grouped: bool = False
+) -> Callable[[], torch.Tensor]:
     """One x @ w call of ``linear_operands`` (``grouped``: two groups of m/2 rows, as an
     MoE's ``_grouped_mm`` runs two experts)."""
     x, w = linear_operands(m, k, n, dtype, 2 if grouped else 0)
     if grouped:
         offs = torch.tensor([m // 2, m], dtype=torch.int32)
-        return _median(functools.partial(torch._grouped_mm, x, w, offs=offs), reps)
-    return _median(functools.partial(torch.mm, x, w), reps)
+        return functools.partial(torch._grouped_mm, x, w, offs=offs)
+    return functools.partial(torch.mm, x, w)
 
 
 def probe_fixed_costs(
