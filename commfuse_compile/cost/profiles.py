@@ -147,9 +147,10 @@ class Profile:
     # time to start it, and how much later it ends while the matmul holds the rank's core
     # (at most the matmul's time meanwhile). gloo runs a collective's rounds on a thread
     # of its own: on this project's CI machine (a core per rank) starting one takes
-    # 0.2 ms and a matmul beside it delays it by 2-4 ms, where a P2P transfer, moved by
-    # the kernel, goes on. 0: not measured, or a collective that runs on its own (NCCL's
-    # kernels). ``calibrate`` measures the first and fits the second on a sliced site.
+    # 0.1-0.2 ms, and matmuls beside it delay it by 0.7-1.9 ms (four calibrations at
+    # 1 Gbit/s), where a P2P transfer, moved by the kernel, goes on. 0: not measured,
+    # or a collective that runs on its own (NCCL's kernels). ``calibrate`` measures the
+    # first and fits the second on a sliced site.
     collective_issue_s: float = 0.0
     collective_stall_s: float = 0.0
 

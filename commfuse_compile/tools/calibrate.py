@@ -68,7 +68,7 @@ MAX_OVERLAP_MESSAGE_BYTES = 512 << 20
 # all-reduce): timed ``SMALL_CALL_REPS`` times as often, at little cost.
 SMALL_CALL_BYTES = 1 << 20
 SMALL_CALL_REPS = 4
-OP_CALLS = 64  # the ops of ``_op_call_s``'s graph (about)
+OP_CALLS = 64  # the ops of ``_op_calls``'s graph (about)
 FIXED_COST_ROUNDS = 3  # the fixed costs' probes, each on every rank (``FixedCostProbe``)
 # A curve's point, and each matmul shape, the add and the op graph (``_in_rounds``), is
 # timed in this many rounds of every point, its calls split among them: a slow spell of
@@ -220,7 +220,10 @@ def probe_sliced(
 
 
 def _sliced_shape(
-    rank: int, rings: Rings, matmul: list[tuple[float, float]], curves: Any
+    rank: int,
+    rings: Rings,
+    matmul: list[tuple[float, float]],
+    curves: dict[str, dict[int, list[tuple[float, float]]]],
 ) -> tuple[int, int, int]:
     """``sliced_site_shape`` on rank 0's measurements, for every rank (they run one site)."""
     n = len(_mine(rank, rings))
