@@ -591,7 +591,7 @@ def _measurements_of(p: Profile, n: int) -> fit.Measurements:
     }
     as_timed = dataclasses.replace(p, collectives=fit.fitted_curves(collectives))
     gather = as_timed.curve("all_gather", n)
-    shape = fit.sliced_site_shape(gather, p.matmul_latency_s, p.matmul_flops, n)  # type: ignore[arg-type]
+    shape = fit.sliced_site_shape(gather, p.matmul_latency_s, p.matmul_flops, n)
     sliced = fit.gather_site_work(shape, n)
     return fit.Measurements(
         matmul=[(2.0 * a * b * c, p.matmul_s(2.0 * a * b * c)) for a, b, c in cal.MATMUL_SHAPES],

@@ -44,6 +44,7 @@ from .profile_fit import (
     Measurements,
     SlicedProbe,
     fit_line,
+    fitted_curve,
     fitted_curves,
     profile_from,
     sliced_site_shape,
@@ -228,7 +229,7 @@ def _sliced_shape(
     """``sliced_site_shape`` on rank 0's measurements, for every rank (they run one site)."""
     n = len(_mine(rank, rings))
     latency, s_per_flop = fit_line(matmul)
-    gather = fitted_curves({"all_gather": {n: curves["all_gather"][n]}})["all_gather"][n]
+    gather = fitted_curve(curves["all_gather"][n])
     shape = torch.tensor(sliced_site_shape(gather, latency, 1 / s_per_flop, n))
     dist.broadcast(shape, 0)
     rows, k, cols = shape.tolist()

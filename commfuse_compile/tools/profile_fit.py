@@ -88,11 +88,16 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return max(a, 0.0), b
 
 
+def fitted_curve(points: Sequence[tuple[float, float]]) -> Curve:
+    """A collective's measured (block bytes, seconds) points, and the line fitted on them."""
+    return Curve(*fit_line(points), tuple(points))
+
+
 def fitted_curves(
     measured: dict[str, dict[int, list[tuple[float, float]]]],
 ) -> dict[str, dict[int, Curve]]:
     return {
-        name: {size: Curve(*fit_line(points), tuple(points)) for size, points in by_n.items()}
+        name: {size: fitted_curve(points) for size, points in by_n.items()}
         for name, by_n in measured.items()
     }
 
