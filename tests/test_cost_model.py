@@ -888,6 +888,27 @@ def test_a_curves_calls_are_spread_over_rounds_of_every_point(monkeypatch):
         assert curves[collective][2] == [(float(b), b * 1e-9) for b in cal.CURVE_BLOCK_BYTES]
 
 
+def _slowest_rank_of(rank: int, n: int) -> dict[tuple[str, int], list[float]]:
+    """Job: ``calibrate._slowest_rank`` of call times that differ by rank (rank r's call
+    i takes (i + 1) x (r + 1) ms on the first point, 10 - r ms on the other's 5 calls)."""
+    times = {
+        ("all_to_all", 1): [(i + 1) * (rank + 1) * 1e-3 for i in range(3)],
+        ("all_gather", 2): [(10 - rank) * 1e-3] * 5,
+    }
+    return cal._slowest_rank(times, dist.group.WORLD)
+
+
+def test_a_curves_call_is_timed_at_its_slowest_rank(ranks):
+    """A collective's point is each call at the rank of the group that took longest (a
+    collective is done when its last rank is): every rank gets the same calls, of every
+    point, whatever their counts."""
+    for slowest in ranks(3).run(_slowest_rank_of):
+        assert slowest == {
+            ("all_to_all", 1): pytest.approx([3e-3, 6e-3, 9e-3]),
+            ("all_gather", 2): pytest.approx([10e-3] * 5),
+        }
+
+
 def test_the_matmuls_the_add_and_the_op_graph_are_timed_in_rounds_too(monkeypatch):
     """``calibrate._in_rounds``, which times the matmul shapes, the add and the op graph:
     every call in each of ``CURVE_ROUNDS`` rounds, its calls split among them and warmed

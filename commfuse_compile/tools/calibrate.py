@@ -256,7 +256,8 @@ def collective_curves(
     """The backend's collectives (``COLLECTIVES``), timed by block size on the groups of
     the first g ranks of every ring at once, for every g from ``smallest`` to the ring's
     size (the others wait); and the group name of this rank's whole ring. Each point's
-    calls are spread over ``CURVE_ROUNDS`` rounds of every point, its time their median."""
+    calls are spread over ``CURVE_ROUNDS`` rounds of every point, its time their median,
+    each call's time its slowest rank's (``_slowest_rank``)."""
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
     mine = _mine(rank, rings)
     whole = dist.group.WORLD
@@ -277,12 +278,27 @@ def collective_curves(
                     )
                 dist.barrier()
         if rank in mine[:g]:
+            slowest = _slowest_rank(times, group)
             for collective, by_size in curves.items():
                 by_size[g] = [
-                    (float(nbytes), statistics.median(times[collective, nbytes]))
+                    (float(nbytes), statistics.median(slowest[collective, nbytes]))
                     for nbytes in CURVE_BLOCK_BYTES
                 ]
     return curves, group.group_name  # type: ignore[union-attr]
+
+
+def _slowest_rank(times: dict[Any, list[float]], group: Any) -> dict[Any, list[float]]:
+    """Each call's time at the rank of ``group`` slowest at it (every rank times the same
+    calls in one order). A collective is done when its last rank has its data, and the
+    ranks do not finish together: gloo's all-to-all of 4 MiB blocks at 1 Gbit/s, started
+    on two ranks at once, took 48 ms on one and 89 ms on the other, the rank that lost
+    the race to send first (its peer's data queued behind its own). One rank's view then
+    gave one calibration 1.05x the wire's time and others 2.0x, which the bench's cells
+    and the programs (ranks never arrive together) see."""
+    calls = torch.tensor([t for seconds in times.values() for t in seconds], dtype=torch.float64)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=group)
+    pieces = calls.split([len(seconds) for seconds in times.values()])
+    return {key: piece.tolist() for key, piece in zip(times, pieces, strict=True)}
 
 
 def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: int) -> float:
