@@ -290,11 +290,11 @@ def collective_curves(
 def _slowest_rank(times: dict[Any, list[float]], group: Any) -> dict[Any, list[float]]:
     """Each call's time at the rank of ``group`` slowest at it (every rank times the same
     calls in one order). A collective is done when its last rank has its data, and the
-    ranks do not finish together: gloo's all-to-all of 4 MiB blocks at 1 Gbit/s, started
-    on two ranks at once, took 48 ms on one and 89 ms on the other, the rank that lost
-    the race to send first (its peer's data queued behind its own). One rank's view then
-    gave one calibration 1.05x the wire's time and others 2.0x, which the bench's cells
-    and the programs (ranks never arrive together) see."""
+    ranks do not finish together: gloo's all-to-all of 4 MiB blocks at 749 Mbit/s,
+    started on two ranks at once, took 48 ms on one and 89 ms on the other (the one whose
+    peer's data queued behind its own send). Rank 0's own times gave one calibration that
+    all-to-all at 1.05x the wire's time; the others, the bench's cells and the programs
+    (whose ranks never arrive together) see 2.0x."""
     calls = torch.tensor([t for seconds in times.values() for t in seconds], dtype=torch.float64)
     dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=group)
     pieces = calls.split([len(seconds) for seconds in times.values()])
