@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -71,8 +71,8 @@ SMALL_CALL_BYTES = 1 << 20
 SMALL_CALL_REPS = 4
 OP_CALLS = 64  # the ops of ``_op_calls``'s graph (about)
 FIXED_COST_ROUNDS = 3  # the fixed costs' probes, each on every rank (``FixedCostProbe``)
-# A curve's point, and each matmul shape, the add and the op graph (``_in_rounds``), is
-# timed in this many rounds of every point, its calls split among them: a slow spell of
+# A curve's point, and each matmul shape, the add and the op graph, is timed
+# (``_rounds``) in this many rounds of every point, its calls split among them: a slow spell of
 # the machine (gloo's 4 KiB all-reduce at 1.0, 0.3 and 1.7 ms in three calibrations a
 # minute apart here, its 256 KiB all-to-all 2.0 ms against 0.4) then lands on a few
 # calls of many points, not on all the calls of one
@@ -149,11 +149,21 @@ def _in_rounds(calls: dict[Any, tuple[Callable[[], object], int]]) -> dict[Any, 
     few calls of many, not on all the calls of one (one calibration here timed the
     element-wise add at 3.8 GB/s and float32 matmuls at 85 GFLOP/s, where the one before
     had 13.3 and 149, and the bench's cells then ran up to 1.5x faster than it said)."""
-    times: dict[Any, list[float]] = {key: [] for key in calls}
+    timers = {key: (functools.partial(_times, fn), reps) for key, (fn, reps) in calls.items()}
+    return {key: statistics.median(seconds) for key, seconds in _rounds(timers).items()}
+
+
+def _rounds(
+    timers: Mapping[Any, tuple[Callable[[int, bool], list[float]], int]],
+) -> dict[Any, list[float]]:
+    """Each key's ``reps`` call times, from ``CURVE_ROUNDS`` rounds that each visit every
+    key in one order: ``timer(calls, warm_up)`` times its share of the calls, warmed up
+    in the first round only."""
+    times: dict[Any, list[float]] = {key: [] for key in timers}
     for turn in range(CURVE_ROUNDS):
-        for key, (fn, reps) in calls.items():
-            times[key] += _times(fn, -(-reps // CURVE_ROUNDS), warm_up=turn == 0)
-    return {key: statistics.median(seconds) for key, seconds in times.items()}
+        for key, (timer, reps) in timers.items():
+            times[key] += timer(-(-reps // CURVE_ROUNDS), turn == 0)
+    return times
 
 
 def _op_calls() -> tuple[Callable[[], object], int]:
@@ -261,30 +271,43 @@ def collective_curves(
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
     mine = _mine(rank, rings)
     whole = dist.group.WORLD
-    points = [(c, nbytes) for c in COLLECTIVES for nbytes in CURVE_BLOCK_BYTES]
     for g in range(smallest, len(mine) + 1):
         for ring in rings:  # every rank makes every group, in one order
             members = list(ring)[:g]
             made = whole if len(members) == dist.get_world_size() else dist.new_group(members)
             if rank in members:
                 group = made
-        times: dict[tuple[str, int], list[float]] = {point: [] for point in points}
-        for turn in range(CURVE_ROUNDS):
-            for collective, nbytes in points:
-                if rank in mine[:g]:  # the others only wait (new_group gives them no group)
-                    calls = -(-_reps(nbytes, reps) // CURVE_ROUNDS)
-                    times[collective, nbytes] += _collective_times(
-                        collective, nbytes, g, group, calls, warm_up=turn == 0
-                    )
-                dist.barrier()
-        if rank in mine[:g]:
-            slowest = _slowest_rank(times, group)
+        timed_on = group if rank in mine[:g] else None  # the others only wait
+        times = _rounds(
+            {
+                (c, nbytes): (
+                    functools.partial(_timed_or_wait, c, nbytes, g, timed_on),
+                    _reps(nbytes, reps),
+                )
+                for c in COLLECTIVES
+                for nbytes in CURVE_BLOCK_BYTES
+            }
+        )
+        if timed_on is not None:
+            slowest = _slowest_rank(times, timed_on)
             for collective, by_size in curves.items():
                 by_size[g] = [
                     (float(nbytes), statistics.median(slowest[collective, nbytes]))
                     for nbytes in CURVE_BLOCK_BYTES
                 ]
     return curves, group.group_name  # type: ignore[union-attr]
+
+
+def _timed_or_wait(
+    collective: str, nbytes: int, g: int, group: Any, calls: int, warm_up: bool
+) -> list[float]:
+    """``_collective_times`` on ``group`` (None: a rank outside it, which new_group gave no
+    group: it only waits), then every rank of the job meets."""
+    seconds = (
+        [] if group is None else _collective_times(collective, nbytes, g, group, calls, warm_up)
+    )
+    dist.barrier()
+    return seconds
 
 
 def _slowest_rank(times: dict[Any, list[float]], group: Any) -> dict[Any, list[float]]:
