@@ -39,6 +39,7 @@ from commfuse_compile.passes.fx.declines import Declined
 from commfuse_compile.passes.plan import MIN_GAIN, auto_choice, plan, site_work
 from commfuse_compile.schedules import Direction
 from commfuse_compile.tools import calibrate as cal
+from commfuse_compile.tools import call_times
 from commfuse_compile.tools import profile_fit as fit
 from commfuse_compile.tools.sim.layer import write_trace
 
@@ -879,23 +880,23 @@ def test_a_curves_calls_are_spread_over_rounds_of_every_point(monkeypatch):
     finally:
         dist.destroy_process_group()
     points = [(c, b) for c in COLLECTIVES for b in cal.CURVE_BLOCK_BYTES]
-    assert [(c, b) for c, b, _, _ in order] == points * cal.CURVE_ROUNDS
+    assert [(c, b) for c, b, _, _ in order] == points * call_times.CURVE_ROUNDS
     assert [w for *_, w in order] == [True] * len(points) + [False] * (len(order) - len(points))
     assert [calls for _, _, calls, _ in order] == [
-        -(-cal._reps(b, 5) // cal.CURVE_ROUNDS) for _, b in points * cal.CURVE_ROUNDS
+        -(-cal._reps(b, 5) // call_times.CURVE_ROUNDS) for _, b in points * call_times.CURVE_ROUNDS
     ]
     for collective in COLLECTIVES:
         assert curves[collective][2] == [(float(b), b * 1e-9) for b in cal.CURVE_BLOCK_BYTES]
 
 
 def _slowest_rank_of(rank: int, n: int) -> dict[tuple[str, int], list[float]]:
-    """Job: ``calibrate._slowest_rank`` of call times that differ by rank (rank r's call
+    """Job: ``call_times.slowest_rank`` of call times that differ by rank (rank r's call
     i takes (i + 1) x (r + 1) ms on the first point, 10 - r ms on the other's 5 calls)."""
     times = {
         ("all_to_all", 1): [(i + 1) * (rank + 1) * 1e-3 for i in range(3)],
         ("all_gather", 2): [(10 - rank) * 1e-3] * 5,
     }
-    return cal._slowest_rank(times, dist.group.WORLD)
+    return call_times.slowest_rank(times, dist.group.WORLD)
 
 
 def test_a_curves_call_is_timed_at_its_slowest_rank(ranks):
@@ -910,7 +911,7 @@ def test_a_curves_call_is_timed_at_its_slowest_rank(ranks):
 
 
 def test_the_matmuls_the_add_and_the_op_graph_are_timed_in_rounds_too(monkeypatch):
-    """``calibrate._in_rounds``, which times the matmul shapes, the add and the op graph:
+    """``call_times.in_rounds``, which times the matmul shapes, the add and the op graph:
     every call in each of ``CURVE_ROUNDS`` rounds, its calls split among them and warmed
     up once; a slow round (every call 100x) moves no median."""
     order: list[tuple[str, int, bool]] = []
@@ -919,10 +920,10 @@ def test_the_matmuls_the_add_and_the_op_graph_are_timed_in_rounds_too(monkeypatc
         order.append((fn(), reps, warm_up))
         return [(100.0 if len(order) <= 2 else 1.0) * {"a": 1e-3, "b": 2e-3}[fn()]] * reps
 
-    monkeypatch.setattr(cal, "_times", timed)
-    times = cal._in_rounds({"a": (lambda: "a", 9), "b": (lambda: "b", 36)})
+    monkeypatch.setattr(call_times, "times", timed)
+    times = call_times.in_rounds({"a": (lambda: "a", 9), "b": (lambda: "b", 36)})
     assert order == [("a", 3, True), ("b", 9, True)] + [("a", 3, False), ("b", 9, False)] * (
-        cal.CURVE_ROUNDS - 1
+        call_times.CURVE_ROUNDS - 1
     )
     assert times == {"a": 1e-3, "b": 2e-3}
 

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from ..cost.profile_checks import COLLECTIVES
 from ..cost.profiles import CURVE_BLOCK_BYTES, Level, Profile
 from ..passes.fx.matmuls import rate_class
 from ..runtime import topology
+from . import call_times
 from .profile_fit import (
     STEP_SITE,
     FixedCostProbe,
@@ -71,12 +72,6 @@ SMALL_CALL_BYTES = 1 << 20
 SMALL_CALL_REPS = 4
 OP_CALLS = 64  # the ops of ``_op_calls``'s graph (about)
 FIXED_COST_ROUNDS = 3  # the fixed costs' probes, each on every rank (``FixedCostProbe``)
-# A curve's point, and each matmul shape, the add and the op graph, is timed
-# (``_rounds``) in this many rounds of every point, its calls split among them: a slow spell of
-# the machine (gloo's 4 KiB all-reduce at 1.0, 0.3 and 1.7 ms in three calibrations a
-# minute apart here, its 256 KiB all-to-all 2.0 ms against 0.4) then lands on a few
-# calls of many points, not on all the calls of one
-CURVE_ROUNDS = 4
 
 
 Rings = Sequence[Sequence[int]]  # the job's ranks split into rings of one level, alike
@@ -122,7 +117,7 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
         **{(None, s): (_matmul_call(*s), reps) for s in (*MATMUL_SHAPES, *SKINNY_SHAPES)},
         **{(c, s): (_matmul_call(*s, d, g), reps) for c, d, g in classes for s in MATMUL_SHAPES},
     }
-    t = _in_rounds(calls)
+    t = call_times.in_rounds(calls)
     matmul = [(2.0 * m * k * n, t[None, (m, k, n)]) for m, k, n in MATMUL_SHAPES]
     skinny = [(2.0 * m * k * n, 4.0 * k * n, t[None, (m, k, n)]) for m, k, n in SKINNY_SHAPES]
     rated = {
@@ -141,29 +136,6 @@ def measure(rank: int, world_size: int, reps: int, rings: Rings | None = None) -
         t[("ops",)] / ops,
         probe_sliced(rank, rings, group, reps, _sliced_shape(rank, rings, matmul, curves)),
     )
-
-
-def _in_rounds(calls: dict[Any, tuple[Callable[[], object], int]]) -> dict[Any, float]:
-    """Each call's median time over its ``reps``, spread over ``CURVE_ROUNDS`` rounds that
-    each visit every call, warmed up once: a slow spell of the machine then lands on a
-    few calls of many, not on all the calls of one (one calibration here timed the
-    element-wise add at 3.8 GB/s and float32 matmuls at 85 GFLOP/s, where the one before
-    had 13.3 and 149, and the bench's cells then ran up to 1.5x faster than it said)."""
-    timers = {key: (functools.partial(_times, fn), reps) for key, (fn, reps) in calls.items()}
-    return {key: statistics.median(seconds) for key, seconds in _rounds(timers).items()}
-
-
-def _rounds(
-    timers: Mapping[Any, tuple[Callable[[int, bool], list[float]], int]],
-) -> dict[Any, list[float]]:
-    """Each key's ``reps`` call times, from ``CURVE_ROUNDS`` rounds that each visit every
-    key in one order: ``timer(calls, warm_up)`` times its share of the calls, warmed up
-    in the first round only."""
-    times: dict[Any, list[float]] = {key: [] for key in timers}
-    for turn in range(CURVE_ROUNDS):
-        for key, (timer, reps) in timers.items():
-            times[key] += timer(-(-reps // CURVE_ROUNDS), turn == 0)
-    return times
 
 
 def _op_calls() -> tuple[Callable[[], object], int]:
@@ -210,7 +182,7 @@ def probe_fixed_costs(
         ring, collective = step_site_times(n, group, calls, turns)
         small = [_collective_s(c, CURVE_BLOCK_BYTES[0], n, made, reps) for c in COLLECTIVES]
         rounds.append([ring, collective, _overlap_slowdown(rank, rings, reps), *small])
-    ring, collective, slowdown, *small = _median_over_ranks(rounds)
+    ring, collective, slowdown, *small = call_times.median_over_ranks(rounds)
     return FixedCostProbe(ring, collective, slowdown, tuple(small))
 
 
@@ -227,7 +199,7 @@ def probe_sliced(
     for _ in range(FIXED_COST_ROUNDS):
         site, matmul = sliced_site_times(n, group, shape, calls)
         rounds.append([site, matmul, issue_s(made, n, _reps(CURVE_BLOCK_BYTES[0], reps))])
-    return SlicedProbe(shape, *_median_over_ranks(rounds))
+    return SlicedProbe(shape, *call_times.median_over_ranks(rounds))
 
 
 def _sliced_shape(
@@ -246,14 +218,6 @@ def _sliced_shape(
     return rows, k, cols
 
 
-def _median_over_ranks(rounds: list[list[float]]) -> list[float]:
-    """Each column of this rank's ``rounds``, the median over every rank's rounds."""
-    mine = torch.tensor(rounds, dtype=torch.float64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return torch.cat(every).quantile(0.5, dim=0).tolist()
-
-
 def link_points(rank: int, rings: Rings, reps: int) -> list[tuple[float, float]]:
     """(bytes, seconds) of ring exchanges on ``rings``, every ring at once."""
     peers = _peers(rank, rings)
@@ -267,7 +231,7 @@ def collective_curves(
     the first g ranks of every ring at once, for every g from ``smallest`` to the ring's
     size (the others wait); and the group name of this rank's whole ring. Each point's
     calls are spread over ``CURVE_ROUNDS`` rounds of every point, its time their median,
-    each call's time its slowest rank's (``_slowest_rank``)."""
+    each call's time its slowest rank's (``call_times.slowest_rank``)."""
     curves: dict[str, dict[int, list[tuple[float, float]]]] = {k: {} for k in COLLECTIVES}
     mine = _mine(rank, rings)
     whole = dist.group.WORLD
@@ -278,7 +242,7 @@ def collective_curves(
             if rank in members:
                 group = made
         timed_on = group if rank in mine[:g] else None  # the others only wait
-        times = _rounds(
+        times = call_times.rounds(
             {
                 (c, nbytes): (
                     functools.partial(_timed_or_wait, c, nbytes, g, timed_on),
@@ -289,7 +253,7 @@ def collective_curves(
             }
         )
         if timed_on is not None:
-            slowest = _slowest_rank(times, timed_on)
+            slowest = call_times.slowest_rank(times, timed_on)
             for collective, by_size in curves.items():
                 by_size[g] = [
                     (float(nbytes), statistics.median(slowest[collective, nbytes]))
@@ -308,20 +272,6 @@ def _timed_or_wait(
     )
     dist.barrier()
     return seconds
-
-
-def _slowest_rank(times: dict[Any, list[float]], group: Any) -> dict[Any, list[float]]:
-    """Each call's time at the rank of ``group`` slowest at it (every rank times the same
-    calls in one order). A collective is done when its last rank has its data, and the
-    ranks do not finish together: gloo's all-to-all of 4 MiB blocks at 749 Mbit/s,
-    started on two ranks at once, took 48 ms on one and 89 ms on the other (the one whose
-    peer's data queued behind its own send). Rank 0's own times gave one calibration that
-    all-to-all at 1.05x the wire's time; the others, the bench's cells and the programs
-    (whose ranks never arrive together) see 2.0x."""
-    calls = torch.tensor([t for seconds in times.values() for t in seconds], dtype=torch.float64)
-    dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=group)
-    pieces = calls.split([len(seconds) for seconds in times.values()])
-    return {key: piece.tolist() for key, piece in zip(times, pieces, strict=True)}
 
 
 def _collective_s(collective: str, block_bytes: int, g: int, group: Any, reps: int) -> float:
@@ -351,7 +301,7 @@ def _collective_times(
         splits = [block.numel()] * g
         call = functools.partial(c10d.all_to_all_single, whole, splits, splits, group.group_name)
     dist.barrier(group)
-    return _times(lambda: c10d.wait_tensor(call()), calls, warm_up)
+    return call_times.times(lambda: c10d.wait_tensor(call()), calls, warm_up)
 
 
 def _overlap_slowdown(rank: int, rings: Rings, reps: int) -> float:
@@ -360,7 +310,7 @@ def _overlap_slowdown(rank: int, rings: Rings, reps: int) -> float:
     them (its time alone is measured first: gloo's works cannot be polled)."""
     m, k, n = OVERLAP_MATMUL
     a, b = torch.randn(m, k), torch.randn(k, n)
-    alone = _median(functools.partial(torch.mm, a, b), reps)
+    alone = call_times.median(functools.partial(torch.mm, a, b), reps)
     peers = _peers(rank, rings)
     probe = _one_way(peers, OVERLAP_MESSAGE_BYTES, reps)
     wanted = torch.tensor([OVERLAP_MESSAGE_BYTES * 8 * alone / probe])
@@ -388,21 +338,6 @@ def _reps(nbytes: int, reps: int) -> int:
     return reps * SMALL_CALL_REPS if nbytes < SMALL_CALL_BYTES else reps
 
 
-def _median(fn: Callable[[], object], reps: int) -> float:
-    return statistics.median(_times(fn, reps))
-
-
-def _times(fn: Callable[[], object], reps: int, warm_up: bool = True) -> list[float]:
-    if warm_up:
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return times
-
-
 def _one_way(peers: tuple[int, int], nbytes: int, reps: int) -> float:
     """One ring exchange of ``nbytes``: every rank sends to the next and receives from
     the previous (``peers``) at once, as a ring step does (the batch's time = one message)."""
@@ -415,7 +350,7 @@ def _one_way(peers: tuple[int, int], nbytes: int, reps: int) -> float:
             work.wait()
 
     dist.barrier()
-    return _median(exchange, _reps(nbytes, reps))
+    return call_times.median(exchange, _reps(nbytes, reps))
 
 
 def run(world_size: int, out: str, reps: int) -> Profile:
