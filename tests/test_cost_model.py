@@ -910,6 +910,27 @@ def test_a_curves_call_is_timed_at_its_slowest_rank(ranks):
         }
 
 
+def _collective_times_of(rank: int, n: int) -> list[float]:
+    """Job: ``calibrate._collective_times`` of the smallest all-reduce on the whole group,
+    as ``probe_fixed_costs``' small calls time it, its calls' times rank-dependent (rank
+    r's call i takes (i + 1) x (r + 1) ms; 3 - r ms on rank r's third)."""
+    own = [1e-3 * (rank + 1), 2e-3 * (rank + 1), 1e-3 * (3 - rank)]
+    real = call_times.times
+    call_times.times = lambda fn, reps, warm_up=True: own[:reps]
+    try:
+        return cal._collective_times("all_reduce", cal.CURVE_BLOCK_BYTES[0], n, dist.group.WORLD, 3)
+    finally:
+        call_times.times = real
+
+
+def test_a_small_call_beside_the_step_site_is_timed_at_its_slowest_rank(ranks):
+    """Not only the curves' points: every call ``_collective_times`` times (the small
+    calls ``with_small_calls`` puts on the curves too) is its slowest rank's, the same
+    on every rank."""
+    for seconds in ranks(3).run(_collective_times_of):
+        assert seconds == pytest.approx([3e-3, 6e-3, 3e-3])
+
+
 def test_the_matmuls_the_add_and_the_op_graph_are_timed_in_rounds_too(monkeypatch):
     """``call_times.in_rounds``, which times the matmul shapes, the add and the op graph:
     every call in each of ``CURVE_ROUNDS`` rounds, its calls split among them and warmed
