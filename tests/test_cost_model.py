@@ -912,8 +912,9 @@ def test_a_curves_call_is_timed_at_its_slowest_rank(ranks):
 
 def _collective_times_of(rank: int, n: int) -> list[float]:
     """Job: ``calibrate._collective_times`` of the smallest all-reduce on the whole group,
-    as ``probe_fixed_costs``' small calls time it, its calls' times rank-dependent (rank
-    r's call i takes (i + 1) x (r + 1) ms; 3 - r ms on rank r's third)."""
+    as ``probe_fixed_costs``' small calls time it, its calls' times rank-dependent: rank
+    r's first two take 1 and 2 x (r + 1) ms, its third 3 - r ms (the slowest rank is
+    rank 2 at the first two calls and rank 0 at the third)."""
     own = [1e-3 * (rank + 1), 2e-3 * (rank + 1), 1e-3 * (3 - rank)]
     real = call_times.times
     call_times.times = lambda fn, reps, warm_up=True: own[:reps]
