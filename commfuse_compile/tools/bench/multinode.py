@@ -7,7 +7,7 @@ address, at memory speed); its NIC is a veth link to a bridge behind a token buc
 own torchrun, joined by c10d rendezvous (``nodes.LaunchedRanks``): one job, not one
 process tree. On it, in one launch: ``commfuse calibrate``'s measurement by level (each
 node's ranks, then the NIC and the collectives between nodes; at the reference rate and
-unthrottled, the NIC's per-byte costs interpolated to each cell's rate,
+unthrottled, the NIC's per-byte costs scaled to each cell's rate,
 ``link.LinkProfiles``), then each cell, a whole block's training step
 (``block.run_block``): the NIC rate chosen so that the baseline's time on the link (its
 communication alone, throttled minus unthrottled) is about its compute alone, then every
@@ -173,7 +173,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"* profile `auto` decides on: `commfuse calibrate` by level in the same launch, "
         f"inside a node {profile['link_bytes_per_s'] / 1e6:.0f} MB/s, across nodes "
         f"{nic['bytes_per_s'] / 1e6:.0f} MB/s per NIC at the reference rate (its per-byte "
-        "costs interpolated to each cell's rate); the pass's topology from torchrun "
+        "costs scaled to each cell's rate); the pass's topology from torchrun "
         f"(`LOCAL_WORLD_SIZE={per_node}`)",
         "* every row 1 warm-up + the timed steps, interleaved; a step's time is the slowest "
         "rank's; median reported",
