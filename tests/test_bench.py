@@ -516,24 +516,27 @@ def test_a_cell_whose_collective_is_fixed_cost_gets_a_rate_tc_takes():
 def test_a_cells_link_times_are_the_larger_of_the_machines_and_the_wires():
     """``LinkProfiles.at``: a collective's point (and a P2P byte) at a cell's rate is the
     larger of its time unthrottled and its time at the reference rate scaled by the rate,
-    not their sum (gloo overlaps its own work with the wire)."""
+    not their sum (gloo overlaps its own work with the wire); a call's cost (the curve's
+    smallest point) is not scaled."""
     import dataclasses
 
     from commfuse_compile.cost.profiles import Curve, for_device
     from commfuse_compile.tools.bench.link import REFERENCE_RATE, LinkProfiles
 
-    def profile(point_s: float, bytes_per_s: float) -> object:
-        curve = Curve(1e-4, point_s / 1e6, ((1e6, point_s),))
+    def profile(call_s: float, point_s: float, bytes_per_s: float) -> object:
+        curve = Curve(1e-4, point_s / 1e6, ((4096.0, call_s), (1e6, point_s)))
         return dataclasses.replace(
-            for_device("cpu"),
-            link_bytes_per_s=bytes_per_s,
-            collectives={"all_reduce": {2: curve}},
+            for_device("cpu"), link_bytes_per_s=bytes_per_s, collectives={"all_reduce": {2: curve}}
         )
 
-    links = LinkProfiles(profile(8e-3, 1.25e8), profile(4e-3, 1e10))
+    links = LinkProfiles(profile(0.5e-3, 8e-3, 1.25e8), profile(0.5e-3, 4e-3, 1e10))
     fast, slow = links.at(4 * REFERENCE_RATE), links.at(REFERENCE_RATE / 2)
-    assert fast.collectives["all_reduce"][2].points == ((1e6, pytest.approx(4e-3)),)  # not 5
-    assert slow.collectives["all_reduce"][2].points == ((1e6, pytest.approx(16e-3)),)  # not 12
+    # 4 KiB: 0.5 ms at any rate; 1 MB: max(4, 0.5 + 7.5 / 4) = 4 (the sum: 5), and
+    # max(4, 0.5 + 7.5 x 2) = 15.5 at half the rate (the sum: 12)
+    for at, expected in ((fast, [0.5e-3, 4e-3]), (slow, [0.5e-3, 15.5e-3])):
+        points = at.collectives["all_reduce"][2].points
+        assert [x for x, _ in points] == [4096, 1e6]
+        assert [t for _, t in points] == pytest.approx(expected)
     assert fast.collectives["all_reduce"][2].latency_s == 1e-4
     assert fast.link_bytes_per_s == pytest.approx(5e8)
     assert slow.link_bytes_per_s == pytest.approx(6.25e7)

@@ -40,13 +40,14 @@ def calibrate_link(rank: int, n: int, reps: int) -> Any:
 class LinkProfiles:
     """``commfuse calibrate``'s measurement at the reference rate and unthrottled, so that
     each cell's rate gets its own profile: a time on the link at a rate is the larger of
-    the machine's own (unthrottled) and the reference's scaled by the rate, not their
-    sum. gloo overlaps its own work with the wire: the all-reduce of 2 MiB took 3.83 ms
-    at 4,595 Mbit/s, its time unthrottled (3.82), where the sum said 6.94. Over the
-    collectives alone of a full run's 30 dense and all-to-all cells (414 to 4,595
-    Mbit/s), the larger was off by a median 2 % (at most 15 %), the sum by 6 % (at most
-    81 %; the record's run: 6 and 9 %); the P2P exchanges alone, whose own part is small,
-    by 2-3 % either way."""
+    the machine's own (unthrottled) and the reference's scaled by the rate (a
+    collective's call cost, its smallest block's time, not scaled), not their sum. gloo
+    overlaps its own work with the wire: the all-reduce of 2 MiB took 3.83 ms at 4,595
+    Mbit/s, its time unthrottled (3.82), where the sum said 6.94. Over the collectives
+    alone of a full run's 30 dense and all-to-all cells (414 to 4,595 Mbit/s), the larger
+    was off by a median 2 % (at most 25 %), the sum by 6 % (at most 81 %; the record's
+    run: 5 and 9 %); the P2P exchanges alone, whose own part is small, by 2-3 % either
+    way."""
 
     reference: Any  # Profile at REFERENCE_RATE
     free: Any  # Profile without the tbf
@@ -58,8 +59,8 @@ class LinkProfiles:
         if not math.isfinite(rate):
             return self.free
 
-        def per_byte(reference_s: float, free_s: float) -> float:
-            return max(free_s, reference_s * REFERENCE_RATE / rate)
+        def per_byte(reference_s: float, free_s: float, call_s: float = 0.0) -> float:
+            return max(free_s, call_s + (reference_s - call_s) * REFERENCE_RATE / rate)
 
         def curves(reference: Any, free: Any) -> dict[str, dict[int, Curve]]:
             return {
@@ -104,15 +105,18 @@ class LinkProfiles:
         return str(path)
 
 
-def _scaled(reference: Curve, free: Curve, per_byte: Callable[[float, float], float]) -> Curve:
+def _scaled(
+    reference: Curve, free: Curve, per_byte: Callable[[float, float, float], float]
+) -> Curve:
     """``reference``'s curve at another rate: each measured point (against the
-    unthrottled one's at the same block size) and the fitted per-byte cost, by
-    ``per_byte``; the fitted fixed cost stays."""
+    unthrottled one's at the same block size, its smallest point's time the call's cost)
+    and the fitted per-byte cost, by ``per_byte``; the fitted fixed cost stays."""
+    call_s = reference.points[0][1] if reference.points else 0.0
     points = tuple(
-        (x, per_byte(reference_s, free_s))
+        (x, per_byte(reference_s, free_s, call_s))
         for (x, reference_s), (_, free_s) in zip(reference.points, free.points, strict=True)
     )
-    spb = per_byte(reference.seconds_per_byte, free.seconds_per_byte)
+    spb = per_byte(reference.seconds_per_byte, free.seconds_per_byte, 0.0)
     return Curve(reference.latency_s, spb, points)
 
 
