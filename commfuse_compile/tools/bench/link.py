@@ -46,7 +46,7 @@ class LinkProfiles:
     Mbit/s, its time unthrottled (3.82), where the sum said 6.94. Over the collectives
     alone of a full run's 30 dense and all-to-all cells (414 to 4,595 Mbit/s), the larger
     was off by a median 2 % (at most 25 %), the sum by 6 % (at most 81 %; the record's
-    run: 5 and 9 %); the P2P exchanges alone, whose own part is small, by 2-3 % either
+    run: 5 and 9 %); the P2P exchanges alone, whose own part is small, by 2-5 % either
     way."""
 
     reference: Any  # Profile at REFERENCE_RATE
@@ -59,13 +59,13 @@ class LinkProfiles:
         if not math.isfinite(rate):
             return self.free
 
-        def per_byte(reference_s: float, free_s: float, call_s: float = 0.0) -> float:
+        def at_rate(reference_s: float, free_s: float, call_s: float = 0.0) -> float:
             return max(free_s, call_s + (reference_s - call_s) * REFERENCE_RATE / rate)
 
         def curves(reference: Any, free: Any) -> dict[str, dict[int, Curve]]:
             return {
                 kind: {
-                    n: _scaled(c, free[kind][n], per_byte)
+                    n: _scaled(c, free[kind][n], at_rate)
                     for n, c in by_n.items()
                     if n in free.get(kind, {})
                 }
@@ -85,7 +85,7 @@ class LinkProfiles:
                 named,
                 across_nodes=dataclasses.replace(
                     nic,
-                    bytes_per_s=1 / per_byte(1 / nic.bytes_per_s, 1 / free_nic.bytes_per_s),
+                    bytes_per_s=1 / at_rate(1 / nic.bytes_per_s, 1 / free_nic.bytes_per_s),
                     collectives=curves(nic.collectives, free_nic.collectives),
                 ),
             )
@@ -93,7 +93,7 @@ class LinkProfiles:
         # at 1 Gbit/s, 59 % at 2.5, under 1 % unthrottled): the reference's holds.
         return dataclasses.replace(
             named,
-            link_bytes_per_s=1 / per_byte(1 / ref.link_bytes_per_s, 1 / free.link_bytes_per_s),
+            link_bytes_per_s=1 / at_rate(1 / ref.link_bytes_per_s, 1 / free.link_bytes_per_s),
             collectives=curves(ref.collectives, free.collectives),
         )
 
@@ -106,17 +106,17 @@ class LinkProfiles:
 
 
 def _scaled(
-    reference: Curve, free: Curve, per_byte: Callable[[float, float, float], float]
+    reference: Curve, free: Curve, at_rate: Callable[[float, float, float], float]
 ) -> Curve:
     """``reference``'s curve at another rate: each measured point (against the
     unthrottled one's at the same block size, its smallest point's time the call's cost)
-    and the fitted per-byte cost, by ``per_byte``; the fitted fixed cost stays."""
+    and the fitted per-byte cost, by ``at_rate``; the fitted fixed cost stays."""
     call_s = reference.points[0][1] if reference.points else 0.0
     points = tuple(
-        (x, per_byte(reference_s, free_s, call_s))
+        (x, at_rate(reference_s, free_s, call_s))
         for (x, reference_s), (_, free_s) in zip(reference.points, free.points, strict=True)
     )
-    spb = per_byte(reference.seconds_per_byte, free.seconds_per_byte, 0.0)
+    spb = at_rate(reference.seconds_per_byte, free.seconds_per_byte, 0.0)
     return Curve(reference.latency_s, spb, points)
 
 
