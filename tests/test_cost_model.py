@@ -896,7 +896,9 @@ def _slowest_rank_of(rank: int, n: int) -> dict[tuple[str, int], list[float]]:
         ("all_to_all", 1): [(i + 1) * (rank + 1) * 1e-3 for i in range(3)],
         ("all_gather", 2): [(10 - rank) * 1e-3] * 5,
     }
-    return call_times.slowest_rank(times, dist.group.WORLD)
+    return {
+        key: call_times.slowest_rank(seconds, dist.group.WORLD) for key, seconds in times.items()
+    }
 
 
 def test_a_curves_call_is_timed_at_its_slowest_rank(ranks):

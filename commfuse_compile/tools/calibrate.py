@@ -304,7 +304,7 @@ def _collective_times(
         call = functools.partial(c10d.all_to_all_single, whole, splits, splits, group.group_name)
     dist.barrier(group)
     seconds = call_times.times(lambda: c10d.wait_tensor(call()), calls, warm_up)
-    return call_times.slowest_rank({collective: seconds}, group)[collective]
+    return call_times.slowest_rank(seconds, group)
 
 
 def _overlap_slowdown(rank: int, rings: Rings, reps: int) -> float:

@@ -34,6 +34,7 @@ def times(fn: Callable[[], object], reps: int, warm_up: bool = True) -> list[flo
 
 
 def median(fn: Callable[[], object], reps: int) -> float:
+    """The median of ``times``."""
     return statistics.median(times(fn, reps))
 
 
@@ -60,7 +61,7 @@ def in_rounds(calls: Mapping[Any, tuple[Callable[[], object], int]]) -> dict[Any
     return {key: statistics.median(seconds) for key, seconds in rounds(timers).items()}
 
 
-def slowest_rank(calls: dict[Any, list[float]], group: Any) -> dict[Any, list[float]]:
+def slowest_rank(seconds: list[float], group: Any) -> list[float]:
     """Each call's time at the rank of ``group`` slowest at it (every rank times the same
     calls in one order). A collective is done when its last rank has its data, and the
     ranks do not finish together: gloo's all-to-all of 4 MiB blocks at 749 Mbit/s,
@@ -68,10 +69,9 @@ def slowest_rank(calls: dict[Any, list[float]], group: Any) -> dict[Any, list[fl
     peer's data queued behind its own send). Rank 0's own times gave one calibration that
     all-to-all at 1.05x the wire's time; the others, the bench's cells and the programs
     (whose ranks never arrive together) see 2.0x."""
-    every = torch.tensor([t for seconds in calls.values() for t in seconds], dtype=torch.float64)
+    every = torch.tensor(seconds, dtype=torch.float64)
     dist.all_reduce(every, op=dist.ReduceOp.MAX, group=group)
-    pieces = every.split([len(seconds) for seconds in calls.values()])
-    return {key: piece.tolist() for key, piece in zip(calls, pieces, strict=True)}
+    return every.tolist()
 
 
 def median_over_ranks(probe_rounds: list[list[float]]) -> list[float]:

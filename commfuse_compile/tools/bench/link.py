@@ -105,9 +105,7 @@ class LinkProfiles:
         return str(path)
 
 
-def _scaled(
-    reference: Curve, free: Curve, at_rate: Callable[[float, float, float], float]
-) -> Curve:
+def _scaled(reference: Curve, free: Curve, at_rate: Callable[..., float]) -> Curve:
     """``reference``'s curve at another rate: each measured point (against the
     unthrottled one's at the same block size, its smallest point's time the call's cost)
     and the fitted per-byte cost, by ``at_rate``; the fitted fixed cost stays."""
@@ -116,7 +114,7 @@ def _scaled(
         (x, at_rate(reference_s, free_s, call_s))
         for (x, reference_s), (_, free_s) in zip(reference.points, free.points, strict=True)
     )
-    spb = at_rate(reference.seconds_per_byte, free.seconds_per_byte, 0.0)
+    spb = at_rate(reference.seconds_per_byte, free.seconds_per_byte)
     return Curve(reference.latency_s, spb, points)
 
 
