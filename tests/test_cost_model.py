@@ -934,6 +934,58 @@ def test_a_small_call_beside_the_step_site_is_timed_at_its_slowest_rank(ranks):
         assert seconds == pytest.approx([3e-3, 6e-3, 3e-3])
 
 
+def _overlap_slowdown_of(rank: int, n: int) -> float:
+    """Job: ``calibrate._overlap_slowdown`` on a clock that only matmuls advance, a
+    matmul taking 0.5 ms before the probe's first barrier (a rank alone, its peers
+    idle), 2 ms while the probe's exchange is in flight and 1 ms otherwise (every rank
+    at once, nothing in flight); the exchange's rate probe 16 ms."""
+    import time
+
+    clock = [0.0]
+    state = {"barriers": 0, "in_flight": False}
+    real = (time.perf_counter, torch.mm, dist.barrier, dist.batch_isend_irecv, cal._one_way)
+
+    def mm(a, b):
+        quiet = 1e-3 if state["barriers"] else 0.5e-3
+        clock[0] += 2e-3 if state["in_flight"] else quiet
+        return a
+
+    class Work:
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            state["in_flight"] = False
+            return self.work.wait()
+
+    def barrier(*args, **kwargs):
+        state["barriers"] += 1
+        return real[2](*args, **kwargs)
+
+    def batch(ops):
+        state["in_flight"] = True
+        return [Work(w) for w in real[3](ops)]
+
+    time.perf_counter = lambda: clock[0]
+    torch.mm, dist.barrier, dist.batch_isend_irecv = mm, barrier, batch
+    cal._one_way = lambda peers, nbytes, reps: 16e-3 * nbytes / cal.OVERLAP_MESSAGE_BYTES
+    try:
+        return cal._overlap_slowdown(rank, cal.one_ring(n), 3)
+    finally:
+        time.perf_counter, torch.mm, dist.barrier, dist.batch_isend_irecv, cal._one_way = real
+
+
+def test_the_overlap_slowdown_compares_matmuls_of_every_rank_at_once(ranks):
+    """The matmuls under the exchange against matmuls timed the same way with nothing in
+    flight (every rank at once, after a barrier), not against one timed before: on 2
+    nodes x 2 ranks sharing 2 cores, a matmul a rank timed while its peers waited took
+    half what every rank at once took, and the probe read their compute as the
+    exchange's (a slowdown of 1.28 where the exchange cost 0.04-0.10). Here: 2 ms under
+    the exchange, 1 ms without, 0.5 ms alone: 1.0, not 3.0."""
+    for slowdown in ranks(3).run(_overlap_slowdown_of):
+        assert slowdown == pytest.approx(1.0)
+
+
 def test_the_matmuls_the_add_and_the_op_graph_are_timed_in_rounds_too(monkeypatch):
     """``call_times.in_rounds``, which times the matmul shapes, the add and the op graph:
     every call in each of ``CURVE_ROUNDS`` rounds, its calls split among them and warmed

@@ -308,33 +308,46 @@ def _collective_times(
 
 
 def _overlap_slowdown(rank: int, rings: Rings, reps: int) -> float:
-    """How much slower a matmul runs while a ring exchange is in flight: the matmul timed
-    alone, then back to back during the first half of an exchange sized to outlast 8 of
-    them (its time alone is measured first: gloo's works cannot be polled)."""
+    """How much slower a matmul runs while a ring exchange is in flight: matmuls back to
+    back on every rank at once for the first half of an exchange sized to outlast 8 of
+    them, against the same span of matmuls on every rank at once with nothing in flight,
+    the two alternating. Both sides share the cores alike: on 2 nodes x 2 ranks sharing
+    2 cores, a matmul timed alone on one rank while its peers waited took 14-26 ms and
+    every rank at once 25-39 ms, which read as a slowdown of 1.28 that was the other
+    ranks' compute (already in the matmul rate, measured on every rank at once)."""
     m, k, n = OVERLAP_MATMUL
     a, b = torch.randn(m, k), torch.randn(k, n)
-    alone = call_times.median(functools.partial(torch.mm, a, b), reps)
+    alone = call_times.median(functools.partial(torch.mm, a, b), reps)  # sizes the exchange
     peers = _peers(rank, rings)
     probe = _one_way(peers, OVERLAP_MESSAGE_BYTES, reps)
     wanted = torch.tensor([OVERLAP_MESSAGE_BYTES * 8 * alone / probe])
     dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # every rank sends the same size
     nbytes = int(min(max(OVERLAP_MESSAGE_BYTES, wanted.item()), MAX_OVERLAP_MESSAGE_BYTES))
     nbytes -= nbytes % 4
-    transfer = probe * nbytes / OVERLAP_MESSAGE_BYTES
+    span = probe * nbytes / OVERLAP_MESSAGE_BYTES / 2
     send, recv = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
+
+    def matmuls_for_span() -> list[float]:
+        seconds: list[float] = []
+        began = time.perf_counter()
+        while time.perf_counter() - began < span:
+            start = time.perf_counter()
+            torch.mm(a, b)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+
+    quiet: list[float] = []
     under: list[float] = []
     for _ in range(reps):
         dist.barrier()
+        quiet += matmuls_for_span()
+        dist.barrier()
         ops = [dist.P2POp(dist.irecv, recv, peers[1]), dist.P2POp(dist.isend, send, peers[0])]
         works = dist.batch_isend_irecv(ops)
-        issued = time.perf_counter()
-        while time.perf_counter() - issued < transfer / 2:
-            start = time.perf_counter()
-            torch.mm(a, b)
-            under.append(time.perf_counter() - start)
+        under += matmuls_for_span()
         for work in works:
             work.wait()
-    return max(statistics.median(under) / alone - 1, 0.0)
+    return max(statistics.median(under) / statistics.median(quiet) - 1, 0.0)
 
 
 def _reps(nbytes: int, reps: int) -> int:
