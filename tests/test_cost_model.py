@@ -29,6 +29,7 @@ from commfuse_compile.cost.simulator import (
     Timeline,
     Work,
     collective_model,
+    collective_s,
     matmuls_s,
     predict,
     simulate,
@@ -391,6 +392,39 @@ def test_site_work_counts_a_sites_flops_bytes_and_matmul_calls(fake_world_of_4):
     assert site_work(site, 4) == Work(
         Direction.REDUCE, 4, flops, 16 * 6 * 4 / 4, 1, whole_bytes=weight, matmul_class="float32"
     )
+
+
+def _projections_gathering_each(x, wq, wk, wv):
+    """q, k and v as DTensor's sequence parallelism traces them: each linear gathers its
+    input itself, three all-gathers of one shard."""
+    c10d = torch.ops._c10d_functional
+    group = dist.group.WORLD.group_name
+
+    def gathered():
+        return c10d.wait_tensor(c10d.all_gather_into_tensor(x, 4, group))
+
+    return torch.mm(gathered(), wq), torch.mm(gathered(), wk), torch.mm(gathered(), wv)
+
+
+def test_a_site_kept_as_written_pays_each_of_its_gathers(fake_world_of_4):
+    """The program as written gathers the shard once per linear that reads it; the
+    rewrite runs one ring for all three. Kept, the site is priced at its three calls,
+    one after the other (stop 62: ``auto`` priced one and kept the quick bench block's
+    q/k/v and w1/w3 gathers, 9 all-gathers a step where the ring ran 6 transfers, and
+    its step ran 100.1 ms against the ring's 87.4)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = [torch.randn(4, 8)] + [torch.randn(8, 6) for _ in range(3)]
+    gm = make_fx(_projections_gathering_each, tracing_mode="fake")(*inputs)
+    (site,) = match.find_sites(gm.graph)
+    work = site_work(site, 4)
+    assert work.written_calls == 3 and work.matmuls_per_block == 3
+    p = BUILTIN["gloo-loopback"]
+    once = dataclasses.replace(work, written_calls=1)
+    gathers = simulate(work, "collective", p).end_s - simulate(once, "collective", p).end_s
+    assert gathers == pytest.approx(2 * collective_s(work, p))
+    for schedule in DECOMPOSITIONS:  # one ring (or one sliced gather) for all three
+        assert simulate(work, schedule, p).end_s == simulate(once, schedule, p).end_s
 
 
 def test_a_matmul_runs_at_its_class_rate_and_an_op_call_costs_its_own():

@@ -63,6 +63,10 @@ class Work:
     # collected tensor rebuilt where the program reads it after the site
     product_bytes: float = 0.0
     rebuilt_bytes: float = 0.0
+    # the collective calls the program as written makes for the site, one after the
+    # other: DTensor gathers a linear's input once per linear that reads it (q, k and v,
+    # or w1 and w3: one all-gather each of one shard), where the rewrite runs one ring
+    written_calls: int = 1
 
     @property
     def returned_bytes(self) -> float:
@@ -181,14 +185,15 @@ def collective_call_s(work: Work, p: Profile) -> float:
 
 
 def _collective(work: Work, p: Profile) -> Timeline:
-    """The unfused pair: an all-gather then one matmul over all blocks, or the matmul
-    then a reduce-scatter."""
+    """The unfused pair: an all-gather (each of the program's ``written_calls``) then one
+    matmul over all blocks, or the matmul then a reduce-scatter."""
     n, events = work.n, list[Event]()
     matmul = matmuls_s(work, p)
     comm, name = collective_s(work, p), work.direction.collective
     curve = _all_reduce(work, p)
     if curve is not None:
         comm, name = curve.seconds(work.block_bytes), "all_reduce"
+    comm *= work.written_calls
     for r in range(n):
         if work.direction.collects_first:
             events += [

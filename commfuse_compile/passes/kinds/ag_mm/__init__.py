@@ -62,7 +62,7 @@ class AgMm(SiteKind[AgMmSite]):
         return Work(
             self.direction, n, flops / n, shard_bytes, len(site.uses),
             whole_bytes=site.whole_bytes(), matmul_class=site.uses[0].mm.rate_class,
-            product_bytes=products, rebuilt_bytes=rebuilt,
+            product_bytes=products, rebuilt_bytes=rebuilt, written_calls=len(site.gathers),
         )  # fmt: skip
 
     def start(self, site: AgMmSite, taken: Taken) -> tuple[AgMmSite, Node]:
