@@ -984,7 +984,7 @@ def _overlap_slowdown_of(rank: int, n: int) -> float:
         clock[0] += 2e-3 if state["in_flight"] else quiet
         return a
 
-    class Work:
+    class Landing:  # a P2P work whose wait ends the exchange's flight
         def __init__(self, work):
             self.work = work
 
@@ -998,7 +998,7 @@ def _overlap_slowdown_of(rank: int, n: int) -> float:
 
     def batch(ops):
         state["in_flight"] = True
-        return [Work(w) for w in real[3](ops)]
+        return [Landing(w) for w in real[3](ops)]
 
     time.perf_counter = lambda: clock[0]
     torch.mm, dist.barrier, dist.batch_isend_irecv = mm, barrier, batch
