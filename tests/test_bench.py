@@ -543,6 +543,28 @@ def test_a_cells_link_times_are_the_larger_of_the_machines_and_the_wires():
     assert links.at(math.inf) is links.free
 
 
+def test_a_cells_overlap_slowdown_is_the_share_of_the_core_its_rate_takes():
+    """``LinkProfiles.at``: a transfer takes the same core time per byte at any rate, so
+    the matmul's slowdown beside it is the reference's share of the core scaled by the
+    cell's bytes per second (0.2 of the core at the reference rate: 0.8 at 4x, 0.1 at
+    half), up to the probe's cap; where the link saturates, so does the share."""
+    import dataclasses
+
+    from commfuse_compile.cost.profiles import for_device
+    from commfuse_compile.tools.bench.link import REFERENCE_RATE, LinkProfiles
+
+    def profile(bytes_per_s: float) -> object:
+        return dataclasses.replace(
+            for_device("cpu"), link_bytes_per_s=bytes_per_s, overlap_slowdown=0.25
+        )
+
+    links = LinkProfiles(profile(1.25e8), profile(1e9))
+    assert links.at(4 * REFERENCE_RATE).overlap_slowdown == pytest.approx(0.8 / 0.2)
+    assert links.at(REFERENCE_RATE / 2).overlap_slowdown == pytest.approx(0.1 / 0.9)
+    # past unthrottled (1e9 B/s, 8x the reference): the share stops at 8 x 0.2, capped
+    assert links.at(100 * REFERENCE_RATE).overlap_slowdown == pytest.approx(0.95 / 0.05)
+
+
 @pytest.mark.slow
 def test_bench_quick_writes_well_formed_results(tmp_path):
     out = tmp_path / "bench"

@@ -348,7 +348,12 @@ def test_bench_link_at_a_rate_scales_only_the_link_across_nodes():
     curve = profiles.Curve(1e-4, 8 / REFERENCE_RATE)  # a byte as the reference rate sends it
     reference = dataclasses.replace(
         TWO_NODES,
-        across_nodes=Level(2e-4, REFERENCE_RATE / 8, collectives={"all_gather": {2: curve}}),
+        across_nodes=Level(
+            2e-4,
+            REFERENCE_RATE / 8,
+            collectives={"all_gather": {2: curve}},
+            overlap_slowdown=0.25,
+        ),
     )
     free_curve = profiles.Curve(1e-4, 0.0)
     free = dataclasses.replace(
@@ -357,6 +362,9 @@ def test_bench_link_at_a_rate_scales_only_the_link_across_nodes():
     at = LinkProfiles(reference, free).at(REFERENCE_RATE / 4)
     assert at.link_bytes_per_s == reference.link_bytes_per_s  # inside a node: no tbf
     assert at.collectives == reference.collectives
+    assert at.overlap_slowdown == reference.overlap_slowdown
+    # the NIC's share of the core (0.2 at the reference rate) at a quarter of its rate
+    assert at.across_nodes.overlap_slowdown == pytest.approx(0.05 / 0.95, rel=1e-3)
     assert at.across_nodes.bytes_per_s == pytest.approx(REFERENCE_RATE / 8 / 4, rel=1e-3)
     scaled = at.across_nodes.collectives["all_gather"][2]
     assert scaled.seconds_per_byte == pytest.approx(4 * 8 / REFERENCE_RATE)

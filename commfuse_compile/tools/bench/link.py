@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ...cost.profiles import Curve
+from ..calibrate import MAX_OVERLAP_SHARE
 from . import figures
 from .cells import site_alone
 from .config import Progress, SiteShape
@@ -81,20 +82,24 @@ class LinkProfiles:
         )
         nic, free_nic = ref.across_nodes, free.across_nodes
         if nic is not None and free_nic is not None:
+            nic_rate = 1 / at_rate(1 / nic.bytes_per_s, 1 / free_nic.bytes_per_s)
             return dataclasses.replace(
                 named,
                 across_nodes=dataclasses.replace(
                     nic,
-                    bytes_per_s=1 / at_rate(1 / nic.bytes_per_s, 1 / free_nic.bytes_per_s),
+                    bytes_per_s=nic_rate,
                     collectives=curves(nic.collectives, free_nic.collectives),
+                    overlap_slowdown=nic.overlap_slowdown
+                    if nic.overlap_slowdown is None
+                    else slowdown_at(nic.overlap_slowdown, nic_rate / nic.bytes_per_s),
                 ),
             )
-        # The matmul's slowdown under a transfer is the throttled link's (measured: 51 %
-        # at 1 Gbit/s, 59 % at 2.5, under 1 % unthrottled): the reference's holds.
+        link_rate = 1 / at_rate(1 / ref.link_bytes_per_s, 1 / free.link_bytes_per_s)
         return dataclasses.replace(
             named,
-            link_bytes_per_s=1 / at_rate(1 / ref.link_bytes_per_s, 1 / free.link_bytes_per_s),
+            link_bytes_per_s=link_rate,
             collectives=curves(ref.collectives, free.collectives),
+            overlap_slowdown=slowdown_at(ref.overlap_slowdown, link_rate / ref.link_bytes_per_s),
         )
 
     def file(self, rate: float, path: Path) -> str:
@@ -103,6 +108,15 @@ class LinkProfiles:
         path.parent.mkdir(parents=True, exist_ok=True)
         save(self.at(rate), path)
         return str(path)
+
+
+def slowdown_at(slowdown: float, rate_ratio: float) -> float:
+    """``Profile.overlap_slowdown`` measured on a link, on one ``rate_ratio`` times as
+    fast: a transfer takes the same core time per byte at any rate (the full preset's
+    cells lost about 3 ms of matmul per MiB moved from 445 to 3,439 Mbit/s), so its share
+    of the core it runs beside scales with its bytes per second, up to the probe's cap."""
+    share = min(slowdown / (1 + slowdown) * rate_ratio, MAX_OVERLAP_SHARE)
+    return share / (1 - share)
 
 
 def _scaled(reference: Curve, free: Curve, at_rate: Callable[..., float]) -> Curve:
