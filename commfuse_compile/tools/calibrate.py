@@ -354,7 +354,12 @@ def _overlap_slowdown(rank: int, rings: Rings, reps: int) -> float:
         under.append(matmuls_s())
         for work in works:
             work.wait()
-    share = (statistics.median(under) - statistics.median(quiet)) / exchange_s
+    return slowdown_of((statistics.median(under) - statistics.median(quiet)) / exchange_s)
+
+
+def slowdown_of(share: float) -> float:
+    """``Profile.overlap_slowdown`` of a transfer that takes ``share`` of the core beside
+    it (a matmul then runs at 1 - share), up to ``MAX_OVERLAP_SHARE``."""
     share = min(max(share, 0.0), MAX_OVERLAP_SHARE)
     return share / (1 - share)
 
