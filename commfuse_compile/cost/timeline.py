@@ -51,6 +51,24 @@ class Timeline:
         ]
 
 
+# a transfer that takes the whole core beside it leaves a matmul no progress; the model
+# keeps it finite (a slowdown of 19)
+MAX_CORE_SHARE = 0.95
+
+
+def core_share(slowdown: float) -> float:
+    """The share of a core a transfer in flight takes from the matmul beside it, which
+    then runs at 1 - that share (``Profile.overlap_slowdown`` = share / (1 - share))."""
+    return slowdown / (1 + slowdown)
+
+
+def slowdown_of(share: float) -> float:
+    """``Profile.overlap_slowdown`` of a transfer that takes ``share`` of the core beside
+    it, up to ``MAX_CORE_SHARE``."""
+    share = min(max(share, 0.0), MAX_CORE_SHARE)
+    return share / (1 - share)
+
+
 def overlapped(compute_s: float, in_flight_s: float, slowdown: float) -> float:
     """How long ``compute_s`` of matmul takes when a transfer is in flight for the first
     ``in_flight_s`` of it, slowed by ``slowdown`` meanwhile (``Profile.overlap_slowdown``)."""
@@ -59,4 +77,4 @@ def overlapped(compute_s: float, in_flight_s: float, slowdown: float) -> float:
     slowed = compute_s * (1 + slowdown)
     if slowed <= in_flight_s:
         return slowed
-    return compute_s + in_flight_s * slowdown / (1 + slowdown)
+    return compute_s + in_flight_s * core_share(slowdown)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from ..cost.profile_checks import COLLECTIVES
 from ..cost.profiles import CURVE_BLOCK_BYTES, Level, Profile
+from ..cost.timeline import slowdown_of
 from ..passes.fx.matmuls import rate_class
 from ..runtime import topology
 from . import call_times
@@ -67,9 +68,6 @@ OVERLAP_MATMULS = 8
 OVERLAP_MESSAGE_BYTES = 16 << 20  # the probe of the transfer's rate
 MIN_OVERLAP_MESSAGE_BYTES = 256 << 10
 MAX_OVERLAP_MESSAGE_BYTES = 512 << 20
-# a transfer that takes the whole core beside it leaves a matmul no progress; the model
-# keeps it finite (a slowdown of 19)
-MAX_OVERLAP_SHARE = 0.95
 # Calls of less than this many bytes take a few milliseconds or less and have the
 # heaviest tails (a 4 KiB gloo all-reduce on the CI machine: median 0.3 ms, one call in
 # ten 3-8 ms; a median of 3 once came out 3.5 ms and ``auto`` then split a decode step's
@@ -355,13 +353,6 @@ def _overlap_slowdown(rank: int, rings: Rings, reps: int) -> float:
         for work in works:
             work.wait()
     return slowdown_of((statistics.median(under) - statistics.median(quiet)) / exchange_s)
-
-
-def slowdown_of(share: float) -> float:
-    """``Profile.overlap_slowdown`` of a transfer that takes ``share`` of the core beside
-    it (a matmul then runs at 1 - share), up to ``MAX_OVERLAP_SHARE``."""
-    share = min(max(share, 0.0), MAX_OVERLAP_SHARE)
-    return share / (1 - share)
 
 
 def _reps(nbytes: int, reps: int) -> int:

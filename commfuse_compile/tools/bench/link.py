@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ...cost.profiles import Curve
-from ..calibrate import slowdown_of
+from ...cost.timeline import core_share, slowdown_of
 from . import figures
 from .cells import site_alone
 from .config import Progress, SiteShape
@@ -114,8 +114,9 @@ def slowdown_at(slowdown: float, rate_ratio: float) -> float:
     """``Profile.overlap_slowdown`` measured on a link, on one ``rate_ratio`` times as
     fast: a transfer takes the same core time per byte at any rate (the full preset's
     cells lost about 3 ms of matmul per MiB moved from 445 to 3,439 Mbit/s), so its share
-    of the core it runs beside scales with its bytes per second, up to the probe's cap."""
-    return slowdown_of(slowdown / (1 + slowdown) * rate_ratio)
+    of the core it runs beside scales with its bytes per second (``timeline.core_share``,
+    capped)."""
+    return slowdown_of(core_share(slowdown) * rate_ratio)
 
 
 def _scaled(reference: Curve, free: Curve, at_rate: Callable[..., float]) -> Curve:
