@@ -45,7 +45,15 @@ RANK_DEVICE = "link0"  # the rank's end of its veth pair (in the rank's namespac
 MTU = "9000"  # jumbo frames, as on cluster networks: fewer packets for the CPU to handle
 MASTER_PORT = 29500  # free in a fresh namespace
 QUEUE_LATENCY = "100ms"  # tbf queue length in time: long enough that TCP sees no drops
-MIN_BURST_BYTES = 128 * 1024  # above one 64 KiB GSO packet, or tbf would split them
+# The token bucket's depth: 1 ms of traffic at every rate, so that what a message gains
+# from a full bucket after an idle spell is the same time at every rate (the profile the
+# cost model gets is measured at one rate and scaled, ``link.LinkProfiles``). A floor of
+# 128 KiB (one GSO packet unsplit) made it 4 ms at 250 Mbit/s: an idle link's 256 KiB
+# message took 4.6 ms there, 7.8 with 1 ms (the wire's 8.4), and the dropless MoE's
+# round trip at 247 Mbit/s ran 1.4x faster than its model. tbf splits a GSO packet larger
+# than the bucket; the floor keeps two jumbo frames.
+BURST_S = 1e-3
+MIN_BURST_BYTES = 2 * (int(MTU) + 256)
 # Each namespace's TCP receive buffer to start with (``net.ipv4.tcp_rmem``, per namespace;
 # min, default, max), as cluster hosts are tuned. With the kernel's 128 KiB default, a
 # message larger than that stops while its receiver computes: the rest waits for gloo's
@@ -53,6 +61,11 @@ MIN_BURST_BYTES = 128 * 1024  # above one 64 KiB GSO packet, or tbf would split 
 # 256 KiB exchange under a 2.5 ms matmul: 0.9-1.2 ms left to wait after it, 0.015 ms
 # with 4 MiB; a NIC moves the bytes whatever its host computes.
 TCP_RECEIVE_BUFFER = "4096 4194304 33554432"
+
+
+def burst_bytes(bits_per_s: float) -> int:
+    """The tbf's bucket at ``bits_per_s``: ``BURST_S`` of traffic."""
+    return max(MIN_BURST_BYTES, int(bits_per_s / 8 * BURST_S))
 
 
 class NetworkError(RuntimeError):
@@ -212,10 +225,9 @@ class ThrottledNetwork:
                 with contextlib.suppress(NetworkError):  # no qdisc yet
                     _run(["tc", "qdisc", "del", "dev", dev, "root"], ns)
                 continue
-            burst = max(MIN_BURST_BYTES, int(bits_per_s / 8 * 1e-3))  # 1 ms of traffic
             _run(
                 ["tc", "qdisc", "replace", "dev", dev, "root", "tbf"]
-                + ["rate", f"{int(bits_per_s)}bit", "burst", str(burst)]
+                + ["rate", f"{int(bits_per_s)}bit", "burst", str(burst_bytes(bits_per_s))]
                 + ["latency", QUEUE_LATENCY],
                 ns,
             )
