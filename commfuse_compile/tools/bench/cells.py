@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ... import report
 from ...cost.profiles import at_compute_speed, load, save
-from .config import MAX_ROUNDS, OVERLAP_PROBE, SiteShape, Variant
+from .config import MAX_CALLS_PER_TIMING, MAX_ROUNDS, MIN_TIMED_S, OVERLAP_PROBE, SiteShape, Variant
 from .predicted import matmul_alone_s, program_us
 from .sites import GROUPED_MM, SiteProgram, build_site
 
@@ -58,34 +58,43 @@ def _comm(site: SiteProgram, overlap: Callable[[], object] | None = None) -> Non
         work.wait()
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    """``fn`` started together on every rank; this rank's seconds."""
+def _timed(fn: Callable[[], object], calls: int = 1) -> float:
+    """``fn`` started together on every rank, ``calls`` times back to back; this rank's
+    seconds per call."""
     dist.barrier()
     start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
 
 
 def interleaved(
     fns: dict[str, Callable[[], object]], warmup: int, reps: int, timed_s: float = 0.0
 ) -> dict[str, list[float]]:
-    """A B C ... repeated; the first ``warmup`` rounds are dropped. With ``timed_s``: more
-    than ``reps`` rounds where ``reps`` of them would take less, as many as fit in it
-    (up to ``MAX_ROUNDS``), every rank the same count (from the slowest rank's first
+    """A B C ... repeated; the first ``warmup`` rounds are dropped. With ``timed_s``: a
+    call shorter than ``MIN_TIMED_S`` timed as several back to back (their mean), and
+    more than ``reps`` rounds where ``reps`` of them would take less, as many as fit in
+    it (up to ``MAX_ROUNDS``), every rank the same counts (from the slowest rank's first
     round)."""
     times: dict[str, list[float]] = {label: [] for label in fns}
+    calls = dict.fromkeys(fns, 1)
     rounds, rep = warmup + reps, 0
     while rep < rounds:
-        took = 0.0
+        took: dict[str, float] = {}
         for label, fn in fns.items():
-            elapsed = _timed(fn)
-            took += elapsed
+            took[label] = _timed(fn, calls[label])
             if rep >= warmup:
-                times[label].append(elapsed)
+                times[label].append(took[label])
         if rep == 0 and timed_s > 0:
-            slowest = torch.tensor([took])
+            slowest = torch.tensor(list(took.values()))
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            fit = min(MAX_ROUNDS, math.ceil(timed_s / max(slowest.item(), 1e-9)))
+            call_s = dict(zip(fns, slowest.tolist(), strict=True))
+            calls = {
+                label: min(MAX_CALLS_PER_TIMING, max(1, math.ceil(MIN_TIMED_S / max(s, 1e-9))))
+                for label, s in call_s.items()
+            }
+            round_s = sum(calls[label] * s for label, s in call_s.items())
+            fit = min(MAX_ROUNDS, math.ceil(timed_s / max(round_s, 1e-9)))
             rounds = warmup + max(reps, fit)
         rep += 1
     return times

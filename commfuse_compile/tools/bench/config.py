@@ -40,9 +40,16 @@ CELL_KINDS = (
 )
 # A cell's rows are timed over at least this long, in at most ``MAX_ROUNDS`` rounds: a
 # decode step's rows take a few milliseconds, and 9 of them left the same program's two
-# rows 1.6x apart (the full run's noise at 4 tokens: 111 %).
-CELL_TIMED_S = 1.5
-MAX_ROUNDS = 60
+# rows 1.6x apart (the full run's noise at 4 tokens: 111 %). At 1.5 s the full run's
+# 10-30 ms cells got 9-19 rounds, and 20 of its 29 rows beyond the model's 25 % were
+# theirs (a baseline's median 22.1 ms where its parts alone took 17.4, min 12.9).
+CELL_TIMED_S = 6.0
+MAX_ROUNDS = 120
+# A call shorter than this is timed as several back to back after one barrier, their
+# mean: the ranks leave a barrier up to about a millisecond apart, and a 3.5 ms decode
+# step timed alone carried it (its median 3.5 ms, its parts' 2.3).
+MIN_TIMED_S = 0.02
+MAX_CALLS_PER_TIMING = 16
 # a row's model error with the cell's compute at the speed it ran at
 # (``profiles.at_compute_speed``), and the results' distribution of it
 AT_CELL_SPEED = "model_error_at_cell_speed"

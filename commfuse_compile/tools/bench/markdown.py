@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import AT_CELL_SPEED, AT_CELL_SPEED_TITLE, CELL_TIMED_S, COMPARED, MAX_ROUNDS
+from .config import (
+    AT_CELL_SPEED,
+    AT_CELL_SPEED_TITLE,
+    CELL_TIMED_S,
+    COMPARED,
+    MAX_ROUNDS,
+    MIN_TIMED_S,
+)
 from .figures import (
     KIND_TITLES,
     format_errors,
@@ -250,8 +257,9 @@ def _setting(results: dict[str, Any]) -> list[str]:
         f"* {meta['world_size']} gloo ranks, 1 torch thread each; per cell every row runs "
         f"{meta['warmup']} warm-up + {meta['reps']} timed calls, interleaved (a site cell: "
         f"more where those take under {CELL_TIMED_S:g} s, as many as fit, up to {MAX_ROUNDS}); "
-        "a call's time is the slowest rank's (all start on a barrier); median reported, min "
-        "and max kept",
+        "a call's time is the slowest rank's (all start on a barrier; in a site cell, a call "
+        f"under {MIN_TIMED_S * 1e3:g} ms is timed as several back to back, their mean); "
+        "median reported, min and max kept",
         "* comm alone = the bytes the collective must move (n-1 blocks per rank, the ring "
         "algorithm's traffic) sent as P2P in one batch, nothing computed: the link time of "
         "the site (the plain-TP all-reduce cells: 2(n-1) blocks, the reduce-scatter's and "
