@@ -536,8 +536,9 @@ def _timed_sleeps(rank: int, n: int) -> dict:
 
 def test_a_cells_short_calls_are_timed_back_to_back_and_its_rounds_fill_the_budget(ranks):
     """A call under ``MIN_TIMED_S`` is timed as several back to back after one barrier,
-    their mean (the ranks leave a barrier up to a millisecond apart: a 3.5 ms decode
-    step timed alone carried it); the rounds fill ``timed_s``, every rank alike."""
+    their mean (the ranks leave a barrier at times 0.9-3.0 ms apart, which a call of a
+    few milliseconds timed alone carries whole); the rounds fill ``timed_s``, every rank
+    alike."""
     from commfuse_compile.tools.bench.config import MIN_TIMED_S
 
     results = ranks(2).run(_timed_sleeps)
@@ -566,15 +567,16 @@ def test_the_bench_links_bucket_holds_the_same_time_of_traffic_at_every_rate():
     assert burst_bytes(1e6) >= 2 * int(MTU)
 
 
-def test_a_cells_link_times_are_the_larger_of_the_machines_and_the_wires():
-    """``LinkProfiles.at``: a collective's point (and a P2P byte) at a cell's rate is the
-    larger of its time unthrottled and its time at the reference rate scaled by the rate,
-    not their sum (gloo overlaps its own work with the wire); a call's cost (the curve's
-    smallest point) is not scaled."""
+def test_a_cells_link_times_are_affine_in_its_rate_through_two_and_never_below_the_machines():
+    """``LinkProfiles.at``: a collective's point (and a P2P byte) at a cell's rate is
+    affine in 1 / rate through its times at the two reference rates (a call's own cost
+    stays, the wire's part scales; gloo's all-to-all lost more than its bytes at low
+    rates, which one rate scaled missed) and never below its time unthrottled (gloo
+    overlaps its own work with the wire: not the sum)."""
     import dataclasses
 
     from commfuse_compile.cost.profiles import Curve, for_device
-    from commfuse_compile.tools.bench.link import REFERENCE_RATE, LinkProfiles
+    from commfuse_compile.tools.bench.link import LOW_RATE, REFERENCE_RATE, LinkProfiles
 
     def profile(call_s: float, point_s: float, bytes_per_s: float) -> object:
         curve = Curve(1e-4, point_s / 1e6, ((4096.0, call_s), (1e6, point_s)))
@@ -582,17 +584,24 @@ def test_a_cells_link_times_are_the_larger_of_the_machines_and_the_wires():
             for_device("cpu"), link_bytes_per_s=bytes_per_s, collectives={"all_reduce": {2: curve}}
         )
 
-    links = LinkProfiles(profile(0.5e-3, 8e-3, 1.25e8), profile(0.5e-3, 4e-3, 1e10))
-    fast, slow = links.at(4 * REFERENCE_RATE), links.at(REFERENCE_RATE / 2)
-    # 4 KiB: 0.5 ms at any rate; 1 MB: max(4, 0.5 + 7.5 / 4) = 4 (the sum: 5), and
-    # max(4, 0.5 + 7.5 x 2) = 15.5 at half the rate (the sum: 12)
-    for at, expected in ((fast, [0.5e-3, 4e-3]), (slow, [0.5e-3, 15.5e-3])):
+    assert LOW_RATE == REFERENCE_RATE / 4
+    # 1 MB: 8 ms at the reference rate, 36 at a quarter of it (4 ms more than 4 x 8), 4
+    # unthrottled; 4 KiB: 0.5 ms at every rate
+    links = LinkProfiles(
+        profile(0.5e-3, 8e-3, 1.25e8), profile(0.5e-3, 36e-3, 3.125e7), profile(0.5e-3, 4e-3, 1e10)
+    )
+    # at 4x the reference rate the line says 8 - 28 / 4 = 1 ms: unthrottled's 4 instead;
+    # at half the rate, a third of the way to the low rate's: 8 + 28 / 3
+    expected = {4: [0.5e-3, 4e-3], 1 / 2: [0.5e-3, 8e-3 + 28e-3 / 3], 1: [0.5e-3, 8e-3]}
+    for times, point_times in expected.items():
+        at = links.at(times * REFERENCE_RATE)
         points = at.collectives["all_reduce"][2].points
         assert [x for x, _ in points] == [4096, 1e6]
-        assert [t for _, t in points] == pytest.approx(expected)
-    assert fast.collectives["all_reduce"][2].latency_s == 1e-4
-    assert fast.link_bytes_per_s == pytest.approx(5e8)
-    assert slow.link_bytes_per_s == pytest.approx(6.25e7)
+        assert [t for _, t in points] == pytest.approx(point_times)
+        assert at.collectives["all_reduce"][2].latency_s == 1e-4
+    assert links.at(LOW_RATE).collectives == links.low.collectives
+    assert links.at(4 * REFERENCE_RATE).link_bytes_per_s == pytest.approx(5e8)
+    assert links.at(REFERENCE_RATE / 2).link_bytes_per_s == pytest.approx(6.25e7)
     assert links.at(math.inf) is links.free
 
 
@@ -611,7 +620,7 @@ def test_a_cells_overlap_slowdown_is_the_share_of_the_core_its_rate_takes():
             for_device("cpu"), link_bytes_per_s=bytes_per_s, overlap_slowdown=0.25
         )
 
-    links = LinkProfiles(profile(1.25e8), profile(1e9))
+    links = LinkProfiles(profile(1.25e8), profile(1.25e8 / 4), profile(1e9))
     assert links.at(4 * REFERENCE_RATE).overlap_slowdown == pytest.approx(0.8 / 0.2)
     assert links.at(REFERENCE_RATE / 2).overlap_slowdown == pytest.approx(0.1 / 0.9)
     # past unthrottled (1e9 B/s, 8x the reference): the share stops at 8 x 0.2, capped

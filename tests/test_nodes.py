@@ -343,7 +343,7 @@ def test_two_nodes_of_two_ranks_train_the_2d_example_alike(tmp_path):
 
 
 def test_bench_link_at_a_rate_scales_only_the_link_across_nodes():
-    from commfuse_compile.tools.bench.link import REFERENCE_RATE, LinkProfiles
+    from commfuse_compile.tools.bench.link import LOW_RATE, REFERENCE_RATE, LinkProfiles
 
     curve = profiles.Curve(1e-4, 8 / REFERENCE_RATE)  # a byte as the reference rate sends it
     reference = dataclasses.replace(
@@ -355,11 +355,17 @@ def test_bench_link_at_a_rate_scales_only_the_link_across_nodes():
             overlap_slowdown=0.25,
         ),
     )
+    low_curve = profiles.Curve(1e-4, 4 * 8 / REFERENCE_RATE)  # a wire at LOW_RATE
+    low = dataclasses.replace(
+        TWO_NODES,
+        across_nodes=Level(2e-4, LOW_RATE / 8, collectives={"all_gather": {2: low_curve}}),
+    )
     free_curve = profiles.Curve(1e-4, 0.0)
     free = dataclasses.replace(
         TWO_NODES, across_nodes=Level(2e-4, 1e12, collectives={"all_gather": {2: free_curve}})
     )
-    at = LinkProfiles(reference, free).at(REFERENCE_RATE / 4)
+    assert LOW_RATE == REFERENCE_RATE / 4
+    at = LinkProfiles(reference, low, free).at(REFERENCE_RATE / 4)
     assert at.link_bytes_per_s == reference.link_bytes_per_s  # inside a node: no tbf
     assert at.collectives == reference.collectives
     assert at.overlap_slowdown == reference.overlap_slowdown

@@ -46,8 +46,9 @@ CELL_KINDS = (
 CELL_TIMED_S = 6.0
 MAX_ROUNDS = 120
 # A call shorter than this is timed as several back to back after one barrier, their
-# mean: the ranks leave a barrier up to about a millisecond apart, and a 3.5 ms decode
-# step timed alone carried it (its median 3.5 ms, its parts' 2.3).
+# mean: the ranks leave a barrier a median 0.03 ms apart but at times 0.9-3.0 ms, which
+# a call of a few milliseconds timed alone carries whole (a decode loop runs its steps
+# back to back).
 MIN_TIMED_S = 0.02
 MAX_CALLS_PER_TIMING = 16
 # a row's model error with the cell's compute at the speed it ran at

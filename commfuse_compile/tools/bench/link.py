@@ -2,8 +2,8 @@
 
 A cell's link rate is chosen from the measured matmul time so that the collective alone
 takes ``ratio`` times the matmul alone. ``auto`` gets the profile a user would calibrate
-on this link: ``commfuse calibrate``'s measurement run on the benchmark's ranks at a
-reference rate and unthrottled, its per-byte costs scaled to each cell's rate.
+on this link: ``commfuse calibrate``'s measurement run on the benchmark's ranks at two
+reference rates and unthrottled, its link times taken to each cell's rate.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from .cells import site_alone
 from .config import Progress, SiteShape
 
 REFERENCE_RATE = 1e9  # bit/s of the link while calibrating the profile ``auto`` uses
+# and a second rate it is calibrated at, below most cells' (146-3,900 Mbit/s): gloo's
+# collectives lose more to the wire than its bytes at low rates (two 256 KiB all-to-alls
+# took 19.5 ms at 308 Mbit/s, 43 % over the wire's time, where 1 Gbit/s's scaled said 15.2)
+LOW_RATE = 250e6
 RATE_TOLERANCE = 0.08  # accept a link rate whose comm-alone time is this close to target
 MAX_RATE_TRIES = 5  # the first one measures the matmul unthrottled
 # Past this the link is as good as unthrottled (a veth here carries ~20 Gbit/s); a cell
@@ -39,18 +43,17 @@ def calibrate_link(rank: int, n: int, reps: int) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class LinkProfiles:
-    """``commfuse calibrate``'s measurement at the reference rate and unthrottled, so that
-    each cell's rate gets its own profile: a time on the link at a rate is the larger of
-    the machine's own (unthrottled) and the reference's scaled by the rate (a
-    collective's call cost, its smallest block's time, not scaled), not their sum. gloo
-    overlaps its own work with the wire: the all-reduce of 2 MiB took 3.83 ms at 4,595
-    Mbit/s, its time unthrottled (3.82), where the sum said 6.94. Over the collectives
-    alone of a full run's 30 dense and all-to-all cells (414 to 4,595 Mbit/s), the larger
-    was off by a median 2 % (at most 25 %), the sum by 6 % (at most 81 %; the record's
-    run: 5 and 9 %); the P2P exchanges alone, whose own part is small, by 2-5 % either
-    way."""
+    """``commfuse calibrate``'s measurement at the two reference rates and unthrottled,
+    so that each cell's rate gets its own profile: a time on the link is affine in
+    1 / rate through its times at the two rates (the wire's part scales with the rate, a
+    call's own cost does not), and never below the machine's own (unthrottled), not the
+    sum of the two. gloo overlaps its own work with the wire: the all-reduce of 2 MiB
+    took 3.83 ms at 4,595 Mbit/s, its time unthrottled (3.82), where the sum said 6.94.
+    Scaled from one rate with a call's cost (its smallest block's time) fixed, two
+    256 KiB all-to-alls came out 15.2 ms at 308 Mbit/s against 19.5 measured."""
 
     reference: Any  # Profile at REFERENCE_RATE
+    low: Any  # Profile at LOW_RATE
     free: Any  # Profile without the tbf
 
     def at(self, rate: float) -> Any:
@@ -59,46 +62,50 @@ class LinkProfiles:
         a node talk over the node's own address, at memory speed)."""
         if not math.isfinite(rate):
             return self.free
+        toward_low = (1 / rate - 1 / REFERENCE_RATE) / (1 / LOW_RATE - 1 / REFERENCE_RATE)
 
-        def at_rate(reference_s: float, free_s: float, call_s: float = 0.0) -> float:
-            return max(free_s, call_s + (reference_s - call_s) * REFERENCE_RATE / rate)
+        def at_rate(reference_s: float, low_s: float, free_s: float) -> float:
+            return max(free_s, reference_s + (low_s - reference_s) * toward_low)
 
-        def curves(reference: Any, free: Any) -> dict[str, dict[int, Curve]]:
+        def curves(*by_rate: dict[str, dict[int, Curve]]) -> dict[str, dict[int, Curve]]:
+            reference, low, free = by_rate
             return {
                 kind: {
-                    n: _scaled(c, free[kind][n], at_rate)
+                    n: _scaled(c, low[kind][n], free[kind][n], at_rate)
                     for n, c in by_n.items()
-                    if n in free.get(kind, {})
+                    if n in low.get(kind, {}) and n in free.get(kind, {})
                 }
                 for kind, by_n in reference.items()
             }
 
-        ref, free = self.reference, self.free
+        ref, low, free = self.reference, self.low, self.free
         named = dataclasses.replace(
             ref,
             name=f"bench link {rate / 1e6:.0f} Mbit/s",
-            source=ref.source + f"; per-byte costs scaled to {rate / 1e6:.0f} Mbit/s from "
-            f"{REFERENCE_RATE / 1e6:.0f} Mbit/s, never below unthrottled",
+            source=ref.source + f"; link times taken to {rate / 1e6:.0f} Mbit/s from "
+            f"{REFERENCE_RATE / 1e6:.0f} and {LOW_RATE / 1e6:.0f} Mbit/s, never below "
+            "unthrottled",
         )
-        nic, free_nic = ref.across_nodes, free.across_nodes
-        if nic is not None and free_nic is not None:
-            nic_rate = 1 / at_rate(1 / nic.bytes_per_s, 1 / free_nic.bytes_per_s)
+        nics = (ref.across_nodes, low.across_nodes, free.across_nodes)
+        if None not in nics:
+            nic, low_nic, free_nic = nics
+            nic_rate = 1 / at_rate(*(1 / level.bytes_per_s for level in nics))
             return dataclasses.replace(
                 named,
                 across_nodes=dataclasses.replace(
                     nic,
                     bytes_per_s=nic_rate,
-                    collectives=curves(nic.collectives, free_nic.collectives),
+                    collectives=curves(*(level.collectives for level in nics)),
                     overlap_slowdown=nic.overlap_slowdown
                     if nic.overlap_slowdown is None
                     else slowdown_at(nic.overlap_slowdown, nic_rate / nic.bytes_per_s),
                 ),
             )
-        link_rate = 1 / at_rate(1 / ref.link_bytes_per_s, 1 / free.link_bytes_per_s)
+        link_rate = 1 / at_rate(*(1 / p.link_bytes_per_s for p in (ref, low, free)))
         return dataclasses.replace(
             named,
             link_bytes_per_s=link_rate,
-            collectives=curves(ref.collectives, free.collectives),
+            collectives=curves(ref.collectives, low.collectives, free.collectives),
             overlap_slowdown=slowdown_at(ref.overlap_slowdown, link_rate / ref.link_bytes_per_s),
         )
 
@@ -119,16 +126,19 @@ def slowdown_at(slowdown: float, rate_ratio: float) -> float:
     return slowdown_of(core_share(slowdown) * rate_ratio)
 
 
-def _scaled(reference: Curve, free: Curve, at_rate: Callable[..., float]) -> Curve:
-    """``reference``'s curve at another rate: each measured point (against the
-    unthrottled one's at the same block size, its smallest point's time the call's cost)
-    and the fitted per-byte cost, by ``at_rate``; the fitted fixed cost stays."""
-    call_s = reference.points[0][1] if reference.points else 0.0
+def _scaled(
+    reference: Curve, low: Curve, free: Curve, at_rate: Callable[[float, float, float], float]
+) -> Curve:
+    """``reference``'s curve at another rate: each measured point and the fitted per-byte
+    cost by ``at_rate`` from the three measurements' (at the same block sizes); the
+    fitted fixed cost stays."""
     points = tuple(
-        (x, at_rate(reference_s, free_s, call_s))
-        for (x, reference_s), (_, free_s) in zip(reference.points, free.points, strict=True)
+        (x, at_rate(reference_s, low_s, free_s))
+        for (x, reference_s), (_, low_s), (_, free_s) in zip(
+            reference.points, low.points, free.points, strict=True
+        )
     )
-    spb = at_rate(reference.seconds_per_byte, free.seconds_per_byte)
+    spb = at_rate(reference.seconds_per_byte, low.seconds_per_byte, free.seconds_per_byte)
     return Curve(reference.latency_s, spb, points)
 
 
@@ -165,7 +175,7 @@ def calibrated(
     progress: Progress,
     per_node: int | None = None,
 ) -> LinkProfiles:
-    """``commfuse calibrate``'s measurement on these ranks, at the reference rate and
+    """``commfuse calibrate``'s measurement on these ranks, at the two reference rates and
     unthrottled; ``per_node``: the ranks of a job of nodes of that many, measured by level
     (``calibrate.measure_levels``, as under a multi-node launch)."""
     from ..calibrate import measure_levels
@@ -174,10 +184,10 @@ def calibrated(
     progress.stage(
         f"calibrating the cost model's profile on {ranks.world_size} ranks"
         + (f" by level ({per_node} per node)" if per_node else "")
-        + f" at {REFERENCE_RATE / 1e6:.0f} Mbit/s and unthrottled"
+        + f" at {REFERENCE_RATE / 1e6:.0f} and {LOW_RATE / 1e6:.0f} Mbit/s and unthrottled"
     )
     calibrated = []
-    for rate in (REFERENCE_RATE, None):
+    for rate in (REFERENCE_RATE, LOW_RATE, None):
         network.set_rate(rate)
         where = f"{rate / 1e6:.0f} Mbit/s" if rate else "unthrottled"
         source = (

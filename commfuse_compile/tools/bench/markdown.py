@@ -272,7 +272,7 @@ def _setting(results: dict[str, Any]) -> list[str]:
         "comm alone), 1.00 = perfect overlap; both at once = comm alone started, the whole "
         "matmul run, then waited (no schedule: how much this machine overlaps at all); "
         "predicted = the cost model's time for what ran (profile: `commfuse calibrate` run "
-        "on this link, bandwidth scaled to each cell's rate)",
+        "on this link at 1 Gbit/s and 250 Mbit/s, its link times taken to each cell's rate)",
     ]
     return lines
 

@@ -6,14 +6,13 @@ address, at memory speed); its NIC is a veth link to a bridge behind a token buc
 (``netns``'s ``veth`` topology, a "rank" per node). Each node's ranks are started by its
 own torchrun, joined by c10d rendezvous (``nodes.LaunchedRanks``): one job, not one
 process tree. On it, in one launch: ``commfuse calibrate``'s measurement by level (each
-node's ranks, then the NIC and the collectives between nodes; at the reference rate and
-unthrottled, the NIC's per-byte costs scaled to each cell's rate,
-``link.LinkProfiles``), then each cell, a whole block's training step
-(``block.run_block``): the NIC rate chosen so that the baseline's time on the link (its
-communication alone, throttled minus unthrottled) is about its compute alone, then every
-row (the baseline, each fixed schedule, ``auto``) compiled and timed interleaved. The
-pass takes the topology from torchrun (``LOCAL_WORLD_SIZE``), so each site is priced by
-its group's level.
+node's ranks, then the NIC and the collectives between nodes; at two reference rates and
+unthrottled, the NIC's link times taken to each cell's rate, ``link.LinkProfiles``),
+then each cell, a whole block's training step (``block.run_block``): the NIC rate chosen
+so that the baseline's time on the link (its communication alone, throttled minus
+unthrottled) is about its compute alone, then every row (the baseline, each fixed
+schedule, ``auto``) compiled and timed interleaved. The pass takes the topology from
+torchrun (``LOCAL_WORLD_SIZE``), so each site is priced by its group's level.
 """
 
 from __future__ import annotations
@@ -114,6 +113,7 @@ def run(
             network, ranks, description, CALIBRATE_REPS, progress, per_node=ranks_per_node
         )
         results["meta"]["profile"] = base.reference.as_json()
+        results["meta"]["profile_low"] = base.low.as_json()
         results["meta"]["profile_unthrottled"] = base.free.as_json()
         progress.advance()
         for cell in CELLS:
@@ -172,8 +172,8 @@ def markdown(results: dict[str, Any]) -> str:
         *(f"  * `{command}`" for command in meta["launch"]),
         f"* profile `auto` decides on: `commfuse calibrate` by level in the same launch, "
         f"inside a node {profile['link_bytes_per_s'] / 1e6:.0f} MB/s, across nodes "
-        f"{nic['bytes_per_s'] / 1e6:.0f} MB/s per NIC at the reference rate (its per-byte "
-        "costs scaled to each cell's rate); the pass's topology from torchrun "
+        f"{nic['bytes_per_s'] / 1e6:.0f} MB/s per NIC at the reference rate (its link times "
+        "taken to each cell's rate from it and a lower one); the pass's topology from torchrun "
         f"(`LOCAL_WORLD_SIZE={per_node}`)",
         "* every row 1 warm-up + the timed steps, interleaved; a step's time is the slowest "
         "rank's; median reported",

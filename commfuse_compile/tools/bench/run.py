@@ -14,8 +14,8 @@ pass and without it (the same compile with ``schedule="off"``; ``block``); the f
 preset adds a capacity-MoE layer's and a dropless-MoE layer's.
 
 ``auto`` gets the profile a user would calibrate on this link: ``commfuse calibrate``'s
-measurement run inside the namespaces at a reference rate, its bandwidth scaled to each
-cell's rate. ``figures`` turns the results into figures and tables,
+measurement run inside the namespaces at two reference rates, its link times taken to
+each cell's rate. ``figures`` turns the results into figures and tables,
 ``targets`` judges them, ``markdown`` and ``plot`` write results.md
 and the plot. This module holds the presets and runs them.
 """
@@ -336,6 +336,7 @@ def run(
         results["meta"]["network"] = _network(network, description, echo)
         base = calibrated(network, ranks, description, preset.calibrate_reps, progress)
         results["meta"]["profile"] = base.reference.as_json()
+        results["meta"]["profile_low"] = base.low.as_json()
         results["meta"]["profile_unthrottled"] = base.free.as_json()
         progress.advance()
         results["sites"] = _measure_cells(preset, cells, rows, network, ranks, base, out, progress)
