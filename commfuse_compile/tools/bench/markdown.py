@@ -23,6 +23,7 @@ from .figures import (
     row_name,
     site_counts,
 )
+from .link import LOW_RATE, REFERENCE_RATE
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -272,7 +273,8 @@ def _setting(results: dict[str, Any]) -> list[str]:
         "comm alone), 1.00 = perfect overlap; both at once = comm alone started, the whole "
         "matmul run, then waited (no schedule: how much this machine overlaps at all); "
         "predicted = the cost model's time for what ran (profile: `commfuse calibrate` run "
-        "on this link at 1 Gbit/s and 250 Mbit/s, its link times taken to each cell's rate)",
+        f"on this link at {REFERENCE_RATE / 1e6:.0f} and {LOW_RATE / 1e6:.0f} Mbit/s, its link "
+        "times taken to each cell's rate)",
     ]
     return lines
 
