@@ -576,7 +576,8 @@ def test_a_cells_link_times_are_affine_in_its_rate_through_two_and_never_below_t
     import dataclasses
 
     from commfuse_compile.cost.profiles import Curve, for_device
-    from commfuse_compile.tools.bench.link import LOW_RATE, REFERENCE_RATE, LinkProfiles
+    from commfuse_compile.tools.bench.config import LOW_RATE, REFERENCE_RATE
+    from commfuse_compile.tools.bench.link import LinkProfiles
 
     def profile(call_s: float, point_s: float, bytes_per_s: float) -> object:
         curve = Curve(1e-4, point_s / 1e6, ((4096.0, call_s), (1e6, point_s)))
@@ -613,7 +614,8 @@ def test_a_cells_overlap_slowdown_is_the_share_of_the_core_its_rate_takes():
     import dataclasses
 
     from commfuse_compile.cost.profiles import for_device
-    from commfuse_compile.tools.bench.link import REFERENCE_RATE, LinkProfiles
+    from commfuse_compile.tools.bench.config import REFERENCE_RATE
+    from commfuse_compile.tools.bench.link import LinkProfiles
 
     def profile(bytes_per_s: float) -> object:
         return dataclasses.replace(

@@ -343,7 +343,8 @@ def test_two_nodes_of_two_ranks_train_the_2d_example_alike(tmp_path):
 
 
 def test_bench_link_at_a_rate_scales_only_the_link_across_nodes():
-    from commfuse_compile.tools.bench.link import LOW_RATE, REFERENCE_RATE, LinkProfiles
+    from commfuse_compile.tools.bench.config import LOW_RATE, REFERENCE_RATE
+    from commfuse_compile.tools.bench.link import LinkProfiles
 
     curve = profiles.Curve(1e-4, 8 / REFERENCE_RATE)  # a byte as the reference rate sends it
     reference = dataclasses.replace(

@@ -24,9 +24,9 @@ from ... import report
 from . import figures
 from .alone import local_backend, recording, replay
 from .cells import interleaved
-from .config import COMPARED, BlockShape, Progress, Variant
+from .config import COMPARED, REFERENCE_RATE, BlockShape, Progress, Variant
 from .footprint import measure
-from .link import MAX_RATE_TRIES, RATE_TOLERANCE, REFERENCE_RATE, LinkProfiles
+from .link import MAX_RATE_TRIES, RATE_TOLERANCE, LinkProfiles
 
 
 @dataclasses.dataclass(frozen=True)

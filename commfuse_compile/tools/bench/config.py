@@ -38,6 +38,12 @@ CELL_KINDS = (
     *("ag_mm", "mm_rs", "mm_a2a", "a2a_mm", "mm_ar_mm", MOE_KIND, DROPLESS_KIND),
     SERVED_KIND,
 )
+# bit/s of the link while calibrating the profile ``auto`` uses (``link.LinkProfiles``)
+REFERENCE_RATE = 1e9
+# and a second rate it is calibrated at, below most cells' (146-3,900 Mbit/s): gloo's
+# collectives lose more to the wire than its bytes at low rates (two 256 KiB all-to-alls
+# took 19.5 ms at 308 Mbit/s, 43 % over the wire's time, where 1 Gbit/s's scaled said 15.2)
+LOW_RATE = 250e6
 # A cell's rows are timed over at least this long, in at most ``MAX_ROUNDS`` rounds: a
 # decode step's rows take a few milliseconds, and 9 of them left the same program's two
 # rows 1.6x apart (the full run's noise at 4 tokens: 111 %). At 1.5 s the full run's

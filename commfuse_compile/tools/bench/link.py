@@ -19,13 +19,8 @@ from ...cost.profiles import Curve
 from ...cost.timeline import core_share, slowdown_of
 from . import figures
 from .cells import site_alone
-from .config import Progress, SiteShape
+from .config import LOW_RATE, REFERENCE_RATE, Progress, SiteShape
 
-REFERENCE_RATE = 1e9  # bit/s of the link while calibrating the profile ``auto`` uses
-# and a second rate it is calibrated at, below most cells' (146-3,900 Mbit/s): gloo's
-# collectives lose more to the wire than its bytes at low rates (two 256 KiB all-to-alls
-# took 19.5 ms at 308 Mbit/s, 43 % over the wire's time, where 1 Gbit/s's scaled said 15.2)
-LOW_RATE = 250e6
 RATE_TOLERANCE = 0.08  # accept a link rate whose comm-alone time is this close to target
 MAX_RATE_TRIES = 5  # the first one measures the matmul unthrottled
 # Past this the link is as good as unthrottled (a veth here carries ~20 Gbit/s); a cell

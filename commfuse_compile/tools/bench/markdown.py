@@ -10,8 +10,10 @@ from .config import (
     AT_CELL_SPEED_TITLE,
     CELL_TIMED_S,
     COMPARED,
+    LOW_RATE,
     MAX_ROUNDS,
     MIN_TIMED_S,
+    REFERENCE_RATE,
 )
 from .figures import (
     KIND_TITLES,
@@ -23,7 +25,6 @@ from .figures import (
     row_name,
     site_counts,
 )
-from .link import LOW_RATE, REFERENCE_RATE
 
 
 def markdown(results: dict[str, Any]) -> str:
