@@ -62,8 +62,11 @@ class LinkProfiles:
         def at_rate(reference_s: float, low_s: float, free_s: float) -> float:
             return max(free_s, reference_s + (low_s - reference_s) * toward_low)
 
-        def curves(*by_rate: dict[str, dict[int, Curve]]) -> dict[str, dict[int, Curve]]:
-            reference, low, free = by_rate
+        def curves(
+            reference: dict[str, dict[int, Curve]],
+            low: dict[str, dict[int, Curve]],
+            free: dict[str, dict[int, Curve]],
+        ) -> dict[str, dict[int, Curve]]:
             return {
                 kind: {
                     n: _scaled(c, low[kind][n], free[kind][n], at_rate)
@@ -83,7 +86,7 @@ class LinkProfiles:
         )
         nics = (ref.across_nodes, low.across_nodes, free.across_nodes)
         if None not in nics:
-            nic, low_nic, free_nic = nics
+            nic = nics[0]
             nic_rate = 1 / at_rate(*(1 / level.bytes_per_s for level in nics))
             return dataclasses.replace(
                 named,

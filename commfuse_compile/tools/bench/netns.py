@@ -47,11 +47,11 @@ MASTER_PORT = 29500  # free in a fresh namespace
 QUEUE_LATENCY = "100ms"  # tbf queue length in time: long enough that TCP sees no drops
 # The token bucket's depth: 1 ms of traffic at every rate, so that what a message gains
 # from a full bucket after an idle spell is the same time at every rate (the profile the
-# cost model gets is measured at one rate and scaled, ``link.LinkProfiles``). A floor of
-# 128 KiB (one GSO packet unsplit) made it 4 ms at 250 Mbit/s: an idle link's 256 KiB
-# message took 4.6 ms there, 7.8 with 1 ms (the wire's 8.4), and the dropless MoE's
-# round trip at 247 Mbit/s ran 1.4x faster than its model. tbf splits a GSO packet larger
-# than the bucket; the floor keeps two jumbo frames.
+# cost model gets is measured at two rates and taken to others, ``link.LinkProfiles``).
+# A floor of 128 KiB (one GSO packet unsplit) made it 4 ms at 250 Mbit/s: an idle link's
+# 256 KiB message took 4.6 ms there, 7.8 with 1 ms (the wire's 8.4), and the dropless
+# MoE's round trip at 247 Mbit/s ran 1.4x faster than its model. tbf splits a GSO packet
+# larger than the bucket; the floor keeps two jumbo frames.
 BURST_S = 1e-3
 MIN_BURST_BYTES = 2 * (int(MTU) + 256)
 # Each namespace's TCP receive buffer to start with (``net.ipv4.tcp_rmem``, per namespace;
