@@ -61,17 +61,21 @@ class NodeCell:
         )
 
 
-# small: every node's ranks share this machine's cores with every other node's
+# Small, since every node's ranks share this machine's cores, but with 8 sequences per
+# step: 4 gloo ranks on 2 cores spend 80-100 ms per step in their collectives
+# unthrottled, whatever the bytes, and at 2-4 sequences that alone outlasted the compute
+# (TP across the nodes: compute 43 ms, communication alone 126 ms, of which the link 49),
+# which held every schedule to 1.29x over ``off`` at most, the overlap limit itself.
 CELLS = (
     NodeCell(
         "2-D block: sharded DP across nodes, TP inside a node",
-        BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=4, front="fsdp"),
+        BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=8, front="fsdp"),
         DENSE_ROWS,
         "nodes_block_2d",
     ),
     NodeCell(
         "TP+SP across the nodes",
-        BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=2),
+        BlockShape(seq=256, dim=256, heads=4, hidden=768, batch=8),
         DENSE_ROWS,
         "nodes_block_tp",
     ),
