@@ -968,6 +968,25 @@ def test_a_small_call_beside_the_step_site_is_timed_at_its_slowest_rank(ranks):
         assert seconds == pytest.approx([3e-3, 6e-3, 3e-3])
 
 
+def _one_way_of(rank: int, n: int) -> float:
+    """Job: ``calibrate._one_way`` with rank-dependent exchange times: rank r's three
+    take r + 1, 3 - r and 1 ms (its own median: 1, 2 and 1 ms on ranks 0, 1, 2)."""
+    own = [1e-3 * (rank + 1), 1e-3 * (3 - rank), 1e-3]
+    real = call_times.times
+    call_times.times = lambda fn, reps, warm_up=True: own[:reps]
+    try:
+        return cal._one_way(cal._peers(rank, cal.one_ring(n)), 4096, 3)
+    finally:
+        call_times.times = real
+
+
+def test_a_ring_exchange_is_timed_at_its_slowest_rank(ranks):
+    """The link's points (the NIC's, across nodes) and the overlap probe's exchange are
+    each exchange at its slowest rank, the same on every rank: ranks sharing a NIC do not
+    finish together, and one rank's own times read the NIC faster than its wire."""
+    assert ranks(3).run(_one_way_of) == [pytest.approx(3e-3)] * 3
+
+
 def _overlap_slowdown_of(rank: int, n: int, alone_s: float, burst: bool) -> float:
     """Job: ``calibrate._overlap_slowdown`` on a clock that only matmuls advance: a
     matmul takes ``alone_s`` before the probe's first barrier (a rank alone, its peers
