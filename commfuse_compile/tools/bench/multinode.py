@@ -62,10 +62,11 @@ class NodeCell:
 
 
 # Small, since every node's ranks share this machine's cores, but with 8 sequences per
-# step: 4 gloo ranks on 2 cores spend 80-100 ms per step in their collectives
-# unthrottled, whatever the bytes, and at 2-4 sequences that alone outlasted the compute
-# (TP across the nodes: compute 43 ms, communication alone 126 ms, of which the link 49),
-# which held every schedule to 1.29x over ``off`` at most, the overlap limit itself.
+# step. The rate makes the link's time about the compute, but the collectives also take
+# the CPU of 4 gloo ranks on 2 cores, unthrottled; at 2 sequences TP across the nodes
+# had 43 ms of compute and 126 ms of communication alone (49 of it the link), so ``off``
+# was 1.29x its overlap limit and no schedule could reach 1.3x; at 8, 120 and 310 ms
+# (139 the link): 1.42x.
 CELLS = (
     NodeCell(
         "2-D block: sharded DP across nodes, TP inside a node",
@@ -87,7 +88,7 @@ CELLS = (
     ),
     # torchtitan's layer, whose compute is mostly its experts' grouped GEMMs: the
     # capacity layer's einsums around its small expert matmuls leave its all-to-alls
-    # little to overlap across the nodes (its ring 0.88-0.97x of ``off`` in six runs)
+    # little to overlap across the nodes (its ring 0.87-0.96x of ``off`` in six runs)
     NodeCell(
         "MoE (dropless): expert parallel across the nodes",
         BlockShape(seq=1024, dim=256, heads=1, hidden=512, front="moe", moe="dropless"),
