@@ -20,6 +20,7 @@ from commfuse_compile.cost.profiles import (
     MatmulRate,
     Profile,
     ProfileError,
+    at_compute_speed,
     load,
     save,
 )
@@ -28,6 +29,7 @@ from commfuse_compile.cost.simulator import (
     Event,
     Timeline,
     Work,
+    collective_call_s,
     collective_model,
     collective_s,
     matmuls_s,
@@ -692,6 +694,41 @@ def test_profile_from_reproduces_the_constants_it_was_measured_on(profile, n):
             for nbytes in cal.CURVE_BLOCK_BYTES:
                 expected = _collective_s(profile, kind, g, nbytes)
                 assert fitted.curve(kind, g).seconds(nbytes) == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_measured_collective_between_computations_costs_what_the_step_site_shows():
+    """A machine whose collective, called between computations, takes 0.4 ms more than
+    its calls timed back to back (its curves): the step site as written shows it, and
+    the fitted profile gives every measured collective it (``collective_resume_s``, at the
+    compute speed's factor too) and the ring formula's collectives, fitted on the same
+    site, their overhead with it."""
+    p, n, resume = dataclasses.replace(BUILTIN["gloo-loopback"], collectives={}), 2, 4e-4
+    m, site = _measurements_of(p, n), fit.gather_site_work(fit.STEP_SITE, n)
+    as_timed = dataclasses.replace(p, collectives=fit.fitted_curves(m.collectives))
+    back_to_back = simulate(site, "collective", as_timed).end_s
+    before, fitted = (
+        fit.profile_from(
+            dataclasses.replace(
+                m, fixed=dataclasses.replace(m.fixed, collective_site_s=back_to_back + extra)
+            ),
+            n,
+            "fitted",
+            "synthetic",
+        )
+        for extra in (0.0, resume)
+    )
+    assert before.collective_resume_s == pytest.approx(0.0, abs=1e-12)
+    assert fitted.collective_resume_s == pytest.approx(resume, rel=1e-6)
+    assert fitted.collective_overhead_s == pytest.approx(before.collective_overhead_s + resume)
+    assert simulate(site, "collective", fitted).end_s == pytest.approx(back_to_back + resume)
+    decode = Work(Direction.REDUCE, n, 0.0, 8192.0, then_gather=True)  # a decode all-reduce
+    measured = fitted.curve("all_reduce", n).seconds(8192.0)
+    assert collective_call_s(decode, fitted) == pytest.approx(measured + resume)
+    assert at_compute_speed(fitted, 2.0).collective_resume_s == pytest.approx(2 * resume)
+    # a site as written pays it once per call of its collective, a profile without it none
+    assert simulate(site, "collective", fitted).end_s - simulate(
+        site, "collective", dataclasses.replace(fitted, collective_resume_s=0.0)
+    ).end_s == pytest.approx(resume)
 
 
 # ----------------------------------------------------------------------------------------

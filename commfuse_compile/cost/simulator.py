@@ -159,7 +159,7 @@ def collective_s(work: Work, p: Profile) -> float:
         return 0.0
     curve = p.curve(work.direction.collective, work.n)
     if curve is not None:
-        return curve.seconds(work.block_bytes)
+        return _measured_call_s(curve, work.block_bytes, p)
     messages_only = dataclasses.replace(p, matmul_latency_s=0.0, step_overhead_s=0.0)
     no_matmul = dataclasses.replace(
         work, block_flops=0.0, block_op_bytes=0.0, product_bytes=0.0, rebuilt_bytes=0.0,
@@ -170,13 +170,19 @@ def collective_s(work: Work, p: Profile) -> float:
     return p.collective_overhead_s + rounds
 
 
+def _measured_call_s(curve: Curve, block_bytes: float, p: Profile) -> float:
+    """One call of a measured collective in a program: its curve's time, timed back to
+    back, and what a call between computations costs beyond it."""
+    return curve.seconds(block_bytes) + p.collective_resume_s
+
+
 def collective_call_s(work: Work, p: Profile) -> float:
     """The site's collective as the program as written calls it: ``collective_s``; a
     ``then_gather`` site's (an all-reduce) as the measured all-reduce where the profile
     has one, else a reduce-scatter then an all-gather."""
     curve = _all_reduce(work, p)
     if curve is not None:
-        return curve.seconds(work.block_bytes)
+        return _measured_call_s(curve, work.block_bytes, p)
     seconds = collective_s(dataclasses.replace(work, then_gather=False), p)
     if work.then_gather:
         gather = dataclasses.replace(work, direction=Direction.GATHER, then_gather=False)
@@ -192,7 +198,7 @@ def _collective(work: Work, p: Profile) -> Timeline:
     comm, name = collective_s(work, p), work.direction.collective
     curve = _all_reduce(work, p)
     if curve is not None:
-        comm, name = curve.seconds(work.block_bytes), "all_reduce"
+        comm, name = _measured_call_s(curve, work.block_bytes, p), "all_reduce"
     comm *= work.written_calls
     for r in range(n):
         if work.direction.collects_first:

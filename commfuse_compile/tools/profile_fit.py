@@ -135,6 +135,12 @@ def profile_from(m: Measurements, n: int, name: str, source: str) -> Profile:
         step_overhead_s=step,
         collective_overhead_s=max(collective, 0.0),
     )
+    # ... and, where the site's all-gather has its curve, what the site as the model
+    # prices it (the curve's call, timed back to back, then the matmul) lacks: the cost
+    # of a measured collective between computations
+    if fitted.curve(site.direction.collective, n) is not None:
+        resume = m.fixed.collective_site_s - simulate(site, "collective", fitted).end_s
+        fitted = dataclasses.replace(fitted, collective_resume_s=max(resume, 0.0))
     if m.sliced is None:
         return fitted
     return dataclasses.replace(
