@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -729,6 +730,30 @@ def test_a_measured_collective_between_computations_costs_what_the_step_site_sho
     assert simulate(site, "collective", fitted).end_s - simulate(
         site, "collective", dataclasses.replace(fitted, collective_resume_s=0.0)
     ).end_s == pytest.approx(resume)
+
+
+def test_a_sliced_site_slower_than_any_stall_gives_the_least_stall_that_explains_most():
+    """A sliced probe a second slower than its simulation: no stall explains that (the
+    model stalls a collective at most the matmuls' time under it), and the fit is the
+    least stall that reaches the most the model can show, not a second."""
+    p, n = dataclasses.replace(BUILTIN["gloo-loopback"], collectives={}), 2
+    m = _measurements_of(p, n)
+    slow = dataclasses.replace(m, sliced=dataclasses.replace(m.sliced, site_s=m.sliced.site_s + 1))
+    stall = fit.profile_from(slow, n, "fitted", "synthetic").collective_stall_s
+    site = fit.gather_site_work(m.sliced.shape, n)
+    fitted = fit.profile_from(m, n, "fitted", "synthetic")
+    at_speed = dataclasses.replace(
+        at_compute_speed(fitted, m.sliced.matmul_s / matmuls_s(site, fitted)),
+        collective_issue_s=m.sliced.issue_s,
+    )
+
+    def sliced_s(stall_s: float) -> float:
+        with_stall = dataclasses.replace(at_speed, collective_stall_s=stall_s)
+        return simulate(site, "slicing", with_stall, fit.SLICED_SITE_CHUNKS).end_s
+
+    assert 0 < stall < 1
+    assert sliced_s(stall) == pytest.approx(sliced_s(math.inf))
+    assert sliced_s(0.9 * stall) < sliced_s(stall)
 
 
 # ----------------------------------------------------------------------------------------
