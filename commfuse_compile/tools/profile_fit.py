@@ -163,11 +163,12 @@ def collective_stall_s(probe: SlicedProbe, n: int, p: Profile) -> float:
     site = gather_site_work(probe.shape, n)
     at_speed = at_compute_speed(p, probe.matmul_s / matmuls_s(site, p))
     at_speed = dataclasses.replace(at_speed, collective_issue_s=probe.issue_s)
-    without, held = (
-        simulate(site, "slicing", dataclasses.replace(at_speed, collective_stall_s=stall),
-                 SLICED_SITE_CHUNKS).end_s
-        for stall in (0.0, math.inf)
-    )  # fmt: skip
+
+    def sliced_s(stall_s: float) -> float:
+        stalled = dataclasses.replace(at_speed, collective_stall_s=stall_s)
+        return simulate(site, "slicing", stalled, SLICED_SITE_CHUNKS).end_s
+
+    without, held = sliced_s(0.0), sliced_s(math.inf)
     return (min(max(probe.site_s, without), held) - without) / (SLICED_SITE_CHUNKS - 1)
 
 
